@@ -1,0 +1,77 @@
+"""Builds meshkern's C++ (OpenMP) and, when possible, CUDA extensions.
+
+One extension per op group, each from ``csrc/<group>/*.cpp`` (+ ``*.cu`` when CUDA is
+built), so groups compile and load independently:
+
+    csrc/mask     -> meshkern._mask_C      Philox mask + fused pack/unpack
+    csrc/spectral -> meshkern._spectral_C  batched small SVD, two-sided projection
+    csrc/dp       -> meshkern._dp_C        PowerSGD / SparseLoCo helpers
+
+CUDA kernels are added only when the installed torch has CUDA *and* CUDA_HOME is set
+(a CPU torch cannot build a CUDAExtension). Environment knobs:
+
+    MESHKERN_EXT=mask,dp     build only these groups (development)
+    MESHKERN_NO_CUDA=1       never build CUDA kernels
+    MESHKERN_NO_EXT=1        build no extension at all (pure Python install)
+"""
+import glob
+import json
+import os
+
+from setuptools import setup
+
+GROUPS = {"mask": "_mask_C", "spectral": "_spectral_C", "dp": "_dp_C"}
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _ext_modules():
+    if os.environ.get("MESHKERN_NO_EXT") == "1":
+        return [], {}
+    import torch
+    from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+
+    use_cuda = (
+        torch.version.cuda is not None
+        and CUDA_HOME is not None
+        and os.environ.get("MESHKERN_NO_CUDA") != "1"
+    )
+    if use_cuda and not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
+        # No GPU to detect the arch from: build for the consumer/datacenter GPUs we target.
+        os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;8.6;8.9;9.0"
+
+    # The loader (meshkern/_backend.py) refuses extensions built for another torch.
+    with open(os.path.join(ROOT, "meshkern", "_build_info.json"), "w") as f:
+        json.dump({"torch": torch.__version__, "cuda": bool(use_cuda)}, f)
+
+    wanted = os.environ.get("MESHKERN_EXT")
+    wanted = set(wanted.split(",")) if wanted else set(GROUPS)
+    unknown = wanted - set(GROUPS)
+    if unknown:
+        raise SystemExit(f"MESHKERN_EXT names unknown groups {sorted(unknown)}; known: {sorted(GROUPS)}")
+
+    cxx = ["-O3", "-fopenmp", "-std=c++17"]
+    modules = []
+    for group, modname in GROUPS.items():
+        if group not in wanted:
+            continue
+        sources = sorted(glob.glob(f"csrc/{group}/*.cpp"))
+        if not sources:
+            continue
+        cu = sorted(glob.glob(f"csrc/{group}/*.cu")) if use_cuda else []
+        kwargs = dict(
+            include_dirs=[os.path.join(ROOT, "csrc", "common")],
+            extra_link_args=["-fopenmp"],
+        )
+        if cu:
+            modules.append(CUDAExtension(
+                f"meshkern.{modname}", sources + cu,
+                extra_compile_args={"cxx": cxx + ["-DMESHKERN_WITH_CUDA"], "nvcc": ["-O3", "-DMESHKERN_WITH_CUDA"]},
+                **kwargs))
+        else:
+            modules.append(CppExtension(f"meshkern.{modname}", sources,
+                                        extra_compile_args={"cxx": cxx}, **kwargs))
+    return modules, {"build_ext": BuildExtension.with_options(use_ninja=True)}
+
+
+ext_modules, cmdclass = _ext_modules()
+setup(ext_modules=ext_modules, cmdclass=cmdclass)
