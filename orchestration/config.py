@@ -1,0 +1,359 @@
+"""Typed run configuration: dataclasses, presets, YAML/JSON files, CLI flags.
+
+Precedence, lowest first: dataclass defaults < ``--preset NAME`` (orchestration/presets/
+NAME.yaml) < ``--config FILE`` (YAML or JSON) < individual flags. Every field is a flag
+``--section.field`` (e.g. ``--mesh.rows 4``, ``--boundary.p 0.9``); a few common ones also
+have a short alias (``--model``, ``--data``, ``--steps``, ``--resume``). ``--help`` lists
+all of them with their defaults.
+
+``validate(cfg)`` checks everything that can be checked without spawning a process
+(shapes of the mesh, divisibility of the batch, names of codecs/compressors, ranges);
+``orchestration.train`` also checks the model and data paths before any rank starts.
+Every problem is a ValueError that names the flag.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+PRESET_DIR = os.path.join(os.path.dirname(__file__), "presets")
+
+
+def _f(default, help: str, **kw):
+    """A dataclass field carrying its --help text."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help, **kw})
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class MeshConfig:
+    rows: int = _f(3, "rows of the mesh = data-parallel replicas (with the anchor on, the last row is the anchor replica)")
+    stages: int = _f(2, "columns of the mesh = pipeline stages per replica")
+    layers_per_stage: list = _f([], "decoder layers per stage, e.g. 3,1 (empty: balanced)")
+    backend: str = _f("auto", "torch.distributed backend: auto (nccl with CUDA, else gloo), gloo, nccl")
+    timeout_s: float = _f(60.0, "a rank that waits on a dead or stalled peer longer than this fails with an error")
+    start_method: str = _f("fork", "how the local launcher starts ranks: fork (fast: the parent loads model and data once) or spawn")
+    threads_per_rank: int = _f(1, "torch intra-op threads per rank (1: ranks share few cores; OpenMP spin-waiting otherwise)")
+
+
+@dataclass
+class ModelConfig:
+    path: str = _f("", "local Hugging Face checkpoint directory (empty: the default base model, built on first use)")
+    dtype: str = _f("float32", "parameter dtype: float32 or bfloat16")
+
+
+@dataclass
+class DataConfig:
+    source: str = _f("", "text file/dir, .jsonl, or saved HF dataset (empty: the embedded adaptation corpus, domain B)")
+    seq_len: int = _f(128, "tokens per packed sequence")
+    eval_fraction: float = _f(0.05, "held-out fraction of the sequences (for evaluation, never trained on)")
+    max_sequences: int = _f(0, "cap on the number of packed sequences (0: no cap)")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = _f(30, "optimizer steps (each = one micro-batched pipeline pass per replica)")
+    batch_size: int = _f(8, "sequences per replica per step (split into micro-batches)")
+    microbatches: int = _f(4, "micro-batches per step (gradient accumulation through the pipeline)")
+    schedule: str = _f("1f1b", "pipeline schedule: 1f1b or gpipe")
+    optimizer: str = _f("adamw", "inner optimizer: adamw or spectral (SpectralAdamW, used with the anchor)")
+    lr: float = _f(3e-4, "peak learning rate of the inner optimizer")
+    min_lr_ratio: float = _f(0.1, "cosine decay floor as a fraction of lr")
+    warmup_steps: int = _f(3, "linear warmup steps before the cosine decay")
+    weight_decay: float = _f(0.0, "AdamW weight decay")
+    beta1: float = _f(0.9, "AdamW beta1")
+    beta2: float = _f(0.95, "AdamW beta2")
+    eps: float = _f(1e-8, "AdamW eps")
+    clip_grad_norm: float = _f(1.0, "clip the replica's global gradient norm to this (0: off)")
+    tau: float = _f(1e-3, "spectral filter tau (SpectralAdamW)")
+    alpha: float = _f(0.3, "spectral mix alpha: G_proj = alpha*G + (1-alpha)*G_filt (SpectralAdamW)")
+    beta_anc: float = _f(0.9, "anchor momentum decay (SpectralAdamW)")
+    spectral_rank: int = _f(16, "truncated SVD rank of the anchor momentum (SpectralAdamW)")
+    seed: int = _f(0, "seed of data order, masks and init of anything random")
+
+
+@dataclass
+class BoundaryConfig:
+    codec: str = _f("dense", "pipeline boundary codec: dense, mask, topk, int8, int4, bottleneck")
+    p: float = _f(0.95, "fraction of hidden dims dropped per token (mask; also the ratio target of topk/bottleneck)")
+    rescale: bool = _f(False, "mask: scale kept values by 1/(1-p) (dropout-style unbiased estimate)")
+    options: dict = _f({}, "extra keyword arguments for the codec, as JSON, e.g. '{\"k\": 64}'")
+
+
+@dataclass
+class DPConfig:
+    mode: str = _f("allreduce", "replica sync: allreduce (gradients every step), diloco (Streaming DiLoCo), none")
+    compressor: str = _f("none", "what compresses the DP exchange: none, powersgd, sparseloco, int8")
+    compressor_options: dict = _f({}, "extra keyword arguments for the compressor, as JSON")
+    sync_every: int = _f(10, "DiLoCo: inner steps between outer syncs of a fragment (H)")
+    fragments: int = _f(2, "DiLoCo: parameter fragments synced on a staggered schedule")
+    outer_lr: float = _f(0.7, "DiLoCo: outer Nesterov learning rate")
+    outer_momentum: float = _f(0.9, "DiLoCo: outer Nesterov momentum")
+    overlap_steps: int = _f(1, "DiLoCo: inner steps a fragment's sync may overlap")
+
+
+@dataclass
+class AnchorConfig:
+    enabled: bool = _f(False, "run the slow anchor circuit in the last row of the mesh")
+    snapshot_every: int = _f(5, "fast steps between parameter snapshots pulled by the anchor")
+    microbatches: int = _f(2, "anchor micro-batches per round")
+    transport: str = _f("dense", "anchor gradient transport: dense or factored (top-r SVD of its momentum)")
+    max_staleness: int = _f(50, "anchor updates older than this many fast steps are rejected")
+    delay: int = _f(0, "deterministic delay mode: apply anchor gradients exactly this many fast steps after their snapshot (0: asynchronous)")
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = _f(0, "save a checkpoint every N steps (0: only at the end and on Ctrl-C)")
+    dir: str = _f("", "checkpoint directory (empty: RUN_DIR/checkpoints)")
+    resume: str = _f("", "resume from: a checkpoint directory, or 'latest' (the newest in the checkpoint dir)")
+    keep: int = _f(2, "complete checkpoints kept (older ones are deleted)")
+
+
+@dataclass
+class RunConfig:
+    name: str = _f("", "run name (empty: derived from the preset and time)")
+    out_dir: str = _f("runs", "parent directory of run directories")
+    log_every: int = _f(1, "steps between metrics records (JSONL) and progress updates")
+    progress: bool = _f(True, "show a progress bar on rank 0")
+    bandwidth_bps: float = _f(200e6, "link model: bandwidth of every link in bit/s")
+    latency_s: float = _f(0.0, "link model: one-way latency of every link in seconds")
+    fail_rank: int = _f(-1, "fault injection (tests): this rank kills itself ...")
+    fail_step: int = _f(-1, "... at the start of this step")
+
+
+@dataclass
+class Config:
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    boundary: BoundaryConfig = field(default_factory=BoundaryConfig)
+    dp: DPConfig = field(default_factory=DPConfig)
+    anchor: AnchorConfig = field(default_factory=AnchorConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    preset: str = ""
+
+    # ---- conversions -------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Config":
+        cfg = cls()
+        apply_dict(cfg, d, where="config")
+        return cfg
+
+    @property
+    def fast_rows(self) -> int:
+        return self.mesh.rows - (1 if self.anchor.enabled else 0)
+
+    @property
+    def world_size(self) -> int:
+        return self.mesh.rows * self.mesh.stages
+
+
+SECTIONS = [f.name for f in dataclasses.fields(Config) if f.name != "preset"]
+CODECS = ("dense", "mask", "topk", "int8", "int4", "bottleneck")
+COMPRESSORS = ("none", "powersgd", "sparseloco", "int8")
+ALIASES = {  # short flag -> dotted field
+    "model": "model.path", "data": "data.source", "steps": "train.steps",
+    "resume": "checkpoint.resume", "rows": "mesh.rows", "stages": "mesh.stages",
+    "codec": "boundary.codec", "p": "boundary.p", "name": "run.name",
+}
+
+
+def _hints(section_cls) -> dict:
+    return typing.get_type_hints(section_cls)
+
+
+def _coerce(value: Any, typ, where: str):
+    """Converts a YAML/JSON/CLI value to the field's type, or raises a ValueError naming ``where``."""
+    try:
+        if typ is bool:
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on"):
+                return True
+            if isinstance(value, str) and value.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if typ is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return int(value)
+        if typ is float:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        if typ is str:
+            if not isinstance(value, (str, int, float)):
+                raise ValueError
+            return str(value)
+        if typ is list:
+            if isinstance(value, str):
+                value = [v for v in value.replace(" ", "").split(",") if v]
+            return [int(v) for v in value]
+        if typ is dict:
+            if isinstance(value, str):
+                value = json.loads(value) if value.strip() else {}
+            if not isinstance(value, dict):
+                raise ValueError
+            return dict(value)
+    except (ValueError, TypeError, json.JSONDecodeError):
+        pass
+    raise ValueError(f"{where}: cannot use {value!r} as {typ.__name__}")
+
+
+def apply_dict(cfg: Config, d: dict, where: str) -> None:
+    """Overrides ``cfg`` in place with a nested dict {section: {field: value}}; unknown keys are errors."""
+    if not isinstance(d, dict):
+        raise ValueError(f"{where}: expected a mapping of sections, got {type(d).__name__}")
+    for sec, vals in d.items():
+        if sec == "preset":
+            cfg.preset = str(vals)
+            continue
+        if sec not in SECTIONS:
+            raise ValueError(f"{where}: unknown section {sec!r}; known: {', '.join(SECTIONS)}")
+        if not isinstance(vals, dict):
+            raise ValueError(f"{where}: section {sec!r} must be a mapping")
+        obj = getattr(cfg, sec)
+        hints = _hints(type(obj))
+        for k, v in vals.items():
+            if k not in hints:
+                known = ", ".join(f.name for f in dataclasses.fields(obj))
+                raise ValueError(f"{where}: unknown field {sec}.{k}; known in {sec}: {known}")
+            setattr(obj, k, _coerce(v, hints[k], f"{where}: {sec}.{k}"))
+
+
+def load_file(path: str) -> dict:
+    """Reads a YAML (.yaml/.yml) or JSON file into a nested dict; clear error if missing or malformed."""
+    if not os.path.isfile(path):
+        raise ValueError(f"config file not found: {path}")
+    with open(path) as f:
+        text = f.read()
+    try:
+        if path.endswith((".yaml", ".yml")):
+            import yaml
+
+            d = yaml.safe_load(text) or {}
+        else:
+            d = json.loads(text)
+    except Exception as e:  # yaml.YAMLError / JSONDecodeError: name the file
+        raise ValueError(f"config file {path} is not valid YAML/JSON: {e}") from None
+    return d
+
+
+def presets() -> list[str]:
+    return sorted(f[:-5] for f in os.listdir(PRESET_DIR) if f.endswith(".yaml"))
+
+
+def load_preset(name: str) -> dict:
+    path = os.path.join(PRESET_DIR, f"{name}.yaml")
+    if not os.path.isfile(path):
+        raise ValueError(f"unknown preset {name!r}; known: {', '.join(presets())}")
+    return load_file(path)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m orchestration.train",
+        description="Adapt a Hugging Face causal LM on an X x Y mesh of processes (rows: replicas, "
+        "columns: pipeline stages) with masked stage boundaries and compressed DP sync. "
+        "With no arguments: the default base model adapted on local text on a 3x2 CPU mesh.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    ap.add_argument("--preset", default=None, help=f"published row to run: {', '.join(presets())}")
+    ap.add_argument("--config", default=None, help="YAML or JSON file with {section: {field: value}}")
+    ap.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
+    inv = {v: k for k, v in ALIASES.items()}
+    defaults = Config()
+    for sec in SECTIONS:
+        obj = getattr(defaults, sec)
+        g = ap.add_argument_group(sec)
+        for f in dataclasses.fields(obj):
+            dotted = f"{sec}.{f.name}"
+            names = [f"--{dotted}"] + ([f"--{inv[dotted]}"] if dotted in inv else [])
+            default = getattr(obj, f.name)
+            g.add_argument(*names, dest=dotted, default=None, metavar=type(default).__name__.upper(),
+                           help=f"{f.metadata.get('help', '')} (default: {default!r})".replace("%", "%%"))
+    ap.set_defaults()
+    ap.formatter_class = argparse.HelpFormatter  # defaults are already in each help line
+    return ap
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespace]:
+    """Builds the Config from defaults, preset, file and flags (in that order) and validates it."""
+    ap = build_parser()
+    ns = ap.parse_args(argv)
+    cfg = Config()
+    if ns.preset:
+        apply_dict(cfg, load_preset(ns.preset), where=f"preset {ns.preset}")
+        cfg.preset = ns.preset
+    if ns.config:
+        apply_dict(cfg, load_file(ns.config), where=ns.config)
+    over: dict = {}
+    for dotted, v in vars(ns).items():
+        if "." in dotted and v is not None:
+            sec, k = dotted.split(".", 1)
+            over.setdefault(sec, {})[k] = v
+    apply_dict(cfg, over, where="command line")
+    validate(cfg)
+    return cfg, ns
+
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def validate(cfg: Config) -> Config:
+    """Checks ranges and combinations; raises ValueError naming the flag. Touches no files."""
+    m, t, b, dp, a = cfg.mesh, cfg.train, cfg.boundary, cfg.dp, cfg.anchor
+    _need(m.rows >= 1, f"--mesh.rows must be >= 1, got {m.rows}")
+    _need(m.stages >= 1, f"--mesh.stages must be >= 1, got {m.stages}")
+    _need(not a.enabled or m.rows >= 2, "--anchor.enabled needs --mesh.rows >= 2 (the last row is the anchor)")
+    if m.layers_per_stage:
+        _need(len(m.layers_per_stage) == m.stages,
+              f"--mesh.layers_per_stage has {len(m.layers_per_stage)} entries for {m.stages} stages")
+        _need(all(n >= 1 for n in m.layers_per_stage), "--mesh.layers_per_stage entries must be >= 1")
+    _need(m.backend in ("auto", "gloo", "nccl"), f"--mesh.backend must be auto, gloo or nccl, got {m.backend!r}")
+    _need(m.timeout_s > 0, f"--mesh.timeout_s must be > 0, got {m.timeout_s}")
+    _need(m.start_method in ("fork", "spawn"), f"--mesh.start_method must be fork or spawn, got {m.start_method!r}")
+    _need(m.threads_per_rank >= 1, "--mesh.threads_per_rank must be >= 1")
+    _need(cfg.model.dtype in ("float32", "bfloat16"), f"--model.dtype must be float32 or bfloat16, got {cfg.model.dtype!r}")
+    _need(cfg.data.seq_len >= 2, f"--data.seq_len must be >= 2, got {cfg.data.seq_len}")
+    _need(0.0 <= cfg.data.eval_fraction < 1.0, "--data.eval_fraction must be in [0, 1)")
+    _need(t.steps >= 1, f"--train.steps must be >= 1, got {t.steps}")
+    _need(t.batch_size >= 1 and t.microbatches >= 1, "--train.batch_size and --train.microbatches must be >= 1")
+    _need(t.batch_size % t.microbatches == 0,
+          f"--train.batch_size {t.batch_size} does not split into --train.microbatches {t.microbatches} "
+          f"equal micro-batches")
+    _need(t.schedule in ("1f1b", "gpipe"), f"--train.schedule must be 1f1b or gpipe, got {t.schedule!r}")
+    _need(t.optimizer in ("adamw", "spectral"), f"--train.optimizer must be adamw or spectral, got {t.optimizer!r}")
+    _need(t.lr > 0 and 0 <= t.min_lr_ratio <= 1 and t.warmup_steps >= 0, "--train.lr/min_lr_ratio/warmup_steps out of range")
+    _need(t.clip_grad_norm >= 0, "--train.clip_grad_norm must be >= 0")
+    _need(b.codec in CODECS, f"--boundary.codec must be one of {', '.join(CODECS)}, got {b.codec!r}")
+    _need(0.0 <= b.p < 1.0, f"--boundary.p must be in [0, 1), got {b.p}")
+    _need(dp.mode in ("allreduce", "diloco", "none"), f"--dp.mode must be allreduce, diloco or none, got {dp.mode!r}")
+    _need(dp.compressor in COMPRESSORS, f"--dp.compressor must be one of {', '.join(COMPRESSORS)}, got {dp.compressor!r}")
+    _need(dp.sync_every >= 1 and dp.fragments >= 1, "--dp.sync_every and --dp.fragments must be >= 1")
+    _need(a.transport in ("dense", "factored"), f"--anchor.transport must be dense or factored, got {a.transport!r}")
+    _need(cfg.checkpoint.every >= 0 and cfg.checkpoint.keep >= 1, "--checkpoint.every must be >= 0 and --checkpoint.keep >= 1")
+    _need(cfg.run.log_every >= 1, "--run.log_every must be >= 1")
+    _need(cfg.run.bandwidth_bps > 0 and cfg.run.latency_s >= 0, "--run.bandwidth_bps must be > 0, --run.latency_s >= 0")
+    _need(cfg.run.fail_rank < cfg.world_size, f"--run.fail_rank {cfg.run.fail_rank} is not a rank of a {cfg.world_size}-rank mesh")
+    return cfg
+
+
+def to_yaml(cfg: Config) -> str:
+    import yaml
+
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

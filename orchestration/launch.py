@@ -1,0 +1,222 @@
+"""Local launcher: runs ``fn(rank, world_size, *args)`` in one process per rank and
+watches them, so that a rank that dies ends the whole run with an error naming it.
+
+The same worker code runs under ``torchrun`` (multi-node): there, torchrun sets the
+env:// variables and its agent tears the group down; here we set them ourselves
+(MASTER_ADDR=127.0.0.1, a free MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK) and play
+the agent's part:
+
+- Results and errors come back over one pipe per rank (a shared queue could be left
+  locked by a rank killed mid-write).
+- The first rank to fail is named: a rank that died without reporting (killed by a
+  signal, os._exit) is the cause; ranks that then failed on a broken connection to it
+  are reported as consequences. After the first failure the others get ``grace_s`` to
+  finish reporting, then are terminated: no hang, whatever they were blocked on.
+- Ctrl-C: ranks receive SIGINT themselves (same process group) and stop cleanly at the
+  next step boundary (saving a checkpoint); a second Ctrl-C terminates them.
+
+``start_method="fork"`` (default on Linux) lets ranks inherit what the parent already
+loaded (torch, transformers, the model, the token dataset) instead of importing and
+loading it again per rank: ~6 s of import per rank on a 2-core machine.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+from multiprocessing.connection import wait
+
+
+class MeshFailure(RuntimeError):
+    """A rank of the mesh failed; ``.rank`` is the first one, ``.message`` says how."""
+
+    def __init__(self, message: str, rank: int, details: str = ""):
+        super().__init__(message)
+        self.rank = rank
+        self.details = details
+
+
+class PeerFailure(RuntimeError):
+    """Raised inside a rank when a peer it depends on is gone (see ``is_peer_error``)."""
+
+
+_PEER_MARKERS = ("connection closed", "connection reset", "broken pipe", "timed out", "timeout",
+                 "connection refused", "peer", "socket", "gloo", "nccl", "closed by")
+
+
+def is_peer_error(exc: BaseException) -> bool:
+    """True if ``exc`` looks like a consequence of another rank failing (a communication error)."""
+    if isinstance(exc, PeerFailure):
+        return True
+    if type(exc).__name__ in ("DistBackendError", "DistNetworkError", "DistStoreError"):
+        return True
+    msg = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(m in msg for m in _PEER_MARKERS)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def set_rank_env(rank: int, world_size: int, port: int, threads: int = 1) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def _child(fn, rank, world_size, port, threads, conn, args):
+    set_rank_env(rank, world_size, port, threads)
+    try:
+        out = fn(rank, world_size, *args)
+        conn.send(("ok", rank, out))
+    except BaseException as e:  # report everything, including KeyboardInterrupt
+        try:
+            conn.send(("error", rank, {"type": type(e).__name__, "message": str(e),
+                                       "traceback": traceback.format_exc(), "peer": is_peer_error(e)}))
+        finally:
+            conn.close()
+            os._exit(1)
+    conn.close()
+
+
+def run_local(fn, world_size: int, args: tuple = (), *, start_method: str = "fork", threads: int = 1,
+              timeout_s: float | None = None, grace_s: float = 3.0, describe=None) -> list:
+    """Runs ``fn(rank, world_size, *args)`` on ``world_size`` local processes; returns the
+    per-rank return values (rank order).
+
+    Raises MeshFailure naming the first failed rank (``describe(rank)`` gives its name) if
+    any rank raises or dies, or TimeoutError if ``timeout_s`` passes first. Never leaves a
+    rank running behind it.
+    """
+    describe = describe or (lambda r: f"rank {r}")
+    if start_method == "fork" and sys.platform != "linux":
+        start_method = "spawn"
+    ctx = mp.get_context(start_method)
+    port = free_port()
+    procs, conns = [], []
+    for r in range(world_size):
+        recv, send = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_child, args=(fn, r, world_size, port, threads, send, args), daemon=False)
+        p.start()
+        send.close()
+        procs.append(p)
+        conns.append(recv)
+
+    results: dict[int, object] = {}
+    errors: dict[int, dict] = {}
+    died: dict[int, int] = {}  # rank -> exit code of a rank that exited without reporting
+    interrupts = [0]
+    old = signal.getsignal(signal.SIGINT)
+
+    def on_sigint(signum, frame):  # ranks got the SIGINT too and checkpoint; a second one kills
+        interrupts[0] += 1
+        if interrupts[0] > 1:
+            for p in procs:
+                if p.is_alive():
+                    p.terminate()
+
+    in_main = True
+    try:
+        signal.signal(signal.SIGINT, on_sigint)
+    except ValueError:  # not the main thread (e.g. under some test runners)
+        in_main = False
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    first_fail_at = None
+    try:
+        pending_conns = {c: r for r, c in enumerate(conns)}
+        alive = {p.sentinel: r for r, p in enumerate(procs)}
+        while pending_conns or alive:
+            now = time.monotonic()
+            if first_fail_at is not None and now - first_fail_at > grace_s:
+                break
+            if deadline is not None and now > deadline:
+                break
+            ready = wait(list(pending_conns) + list(alive), timeout=0.2)
+            for obj in ready:
+                if obj in pending_conns:
+                    r = pending_conns[obj]
+                    try:
+                        kind, _, payload = obj.recv()
+                    except (EOFError, OSError):
+                        del pending_conns[obj]
+                        continue
+                    del pending_conns[obj]
+                    if kind == "ok":
+                        results[r] = payload
+                    else:
+                        errors[r] = payload
+                        first_fail_at = first_fail_at or time.monotonic()
+                elif obj in alive:
+                    r = alive.pop(obj)
+                    procs[r].join(0.5)
+                    code = procs[r].exitcode
+                    if code != 0:
+                        # Collect its report, if it sent one, before deciding it died silently.
+                        c = conns[r]
+                        if c in pending_conns and c.poll(0.2):
+                            try:
+                                kind, _, payload = c.recv()
+                                if kind == "error":
+                                    errors[r] = payload
+                            except (EOFError, OSError):
+                                pass
+                            pending_conns.pop(c, None)
+                        if r not in errors:
+                            died[r] = code
+                        first_fail_at = first_fail_at or time.monotonic()
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(2.0)
+            if p.is_alive():
+                p.kill()
+                p.join(2.0)
+        for c in conns:
+            c.close()
+        if in_main:
+            signal.signal(signal.SIGINT, old)
+
+    if died or errors:
+        raise _failure(died, errors, describe)
+    if len(results) < world_size:
+        missing = [r for r in range(world_size) if r not in results]
+        raise TimeoutError(f"mesh did not finish within {timeout_s} s; still running: "
+                           + ", ".join(describe(r) for r in missing))
+    return [results[r] for r in range(world_size)]
+
+
+def _failure(died: dict, errors: dict, describe) -> MeshFailure:
+    def how(code):
+        if code is not None and code < 0:
+            try:
+                return f"killed by signal {signal.Signals(-code).name}"
+            except ValueError:
+                return f"killed by signal {-code}"
+        return f"exited with code {code} without reporting an error"
+
+    if died:  # a silent death is the cause; broken connections elsewhere are consequences
+        r = min(died)
+        msg = f"{describe(r)} died: {how(died[r])}"
+        details = ""
+    else:
+        primary = [r for r, e in errors.items() if not e["peer"]] or sorted(errors)
+        r = min(primary)
+        e = errors[r]
+        msg = f"{describe(r)} failed: {e['type']}: {e['message']}"
+        details = e["traceback"]
+    others = sorted((set(died) | set(errors)) - {r})
+    if others:
+        msg += "; then stopped: " + ", ".join(describe(o) for o in others)
+    return MeshFailure(msg, r, details)

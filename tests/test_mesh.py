@@ -1,0 +1,88 @@
+"""Mesh layout and process groups on spawned gloo meshes; launcher fault handling."""
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from orchestration.launch import MeshFailure, run_local
+from orchestration.mesh import MeshLayout, destroy_mesh, init_mesh
+
+
+def test_layout_arithmetic():
+    lay = MeshLayout(3, 2, anchor=True)
+    assert lay.world_size == 6 and lay.fast_rows == 2
+    assert [lay.coords(r) for r in range(6)] == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
+    assert lay.dp_ranks(1) == [1, 3] and lay.column_ranks(1) == [1, 3, 5]
+    assert lay.is_anchor(4) and not lay.is_anchor(3)
+    assert "anchor replica" in lay.describe(5)
+    with pytest.raises(ValueError, match="outside"):
+        lay.coords(6)
+    with pytest.raises(ValueError, match="anchor"):
+        MeshLayout(1, 2, anchor=True)
+
+
+def _groups_worker(rank, world, anchor):
+    lay = MeshLayout(3, 2, anchor=anchor)
+    m = init_mesh(lay, timeout_s=20)
+    out = {}
+    for name, g in (("pp", m.pp), ("dp", m.dp), ("column", m.column), ("fast", m.fast)):
+        if g is None:
+            out[name] = None
+            continue
+        t = torch.tensor([float(rank)])
+        dist.all_reduce(t, group=g)
+        out[name] = t.item()
+    destroy_mesh()
+    return out
+
+
+@pytest.mark.parametrize("anchor", [False, True])
+def test_groups_sum_the_right_ranks(anchor):
+    res = run_local(_groups_worker, 6, (anchor,), timeout_s=60)
+    lay = MeshLayout(3, 2, anchor=anchor)
+    for rank, out in enumerate(res):
+        row, stage = lay.coords(rank)
+        assert out["pp"] == sum(lay.pp_ranks(row))
+        assert out["column"] == sum(lay.column_ranks(stage))
+        if lay.is_anchor(rank):
+            assert out["dp"] is None and out["fast"] is None
+        else:
+            assert out["dp"] == sum(lay.dp_ranks(stage))
+            assert out["fast"] == sum(lay.fast_ranks())
+
+
+def _dies_worker(rank, world):
+    m = init_mesh(MeshLayout(2, 2), timeout_s=30)
+    t = torch.ones(4)
+    for step in range(1000):
+        if rank == 3 and step == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+        dist.all_reduce(t, group=m.fast)
+        time.sleep(0.01)
+    return "finished"
+
+
+def test_killed_rank_is_named_and_nobody_hangs():
+    lay = MeshLayout(2, 2)
+    t0 = time.monotonic()
+    with pytest.raises(MeshFailure, match=r"rank 3 \(replica 1, stage 1\) died: killed by signal SIGKILL") as ei:
+        run_local(_dies_worker, 4, timeout_s=60, describe=lay.describe)
+    assert ei.value.rank == 3
+    assert time.monotonic() - t0 < 40  # well inside the run's timeout, not a hang
+
+
+def _raises_worker(rank, world):
+    if rank == 1:
+        raise ValueError("bad thing on purpose")
+    time.sleep(30)  # would outlive the test if the launcher did not terminate it
+    return "late"
+
+
+def test_raising_rank_is_named_and_others_terminated():
+    t0 = time.monotonic()
+    with pytest.raises(MeshFailure, match="rank 1 failed: ValueError: bad thing on purpose"):
+        run_local(_raises_worker, 3, timeout_s=60, grace_s=1.0)
+    assert time.monotonic() - t0 < 20
