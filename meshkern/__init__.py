@@ -11,3 +11,4 @@ Backend choice (C++, CUDA, Triton, reference) is described in ``meshkern._backen
 __version__ = "0.1.0"
 
 from meshkern._backend import BACKENDS, resolve as resolve_backend  # noqa: F401
+from meshkern.mask import MaskKey, kept_dims, mask_indices, pack, unpack  # noqa: F401,E402
