@@ -1,0 +1,390 @@
+"""Anchor-prior optimizers: SpectralAdamW (fast nodes) and AnchorMomentum (anchor node).
+
+Method (../shared/method.md, sections 2-3): per 2-D weight, an anchor momentum
+M_anc <- beta_anc * M_anc + (1 - beta_anc) * G_anc (zero-initialised, no bias correction)
+is updated whenever a delayed anchor gradient arrives. Its top-r SVD U S V^T filters
+the fast node's own gradient G before AdamW sees it:
+
+    G_proj = alpha * G + (1 - alpha) * U diag(d) (U^T G V) diag(d) V^T,  d = s / (s + tau)
+
+(meshkern.spectral.project). The SVD is refreshed lazily, at the first step after an
+arrival, batched over all parameters of one shape (meshkern.spectral.randomized_svd).
+
+Which parameters are filtered: 2-D tensors in param groups whose ``"spectral"`` entry
+is true (default true). 1-D parameters (norms, biases) always get plain AdamW. For
+embeddings / lm_head, build the groups with ``spectral_param_groups(model,
+filter_embeddings=...)``; the default leaves them unfiltered (plain AdamW): their
+anchor rows only cover the tokens of the anchor's batches (row-sparse, unrelated to the
+fast node's tokens), and a [vocab, hidden] refresh costs more than all the layers of a
+small stage together (measured in bench/spectral_bench.py, "embedding" rows).
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import Tensor
+
+from meshkern import spectral
+
+Factors = tuple[Tensor, Tensor, Tensor]
+
+
+def _check_prob(name: str, val: float, hi_open: bool = False) -> None:
+    ok = isinstance(val, (int, float)) and 0.0 <= val and (val < 1.0 if hi_open else val <= 1.0)
+    if not ok:
+        raise ValueError(f"{name} must lie in [0, 1{')' if hi_open else ']'}, got {val!r}")
+
+
+def _check_staleness(staleness) -> None:
+    if not isinstance(staleness, int) or isinstance(staleness, bool) or staleness < 0:
+        raise ValueError(f"staleness must be an int >= 0 (fast steps since the anchor's snapshot), got {staleness!r}")
+
+
+class AnchorMomentum:
+    """EMA of anchor gradients per 2-D matrix, with cached batched truncated-SVD factors.
+
+    Used on the anchor node (``factors()`` is the factored transport: r*(m+n+1) numbers
+    per matrix instead of m*n) and inside SpectralAdamW. Entries are aligned with
+    ``params_or_shapes`` (tensors or shapes); only 2-D entries with ``enabled`` true keep
+    a momentum, the others ignore what they receive. Deterministic: the SVD seed is
+    ``seed + refresh counter``, stored in the state dict.
+    """
+
+    def __init__(self, params_or_shapes: Iterable, beta_anc: float = 0.9, rank: int = 32, *,
+                 oversample: int = 16, power_iters: int = 3, ortho: str = "qr", svd_method: str = "randomized",
+                 seed: int = 0, backend: str = "auto", enabled: Sequence[bool] | None = None):
+        _check_prob("beta_anc", beta_anc, hi_open=True)
+        if not isinstance(rank, int) or rank < 1:
+            raise ValueError(f"rank must be an int >= 1, got {rank!r}")
+        self.shapes: list[tuple[int, ...]] = []
+        self.devices: list[torch.device] = []
+        for x in params_or_shapes:
+            if isinstance(x, Tensor):
+                self.shapes.append(tuple(x.shape))
+                self.devices.append(x.device)
+            else:
+                self.shapes.append(tuple(int(d) for d in x))
+                self.devices.append(torch.device("cpu"))
+        n = len(self.shapes)
+        enabled = [True] * n if enabled is None else list(enabled)
+        if len(enabled) != n:
+            raise ValueError(f"enabled has {len(enabled)} entries for {n} parameters")
+        self.enabled = [bool(e) and len(s) == 2 for e, s in zip(enabled, self.shapes)]
+        self.beta_anc, self.rank = float(beta_anc), rank
+        self.svd_kw = dict(oversample=oversample, power_iters=power_iters, ortho=ortho, method=svd_method,
+                           backend=backend)
+        self.seed = int(seed)
+        self.m: list[Tensor | None] = [None] * n
+        self._factors: list[Factors | None] = [None] * n
+        self._stale: set[int] = set()
+        self.updates = 0
+        self.rejected = 0
+        self.refreshes = 0
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+    def validate(self, grads: Sequence[Tensor | None]) -> list[str]:
+        """Problems that make ``grads`` unusable (empty list: usable)."""
+        if not isinstance(grads, (list, tuple)):
+            return [f"anchor gradients must be a list aligned with the parameters, got {type(grads).__name__}"]
+        if len(grads) != len(self.shapes):
+            return [f"got {len(grads)} anchor gradients for {len(self.shapes)} parameters"]
+        problems = []
+        for i, g in enumerate(grads):
+            if g is None or not self.enabled[i]:
+                continue
+            if not isinstance(g, Tensor) or not g.is_floating_point():
+                problems.append(f"entry {i}: not a floating-point tensor")
+            elif tuple(g.shape) != self.shapes[i]:
+                problems.append(f"entry {i}: shape {tuple(g.shape)} != parameter shape {self.shapes[i]}")
+            elif not bool(torch.isfinite(g).all()):
+                problems.append(f"entry {i}: non-finite values")
+        return problems
+
+    def update(self, grads: Sequence[Tensor | None]) -> bool:
+        """Fold one anchor gradient per entry (None: none) into M_anc; all or nothing.
+
+        Non-finite or wrong-shape input is rejected: one warning, ``rejected`` += 1, no
+        momentum changes, returns False.
+        """
+        problems = self.validate(grads)
+        if problems:
+            warnings.warn("meshkern: rejected anchor gradients (" + "; ".join(problems[:4])
+                          + (f"; +{len(problems) - 4} more" if len(problems) > 4 else "") + "); kept old M_anc",
+                          RuntimeWarning, stacklevel=3)
+            self.rejected += 1
+            return False
+        b = self.beta_anc
+        for i, g in enumerate(grads):
+            if g is None or not self.enabled[i]:
+                continue
+            g32 = g.detach().to(device=self.devices[i], dtype=torch.float32)
+            if self.m[i] is None:
+                self.m[i] = torch.zeros(self.shapes[i], dtype=torch.float32, device=self.devices[i])
+            self.m[i].mul_(b).add_(g32, alpha=1 - b)
+            self._stale.add(i)
+        self.updates += 1
+        return True
+
+    def factors(self) -> list[Factors | None]:
+        """(U[m,r], S[r], V[n,r]) per entry with a momentum (None otherwise), refreshed lazily:
+        every stale entry's SVD is recomputed, batched over entries of one shape and device."""
+        if self._stale:
+            buckets: dict[tuple, list[int]] = {}
+            for i in sorted(self._stale):
+                buckets.setdefault((self.shapes[i], str(self.devices[i])), []).append(i)
+            for idx in buckets.values():
+                M = torch.stack([self.m[i] for i in idx])
+                U, S, V = spectral.randomized_svd(M, self.rank, seed=self.seed + self.refreshes, **self.svd_kw)
+                for j, i in enumerate(idx):
+                    self._factors[i] = (U[j], S[j], V[j])
+            self.refreshes += 1
+            self._stale.clear()
+        return list(self._factors)
+
+    def state_dict(self) -> dict:
+        return {"m": {i: t for i, t in enumerate(self.m) if t is not None},
+                "factors": {i: list(f) for i, f in enumerate(self._factors) if f is not None},
+                "stale": sorted(self._stale), "updates": self.updates, "rejected": self.rejected,
+                "refreshes": self.refreshes, "seed": self.seed, "beta_anc": self.beta_anc, "rank": self.rank}
+
+    def load_state_dict(self, sd: dict) -> None:
+        n = len(self.shapes)
+        self.m = [None] * n
+        self._factors = [None] * n
+        for i, t in sd["m"].items():
+            i = int(i)
+            if tuple(t.shape) != self.shapes[i]:
+                raise ValueError(f"state entry {i}: momentum shape {tuple(t.shape)} != {self.shapes[i]}")
+            self.m[i] = t.detach().to(self.devices[i], torch.float32).clone()
+        for i, f in sd["factors"].items():
+            i = int(i)
+            self._factors[i] = tuple(x.detach().to(self.devices[i]).clone() for x in f)
+        self._stale = {int(i) for i in sd["stale"]}
+        self.updates, self.rejected, self.refreshes = int(sd["updates"]), int(sd["rejected"]), int(sd["refreshes"])
+        self.seed, self.beta_anc, self.rank = int(sd["seed"]), float(sd["beta_anc"]), int(sd["rank"])
+
+
+def spectral_param_groups(model: torch.nn.Module, *, filter_embeddings: bool = False) -> list[dict]:
+    """Param groups for SpectralAdamW: embedding / lm_head weights (nn.Embedding modules and
+    any parameter named like ``lm_head``/``embed``) get ``spectral=filter_embeddings``.
+    Tied weights appear once. Order follows ``model.named_parameters()``."""
+    emb_ids = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    main, emb = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if id(p) in emb_ids or "lm_head" in name or "embed" in name:
+            emb.append(p)
+        else:
+            main.append(p)
+    groups = [{"params": main}]
+    if emb:
+        groups.append({"params": emb, "spectral": filter_embeddings})
+    return groups
+
+
+class SpectralAdamW(torch.optim.AdamW):
+    """AdamW on anchor-filtered gradients (see the module docstring).
+
+    Until a prior is present for a parameter, its update is exactly torch.optim.AdamW's
+    (this class *is* an AdamW; ``step`` swaps in G_proj for the filtered parameters,
+    calls AdamW.step with the same foreach/fused choice, and restores the caller's
+    gradients). Per-group keys: ``tau``, ``alpha`` (filter), ``spectral`` (filter this
+    group's 2-D params). Global: ``beta_anc``, ``rank`` and the SVD knobs.
+
+    Anchor inputs are lists aligned with the flattened parameter order
+    ``[p for g in param_groups for p in g["params"]]``; None means nothing for that
+    parameter. A bad arrival (non-finite, wrong shape, wrong length) is rejected as a
+    whole: one warning, counted, no state changes, the call returns False.
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, *, tau: float = 1e-3, alpha: float = 0.3, beta_anc: float = 0.9,
+                 rank: int = 32, oversample: int = 16, power_iters: int = 3, ortho: str = "qr",
+                 svd_method: str = "randomized", seed: int = 0, backend: str = "auto", **adamw_kwargs):
+        if not (isinstance(tau, (int, float)) and math.isfinite(tau) and tau >= 0):
+            raise ValueError(f"tau must be a finite number >= 0, got {tau!r}")
+        _check_prob("alpha", alpha)
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **adamw_kwargs)
+        extra = {"tau": float(tau), "alpha": float(alpha), "spectral": True}
+        self.defaults.update(extra)
+        for g in self.param_groups:
+            for k, v in extra.items():
+                g.setdefault(k, v)
+            if not (math.isfinite(g["tau"]) and g["tau"] >= 0):
+                raise ValueError(f"tau must be a finite number >= 0, got {g['tau']!r}")
+            _check_prob("alpha", g["alpha"])
+        self.backend = backend
+        params = self._flat_params()
+        self._anchor = AnchorMomentum(params, beta_anc, rank, oversample=oversample, power_iters=power_iters,
+                                      ortho=ortho, svd_method=svd_method, seed=seed, backend=backend,
+                                      enabled=[self._eligible(g, p) for g, p in self._flat_groups()])
+        self._prior: list[Factors | None] = [None] * len(params)  # factored priors received
+        self._counters = {"arrivals": 0, "factored_arrivals": 0, "rejected": 0, "last_staleness": None,
+                          "filtered_steps": 0}
+        self._energy: tuple[Tensor, Tensor] | None = None  # (sum ||G_filt||^2, sum ||G||^2) of last step
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _flat_groups(self):
+        return [(g, p) for g in self.param_groups for p in g["params"]]
+
+    def _flat_params(self) -> list[Tensor]:
+        return [p for g in self.param_groups for p in g["params"]]
+
+    @staticmethod
+    def _eligible(group: dict, p: Tensor) -> bool:
+        return bool(group.get("spectral", True)) and p.dim() == 2
+
+    def add_param_group(self, param_group: dict) -> None:
+        if hasattr(self, "_anchor"):
+            raise RuntimeError("SpectralAdamW: add all param groups at construction (anchor lists are aligned "
+                               "with the parameter order)")
+        super().add_param_group(param_group)
+
+    def _current_factors(self) -> list[Factors | None]:
+        """Per parameter: the newest prior (a factored prior, or the SVD of M_anc)."""
+        from_m = self._anchor.factors()
+        return [p if p is not None else f for p, f in zip(self._prior, from_m)]
+
+    # ---------------------------------------------------------------- anchor inputs
+    def observe_anchor(self, grads: Sequence[Tensor | None], staleness: int) -> bool:
+        """Fold a delayed anchor gradient (list aligned with the parameters) into M_anc.
+        The SVD is refreshed at the next step. Returns False if rejected."""
+        _check_staleness(staleness)
+        problems = self._anchor.validate(grads)
+        if not problems:
+            for i, g in enumerate(grads):
+                if g is not None and self._anchor.enabled[i]:
+                    self._prior[i] = None  # the momentum is now newer than any factored prior
+        if not self._anchor.update(grads):
+            self._counters["rejected"] += 1
+            return False
+        self._counters["arrivals"] += 1
+        self._counters["last_staleness"] = staleness
+        return True
+
+    def observe_factored_prior(self, factors: Sequence[Factors | None], staleness: int) -> bool:
+        """Use (U[m,r], S[r], V[n,r]) computed elsewhere (AnchorMomentum.factors() on the
+        anchor node) as the prior of each parameter; None keeps the current one.
+        U and V must have orthonormal columns (not re-checked: O(m r^2)). Returns False,
+        with a warning and no change, for non-finite, negative-S or wrong-shape input."""
+        _check_staleness(staleness)
+        params = self._flat_params()
+        problems = []
+        if not isinstance(factors, (list, tuple)) or len(factors) != len(params):
+            n = len(factors) if isinstance(factors, (list, tuple)) else type(factors).__name__
+            problems.append(f"got {n} factored priors for {len(params)} parameters")
+        else:
+            for i, f in enumerate(factors):
+                if f is None or not self._anchor.enabled[i]:
+                    continue
+                try:
+                    U, S, V = f
+                except (TypeError, ValueError):
+                    problems.append(f"entry {i}: expected a (U, S, V) triple")
+                    continue
+                m, n = params[i].shape
+                if not all(isinstance(t, Tensor) and t.is_floating_point() for t in (U, S, V)):
+                    problems.append(f"entry {i}: U, S, V must be floating-point tensors")
+                elif U.dim() != 2 or U.shape[0] != m or tuple(S.shape) != (U.shape[1],) \
+                        or tuple(V.shape) != (n, U.shape[1]) or U.shape[1] > min(m, n):
+                    problems.append(f"entry {i}: shapes U{tuple(U.shape)} S{tuple(S.shape)} V{tuple(V.shape)} "
+                                    f"do not fit a [{m}, {n}] parameter")
+                elif not all(bool(torch.isfinite(t).all()) for t in (U, S, V)) or bool((S < 0).any()):
+                    problems.append(f"entry {i}: non-finite values or negative singular values")
+        if problems:
+            warnings.warn("meshkern: rejected factored anchor prior (" + "; ".join(problems[:4]) + ")",
+                          RuntimeWarning, stacklevel=2)
+            self._counters["rejected"] += 1
+            return False
+        for i, f in enumerate(factors):
+            if f is not None and self._anchor.enabled[i]:
+                dev = params[i].device
+                self._prior[i] = tuple(t.detach().to(dev, torch.float32).clone() for t in f)
+        self._counters["factored_arrivals"] += 1
+        self._counters["last_staleness"] = staleness
+        return True
+
+    def anchor_stats(self) -> dict:
+        """Counters for the trainer's log: arrivals, factored_arrivals, rejected,
+        last_staleness, refreshes, filtered (params with a prior), mean_gain (mean d over
+        all filtered params, with each group's tau), energy_kept (||G_filt||^2 / ||G||^2
+        summed over the params filtered in the last step; None before any)."""
+        facs = self._current_factors()
+        d_sum, d_cnt = 0.0, 0
+        for (g, _), f in zip(self._flat_groups(), facs):
+            if f is not None:
+                d = spectral.gains(f[1], g["tau"])
+                d_sum += float(d.sum())
+                d_cnt += d.numel()
+        energy = None
+        if self._energy is not None:
+            kept, total = (float(x) for x in self._energy)
+            energy = kept / total if total > 0 else 0.0
+        return {**self._counters, "refreshes": self._anchor.refreshes,
+                "filtered": sum(f is not None for f in facs),
+                "mean_gain": d_sum / d_cnt if d_cnt else None, "energy_kept": energy}
+
+    # ------------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        facs = self._current_factors()
+        swapped = []
+        kept = total = None
+        try:
+            for (group, p), f in zip(self._flat_groups(), facs):
+                if f is None or p.grad is None or p.grad.is_sparse:
+                    continue
+                g = p.grad
+                U, S, V = f
+                gp, fsq = spectral.project(g, U, S, V, group["tau"], group["alpha"], backend=self.backend,
+                                           return_stats=True)
+                gsq = torch.linalg.vector_norm(g, dtype=torch.float32).square()
+                kept = fsq if kept is None else kept + fsq
+                total = gsq if total is None else total + gsq
+                swapped.append((p, g))
+                p.grad = gp
+            if swapped:
+                self._counters["filtered_steps"] += 1
+                self._energy = (kept, total)
+            super().step()
+        finally:
+            for p, g in swapped:
+                p.grad = g
+        return loss
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        sd = super().state_dict()
+        sd["spectral"] = {"anchor": self._anchor.state_dict(),
+                          "prior": {i: list(f) for i, f in enumerate(self._prior) if f is not None},
+                          "counters": dict(self._counters),
+                          "energy": None if self._energy is None else [t.clone() for t in self._energy]}
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        state_dict = dict(state_dict)
+        spec = state_dict.pop("spectral", None)
+        super().load_state_dict(state_dict)
+        if spec is None:
+            return
+        params = self._flat_params()
+        self._anchor.load_state_dict(spec["anchor"])
+        self._prior = [None] * len(params)
+        for i, f in spec["prior"].items():
+            i = int(i)
+            self._prior[i] = tuple(t.detach().to(params[i].device).clone() for t in f)
+        self._counters = dict(spec["counters"])
+        self._energy = None if spec["energy"] is None else tuple(t.clone() for t in spec["energy"])
+
+
+__all__ = ["SpectralAdamW", "AnchorMomentum", "spectral_param_groups"]

@@ -1,0 +1,324 @@
+"""Spectral-correction ops: batched truncated SVD and the two-sided Tikhonov projection.
+
+The anchor prior (../shared/method.md, sections 2-3) filters every fast-circuit gradient
+G of a weight matrix through the dominant singular subspace of the delayed anchor
+momentum M_anc = U S V^T:
+
+    d = s / (s + tau)                                  (gains, always in [0, 1])
+    G_proj = alpha * G + (1 - alpha) * U diag(d) (U^T G V) diag(d) V^T
+
+Public ops (torch.library custom ops in the ``meshkern`` namespace, each with a
+``backend`` argument: "auto" | "cpp" | "cuda" | "triton" | "reference", see
+meshkern._backend):
+
+    sym_eig(A[B,k,k])                       -> (w[B,k] descending, W[B,k,k])   Jacobi
+    randomized_svd(M[B,m,n], rank, ...)     -> (U[B,m,r], S[B,r], V[B,n,r])
+    project(G[B,m,n], U, S, V, tau, alpha)  -> G_proj[B,m,n]   (differentiable in G)
+
+Randomized SVD (Halko, Martinsson, Tropp 2011, algorithms 4.4 + 5.1): a Gaussian test
+matrix Omega[n, r+o] (seeded: the result is a deterministic function of the inputs and
+``seed``), Y = M Omega, ``power_iters`` rounds of re-orthonormalized power iteration,
+then the small problem: B = Q^T M [r+o, n], C = B B^T [(r+o), (r+o)] solved by the
+batched symmetric-eigen op (cyclic Jacobi in the C++/CUDA/Triton kernels), s = sqrt(w),
+U = Q W, V = B^T W / s. The big GEMMs stay in torch (BLAS/cuBLAS are already optimal);
+the kernels do the many small eigen problems and the fused projection.
+
+Accuracy knobs (measured by ``python -m bench.spectral_bench --knobs``; figures in the
+report and bench/spectral_bench.py):
+    oversample   extra columns o; error falls with o, cost grows ~ (r+o)
+    power_iters  q; the error of the top-r values shrinks like (s_{r+o}/s_r)^(2q+1)
+    ortho        "qr" (Householder, always stable) or "cholqr2" (Cholesky-QR twice:
+                 GEMM-only, falls back to QR for a batch entry whose Gram matrix is
+                 not numerically positive definite)
+    method       "randomized" or "exact" (torch.linalg.svd, then truncation)
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from meshkern import _backend
+
+GROUP = "spectral"
+
+# Jacobi sweeps when the caller gives none. Cyclic Jacobi converges quadratically; with
+# k <= 64 in fp32 the off-diagonal mass is below 1e-7 * ||A|| after 6-8 sweeps in our
+# measurements (tests/test_spectral.py checks the residual), 10 leaves margin.
+DEFAULT_SWEEPS = 10
+# Triton and CUDA Jacobi kernels hold the whole [k, k] problem in one program / block.
+MAX_JACOBI_K = 128
+
+_FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+# --------------------------------------------------------------------------- checks
+def _check_float(name: str, t: Tensor, allowed=_FLOATS) -> None:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in allowed:
+        raise TypeError(f"{name} must have a dtype in {[str(d) for d in allowed]}, got {t.dtype}")
+
+
+def _check_project_args(G, U, S, V, tau, alpha) -> None:
+    for name, t in (("G", G), ("U", U), ("S", S), ("V", V)):
+        _check_float(name, t)
+    if G.dim() != 3:
+        raise ValueError(f"G must be [B, m, n], got shape {tuple(G.shape)}")
+    B, m, n = G.shape
+    if U.dim() != 3 or U.shape[0] != B or U.shape[1] != m:
+        raise ValueError(f"U must be [B={B}, m={m}, r], got shape {tuple(U.shape)}")
+    r = U.shape[2]
+    if tuple(S.shape) != (B, r):
+        raise ValueError(f"S must be [B={B}, r={r}], got shape {tuple(S.shape)}")
+    if tuple(V.shape) != (B, n, r):
+        raise ValueError(f"V must be [B={B}, n={n}, r={r}], got shape {tuple(V.shape)}")
+    if not (U.device == S.device == V.device == G.device):
+        raise ValueError(f"G, U, S, V must be on one device, got {G.device}, {U.device}, {S.device}, {V.device}")
+    if not (isinstance(tau, (int, float)) and math.isfinite(tau) and tau >= 0):
+        raise ValueError(f"tau must be a finite number >= 0, got {tau!r}")
+    if not (isinstance(alpha, (int, float)) and 0.0 <= alpha <= 1.0):
+        raise ValueError(f"alpha must lie in [0, 1], got {alpha!r}")
+
+
+def gains(S: Tensor, tau: float) -> Tensor:
+    """d = s / (s + tau) in fp32 (fp64 for fp64 S); 0 where s + tau == 0, so every d in [0, 1]."""
+    s = S.to(torch.float64 if S.dtype == torch.float64 else torch.float32).clamp_min(0)
+    den = s + tau
+    return torch.where(den > 0, s / torch.where(den > 0, den, torch.ones_like(den)), torch.zeros_like(s))
+
+
+# ------------------------------------------------------------------ references (spec)
+def sym_eig_reference(A: Tensor) -> tuple[Tensor, Tensor]:
+    """torch.linalg.eigh, reordered to descending eigenvalues."""
+    w, W = torch.linalg.eigh(A)
+    return w.flip(-1), W.flip(-1)
+
+
+def project_reference(G: Tensor, U: Tensor, S: Tensor, V: Tensor, tau: float, alpha: float) -> tuple[Tensor, Tensor]:
+    """The unfused formula in fp32 (fp64 for fp64 G): (G_proj in G.dtype, ||G_filt||_F^2 per batch)."""
+    wd = torch.float64 if G.dtype == torch.float64 else torch.float32
+    g, u, v = G.to(wd), U.to(wd), V.to(wd)
+    d = gains(S, tau).to(wd)
+    x = u.mT @ g @ v
+    xf = d[:, :, None] * x * d[:, None, :]
+    filt = u @ xf @ v.mT
+    out = alpha * g + (1 - alpha) * filt
+    # ||U Xf V^T||_F = ||Xf||_F for orthonormal U, V; measured on the product itself here
+    # so the reference does not rely on that assumption.
+    return out.to(G.dtype), filt.pow(2).sum(dim=(1, 2)).to(torch.float32)
+
+
+# ------------------------------------------------------------------ backend dispatch
+def _sym_eig_backend(A: Tensor, sweeps: int, backend: str) -> tuple[Tensor, Tensor]:
+    which = _backend.resolve(GROUP, A.device, backend)
+    if which == "reference":
+        return sym_eig_reference(A)
+    if which in ("cpp", "cuda"):
+        _backend.extension(GROUP)
+        w, W = torch.ops.meshkern_C.sym_eig_jacobi(A, sweeps)
+    else:
+        from triton_kernels import jacobi
+
+        w, W = jacobi.sym_eig_jacobi(A, sweeps)
+    # Kernels return the eigenpairs in rotation order; sort here so every backend agrees.
+    w, order = torch.sort(w, dim=-1, descending=True)
+    return w, torch.gather(W, 2, order[:, None, :].expand_as(W))
+
+
+def _project_backend(G, U, S, V, tau, alpha, backend) -> tuple[Tensor, Tensor]:
+    which = _backend.resolve(GROUP, G.device, backend)
+    if which == "reference":
+        return project_reference(G, U, S, V, tau, alpha)
+    if which in ("cpp", "cuda"):
+        _backend.extension(GROUP)
+        return torch.ops.meshkern_C.spectral_project(G, U, S, V, float(tau), float(alpha))
+    from triton_kernels import projection
+
+    return projection.spectral_project(G, U, S, V, float(tau), float(alpha))
+
+
+# ------------------------------------------------------------------------- sym_eig
+@torch.library.custom_op("meshkern::sym_eig", mutates_args=())
+def _sym_eig_op(A: Tensor, sweeps: int, backend: str) -> tuple[Tensor, Tensor]:
+    w, W = _sym_eig_backend(A.contiguous(), sweeps, backend)
+    return w.contiguous(), W.contiguous()
+
+
+@_sym_eig_op.register_fake
+def _(A, sweeps, backend):
+    return A.new_empty(A.shape[:2]), A.new_empty(A.shape)
+
+
+def sym_eig(A: Tensor, *, sweeps: int = DEFAULT_SWEEPS, backend: str = "auto") -> tuple[Tensor, Tensor]:
+    """Eigen-decomposition of a batch of small symmetric matrices A[B, k, k] (fp32/fp64).
+
+    Returns (w[B, k], W[B, k, k]) with w descending and A ~= W diag(w) W^T, W orthogonal.
+    Only the lower+upper average matters (A is read as symmetric). Deterministic for a
+    given backend; backends agree up to the fp rounding of ``sweeps`` Jacobi sweeps.
+    """
+    _check_float("A", A, (torch.float32, torch.float64))
+    if A.dim() != 3 or A.shape[1] != A.shape[2]:
+        raise ValueError(f"A must be a batch of square matrices [B, k, k], got shape {tuple(A.shape)}")
+    if not isinstance(sweeps, int) or sweeps < 1:
+        raise ValueError(f"sweeps must be an int >= 1, got {sweeps!r}")
+    return _sym_eig_op(A, sweeps, backend)
+
+
+# -------------------------------------------------------------------------- project
+@torch.library.custom_op("meshkern::spectral_project", mutates_args=())
+def _project_op(G: Tensor, U: Tensor, S: Tensor, V: Tensor, tau: float, alpha: float,
+                backend: str) -> tuple[Tensor, Tensor]:
+    out, filt_sq = _project_backend(G.contiguous(), U.contiguous(), S.contiguous(), V.contiguous(),
+                                    tau, alpha, backend)
+    return out.contiguous(), filt_sq.contiguous()
+
+
+@_project_op.register_fake
+def _(G, U, S, V, tau, alpha, backend):
+    return torch.empty_like(G, memory_format=torch.contiguous_format), G.new_empty(G.shape[0], dtype=torch.float32)
+
+
+def _project_setup(ctx, inputs, output):
+    _, U, S, V, tau, alpha, backend = inputs
+    ctx.save_for_backward(U, S, V)
+    ctx.tau, ctx.alpha, ctx.backend = tau, alpha, backend
+
+
+def _project_backward(ctx, grad_out, grad_filt_sq):
+    # The map G -> G_proj is linear and self-adjoint (U D U^T and V D V^T are symmetric),
+    # so dL/dG = project(dL/dG_proj). U, S, V are treated as constants (the prior).
+    U, S, V = ctx.saved_tensors
+    grad_g, _ = _project_op(grad_out.contiguous(), U, S, V, ctx.tau, ctx.alpha, ctx.backend)
+    return grad_g, None, None, None, None, None, None
+
+
+_project_op.register_autograd(_project_backward, setup_context=_project_setup)
+
+
+def project(G: Tensor, U: Tensor, S: Tensor, V: Tensor, tau: float = 1e-3, alpha: float = 0.3, *,
+            backend: str = "auto", return_stats: bool = False):
+    """alpha*G + (1-alpha) * U diag(d) (U^T G V) diag(d) V^T with d = S/(S+tau).
+
+    Shapes: G[B,m,n] (or [m,n]), U[B,m,r], S[B,r], V[B,n,r] (unbatched likewise). G may be
+    fp32, fp64, bf16 or fp16; accumulation is fp32 (fp64 for fp64) and the result has
+    G's dtype. U and V are assumed to have orthonormal columns (as randomized_svd gives).
+    With ``return_stats=True`` also returns ||G_filt||_F^2 per batch entry (fp32).
+    Differentiable w.r.t. G. alpha=1 returns G exactly.
+    """
+    squeeze = isinstance(G, Tensor) and G.dim() == 2
+    if squeeze:
+        G, U, S, V = G[None], U[None], S[None], V[None]
+    _check_project_args(G, U, S, V, tau, alpha)
+    out, filt_sq = _project_op(G, U, S, V, float(tau), float(alpha), backend)
+    if squeeze:
+        out, filt_sq = out[0], filt_sq[0]
+    return (out, filt_sq) if return_stats else out
+
+
+# ------------------------------------------------------------------- randomized SVD
+def _orthonormalize(Y: Tensor, ortho: str) -> Tensor:
+    """Orthonormal basis Q[B, m, l] of the columns of Y[B, m, l] (l <= m)."""
+    if ortho == "qr":
+        return torch.linalg.qr(Y).Q
+    # Cholesky-QR2: Q1 = Y R1^-1 with R1 = chol(Y^T Y)^T, then once more on Q1 to repair
+    # the loss of orthogonality (Yamamoto et al. 2015). GEMM-only, hence fast on GPUs.
+    Q = Y
+    for _ in range(2):
+        L, info = torch.linalg.cholesky_ex(Q.mT @ Q)
+        ok = (info == 0) & torch.isfinite(L).flatten(1).all(dim=1)
+        eye = torch.eye(L.shape[-1], dtype=L.dtype, device=L.device)
+        L = torch.where(ok[:, None, None], L, eye)
+        Q = torch.linalg.solve_triangular(L.mT, Q, upper=True, left=False)
+        if not bool(ok.all()):  # ill-conditioned entries: Householder QR for those
+            bad = (~ok).nonzero().flatten()
+            Q = Q.clone()
+            Q[bad] = torch.linalg.qr(Y[bad]).Q
+            return Q
+    return Q
+
+
+def _randomized_svd_impl(M: Tensor, rank: int, oversample: int, power_iters: int, seed: int,
+                         ortho: str, method: str, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    Bn, m, n = M.shape
+    wd = torch.float64 if M.dtype == torch.float64 else torch.float32
+    A = M.to(wd)
+    r = min(rank, m, n)
+    if method == "exact":
+        U, S, Vh = torch.linalg.svd(A, full_matrices=False)
+        return U[:, :, :r].contiguous(), S[:, :r].contiguous(), Vh[:, :r, :].mT.contiguous()
+    l = min(r + oversample, m, n)
+    gen = torch.Generator(device=M.device)
+    gen.manual_seed(seed)
+    omega = torch.randn(Bn, n, l, generator=gen, device=M.device, dtype=wd)
+    Q = _orthonormalize(A @ omega, ortho)
+    for _ in range(power_iters):
+        Z = _orthonormalize(A.mT @ Q, ortho)
+        Q = _orthonormalize(A @ Z, ortho)
+    Bs = Q.mT @ A                      # [B, l, n]
+    C = Bs @ Bs.mT                     # [B, l, l], eigenvalues = s^2
+    C = 0.5 * (C + C.mT)
+    w, W = _sym_eig_op(C, DEFAULT_SWEEPS, backend)
+    w, W = w[:, :r], W[:, :, :r]
+    S = w.clamp_min(0).sqrt()
+    U = Q @ W
+    # V = B^T W / s. Directions with s below the fp noise floor of the Gram matrix get
+    # V = 0 (and gain 0 in the filter) instead of an unbounded quotient.
+    floor = S[:, :1] * (torch.finfo(wd).eps ** 0.5) * 4
+    keep = S > floor
+    V = (Bs.mT @ W) / torch.where(keep, S, torch.ones_like(S))[:, None, :]
+    V = torch.where(keep[:, None, :], V, torch.zeros_like(V))
+    S = torch.where(keep, S, torch.zeros_like(S))
+    return U.contiguous(), S.contiguous(), V.contiguous()
+
+
+@torch.library.custom_op("meshkern::randomized_svd", mutates_args=())
+def _randomized_svd_op(M: Tensor, rank: int, oversample: int, power_iters: int, seed: int,
+                       ortho: str, method: str, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    return _randomized_svd_impl(M.contiguous(), rank, oversample, power_iters, seed, ortho, method, backend)
+
+
+@_randomized_svd_op.register_fake
+def _(M, rank, oversample, power_iters, seed, ortho, method, backend):
+    Bn, m, n = M.shape
+    r = min(rank, m, n)
+    wd = torch.float64 if M.dtype == torch.float64 else torch.float32
+    return M.new_empty(Bn, m, r, dtype=wd), M.new_empty(Bn, r, dtype=wd), M.new_empty(Bn, n, r, dtype=wd)
+
+
+def randomized_svd(M: Tensor, rank: int, *, oversample: int = 16, power_iters: int = 3, seed: int = 0,
+                   ortho: str = "qr", method: str = "randomized",
+                   backend: str = "auto") -> tuple[Tensor, Tensor, Tensor]:
+    """Top-``rank`` singular triplets of each matrix in M[B, m, n] (or one [m, n]).
+
+    Returns U[B,m,r], S[B,r] (descending, >= 0), V[B,n,r] with r = min(rank, m, n), in
+    fp32 (fp64 for fp64 input), M ~= U diag(S) V^T on the top-r subspace. U and V have
+    orthonormal columns (V's columns for s ~ 0 are zero). Deterministic for a given
+    ``seed`` and backend. ``method="exact"`` uses torch.linalg.svd. ``backend`` picks the
+    small symmetric-eigen kernel. Defaults (oversample 16, power_iters 3, QR) meet the 1%
+    top-r singular-value target on slowly decaying spectra (s_i = 1/(1+i), exp(-i/50):
+    max error 0.1% / 0.25% at r=32 on [1024,1024]); for a very slow decay such as
+    (1+i)^-0.5 they give ~1.7%, and oversample=32 brings it to 0.3% (bench --knobs).
+    """
+    squeeze = isinstance(M, Tensor) and M.dim() == 2
+    if squeeze:
+        M = M[None]
+    _check_float("M", M)
+    if M.dim() != 3 or M.shape[1] < 1 or M.shape[2] < 1:
+        raise ValueError(f"M must be a batch of matrices [B, m, n], got shape {tuple(M.shape)}")
+    for name, val, lo in (("rank", rank, 1), ("oversample", oversample, 0), ("power_iters", power_iters, 0)):
+        if not isinstance(val, int) or isinstance(val, bool) or val < lo:
+            raise ValueError(f"{name} must be an int >= {lo}, got {val!r}")
+    if ortho not in ("qr", "cholqr2"):
+        raise ValueError(f"ortho must be 'qr' or 'cholqr2', got {ortho!r}")
+    if method not in ("randomized", "exact"):
+        raise ValueError(f"method must be 'randomized' or 'exact', got {method!r}")
+    if not torch.isfinite(M).all():
+        raise ValueError("M contains non-finite values")
+    U, S, V = _randomized_svd_op(M, rank, oversample, power_iters, int(seed), ortho, method, backend)
+    return (U[0], S[0], V[0]) if squeeze else (U, S, V)
+
+
+__all__ = ["sym_eig", "randomized_svd", "project", "gains", "sym_eig_reference", "project_reference",
+           "DEFAULT_SWEEPS"]

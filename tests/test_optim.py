@@ -1,0 +1,267 @@
+"""SpectralAdamW and AnchorMomentum: exact AdamW before any anchor, the filter against a
+plain per-parameter reference, rejection of bad anchor input, exact checkpoint resume."""
+import io
+import warnings
+
+import pytest
+import torch
+
+from meshkern import spectral as sp
+from meshkern.optim import AnchorMomentum, SpectralAdamW, spectral_param_groups
+
+
+def _params(seed=0):
+    """A small Llama-block-shaped parameter list: attention/MLP matrices (some sharing a
+    shape), a norm vector, a bias, an embedding-like matrix."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(32, 32), (16, 32), (16, 32), (32, 32), (48, 32), (48, 32), (32, 48), (32,), (48,), (64, 32)]
+    return [torch.nn.Parameter(torch.randn(s, generator=g) * 0.1) for s in shapes]
+
+
+def _grads(params, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(p.shape, generator=g) for p in params]
+
+
+def _set_grads(params, grads):
+    for p, gr in zip(params, grads):
+        p.grad = gr.clone()
+
+
+@pytest.mark.parametrize("foreach", [False, None])
+def test_no_anchor_is_bit_identical_to_adamw(foreach):
+    pa, pb = _params(), _params()
+    kw = dict(lr=1e-2, betas=(0.8, 0.95), eps=1e-7, weight_decay=0.1, foreach=foreach)
+    ref = torch.optim.AdamW(pa, **kw)
+    opt = SpectralAdamW(pb, **kw)
+    for step in range(5):
+        grads = _grads(pa, step)
+        _set_grads(pa, grads)
+        _set_grads(pb, grads)
+        ref.step()
+        opt.step()
+        for a, b in zip(pa, pb):
+            assert torch.equal(a, b)
+    assert opt.anchor_stats()["filtered"] == 0 and opt.anchor_stats()["energy_kept"] is None
+
+
+def _reference_run(params, anchor, grads_seq, tau, alpha, beta, rank, lr):
+    """Plain per-parameter reference: M_anc by hand, exact truncated SVD, dense formula,
+    then torch AdamW on the projected gradients."""
+    opt = torch.optim.AdamW(params, lr=lr, foreach=False)
+    facs = []
+    for p, ga in zip(params, anchor):
+        if p.dim() != 2:
+            facs.append(None)
+            continue
+        M = (1 - beta) * ga.double()
+        U, S, Vh = torch.linalg.svd(M, full_matrices=False)
+        facs.append((U[:, :rank], S[:rank], Vh[:rank].T))
+    for grads in grads_seq:
+        for p, g, f in zip(params, grads, facs):
+            if f is None:
+                p.grad = g.clone()
+                continue
+            U, S, V = f
+            d = S / (S + tau)
+            X = U.T @ g.double() @ V
+            p.grad = (alpha * g.double() + (1 - alpha) * U @ (d[:, None] * X * d[None, :]) @ V.T).float()
+        opt.step()
+
+
+def test_fixed_anchor_matches_per_parameter_reference():
+    pa, pb = _params(1), _params(1)
+    anchor = [g * 1e-2 for g in _grads(pa, 100)]
+    grads_seq = [_grads(pa, s) for s in range(4)]
+    tau, alpha, beta, rank = 1e-3, 0.3, 0.9, 6
+    _reference_run(pa, anchor, grads_seq, tau, alpha, beta, rank, 1e-2)
+    opt = SpectralAdamW(pb, lr=1e-2, tau=tau, alpha=alpha, beta_anc=beta, rank=rank, svd_method="exact",
+                        foreach=False)
+    assert opt.observe_anchor(anchor, staleness=20)
+    for grads in grads_seq:
+        _set_grads(pb, grads)
+        opt.step()
+    for a, b in zip(pa, pb):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
+    st = opt.anchor_stats()
+    assert st["arrivals"] == 1 and st["last_staleness"] == 20 and st["refreshes"] == 1
+    assert st["filtered"] == 8  # the 2-D params
+    assert 0.0 < st["mean_gain"] < 1.0 and 0.0 < st["energy_kept"] < 1.0
+    # the caller's gradients are restored after the step
+    assert all(torch.equal(p.grad, g) for p, g in zip(pb, grads_seq[-1]))
+
+
+def test_randomized_refresh_close_to_exact():
+    pa, pb = _params(2), _params(2)
+    anchor = _grads(pa, 7)
+    kw = dict(lr=1e-2, rank=4, foreach=False)
+    oa = SpectralAdamW(pa, svd_method="exact", **kw)
+    ob = SpectralAdamW(pb, **kw)  # randomized, defaults
+    oa.observe_anchor(anchor, 0)
+    ob.observe_anchor(anchor, 0)
+    fa, fb = oa._current_factors(), ob._current_factors()
+    for x, y in zip(fa, fb):
+        if x is not None:
+            assert torch.allclose(x[1], y[1], rtol=0.05)
+
+
+def test_factored_prior_from_anchor_momentum_equals_observe_anchor():
+    pa, pb = _params(3), _params(3)
+    anchors = [_grads(pa, 50), _grads(pa, 51)]
+    kw = dict(lr=1e-2, rank=5, svd_method="exact", foreach=False)
+    oa = SpectralAdamW(pa, **kw)
+    ob = SpectralAdamW(pb, **kw)
+    am = AnchorMomentum(pb, beta_anc=0.9, rank=5, svd_method="exact")
+    for an in anchors:
+        assert oa.observe_anchor(an, 3)
+        assert am.update(an)
+    facs = am.factors()
+    assert [f is None for f in facs] == [p.dim() != 2 for p in pb]
+    U, S, V = facs[0]
+    assert U.shape == (32, 5) and S.shape == (5,) and V.shape == (32, 5)
+    assert ob.observe_factored_prior(facs, 3)
+    for s in range(3):
+        grads = _grads(pa, s)
+        _set_grads(pa, grads)
+        _set_grads(pb, grads)
+        oa.step()
+        ob.step()
+    for a, b in zip(pa, pb):
+        assert torch.equal(a, b)
+    assert ob.anchor_stats()["factored_arrivals"] == 1
+
+
+def test_anchor_momentum_is_ema_and_batched():
+    shapes = [(12, 10), (12, 10), (7,), (10, 12)]
+    am = AnchorMomentum(shapes, beta_anc=0.5, rank=3)
+    g1 = [torch.ones(s) for s in shapes]
+    g2 = [torch.full(s, 3.0) for s in shapes]
+    am.update(g1)
+    am.update(g2)
+    assert torch.allclose(am.m[0], torch.full((12, 10), 0.5 * 0.5 * 1 + 0.5 * 3))
+    assert am.m[2] is None
+    facs = am.factors()
+    assert am.refreshes == 1
+    assert torch.allclose(facs[0][1][0], am.m[0].norm(), rtol=1e-4)  # rank-1 matrix: s_0 = ||M||_F
+    am.factors()
+    assert am.refreshes == 1  # cached until the next update
+
+
+def _bad_cases(params):
+    good = _grads(params, 9)
+    nan = [g.clone() for g in good]
+    nan[0][3, 4] = float("nan")
+    inf = [g.clone() for g in good]
+    inf[4][0, 0] = float("inf")
+    shape = list(good)
+    shape[1] = torch.zeros(17, 32)
+    return [nan, inf, shape, good[:-1]]
+
+
+def test_bad_anchor_is_rejected_and_state_kept():
+    params = _params(4)
+    opt = SpectralAdamW(params, lr=1e-2, rank=4)
+    assert opt.observe_anchor(_grads(params, 1), 5)
+    m_before = [None if m is None else m.clone() for m in opt._anchor.m]
+    for k, bad in enumerate(_bad_cases(params), 1):
+        with pytest.warns(RuntimeWarning, match="rejected anchor"):
+            assert opt.observe_anchor(bad, 6) is False
+        assert opt.anchor_stats()["rejected"] == k
+    for a, b in zip(m_before, opt._anchor.m):
+        assert (a is None and b is None) or torch.equal(a, b)
+    st = opt.anchor_stats()
+    assert st["arrivals"] == 1 and st["last_staleness"] == 5
+    # factored priors: non-finite, negative S, wrong shape
+    facs = AnchorMomentum(params, rank=4).factors()  # all None: accepted, no change
+    assert opt.observe_factored_prior(facs, 1)
+    U, S, V = torch.zeros(32, 4), torch.ones(4), torch.zeros(32, 4)
+    for bad in [(U, -S, V), (U, S * float("nan"), V), (U[:, :3], S, V), (U, S)]:
+        with pytest.warns(RuntimeWarning, match="rejected factored"):
+            assert opt.observe_factored_prior([bad] + [None] * (len(params) - 1), 1) is False
+    with pytest.raises(ValueError, match="staleness"):
+        opt.observe_anchor(_grads(params, 1), -1)
+
+
+def test_bad_hyperparameters():
+    with pytest.raises(ValueError, match="tau"):
+        SpectralAdamW(_params(), tau=-1e-3)
+    with pytest.raises(ValueError, match="alpha"):
+        SpectralAdamW(_params(), alpha=1.2)
+    with pytest.raises(ValueError, match="beta_anc"):
+        SpectralAdamW(_params(), beta_anc=1.0)
+    with pytest.raises(ValueError, match="alpha"):
+        SpectralAdamW([{"params": _params(), "alpha": -0.1}])
+
+
+def _run(opt, params, steps, seed0):
+    for s in range(steps):
+        if s % 3 == 1:
+            assert opt.observe_anchor([g * 0.01 for g in _grads(params, 1000 + seed0 + s)], 20)
+        _set_grads(params, _grads(params, seed0 + s))
+        opt.step()
+
+
+def test_state_dict_round_trip_resumes_bit_identically():
+    pa = _params(5)
+    oa = SpectralAdamW(pa, lr=1e-2, rank=4)  # randomized SVD: the seed counter must round-trip too
+    _run(oa, pa, 5, 0)
+    oa.observe_anchor([g * 0.01 for g in _grads(pa, 77)], 21)  # pending refresh at save time
+    buf = io.BytesIO()
+    torch.save({"params": [p.detach() for p in pa], "opt": oa.state_dict()}, buf)
+    buf.seek(0)
+    ck = torch.load(buf, weights_only=True)
+    pb = [torch.nn.Parameter(t.clone()) for t in ck["params"]]
+    ob = SpectralAdamW(pb, lr=1e-2, rank=4)
+    ob.load_state_dict(ck["opt"])
+    _run(oa, pa, 6, 100)
+    _run(ob, pb, 6, 100)
+    for a, b in zip(pa, pb):
+        assert torch.equal(a, b)
+    sa, sb = oa.anchor_stats(), ob.anchor_stats()
+    assert sa == sb and sa["arrivals"] == 5 and sa["refreshes"] == 5
+
+
+def test_spectral_param_groups_on_hf_llama_stage():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=96, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    groups = spectral_param_groups(model)
+    assert groups[1]["spectral"] is False and len(groups[1]["params"]) >= 1
+    opt = SpectralAdamW(groups, lr=1e-3, rank=4)
+    params = [p for g in opt.param_groups for p in g["params"]]
+    ids = torch.randint(0, 96, (2, 16))
+    model(input_ids=ids, labels=ids).loss.backward()
+    anchor = [p.grad.clone() for p in params]
+    assert opt.observe_anchor(anchor, 20)
+    before = [p.detach().clone() for p in params]
+    opt.step()
+    st = opt.anchor_stats()
+    n2d = sum(p.dim() == 2 for p in groups[0]["params"])
+    assert st["filtered"] == n2d  # embeddings/lm_head excluded by default
+    assert 0.0 < st["energy_kept"] <= 1.0
+    assert all(not torch.equal(a, p) for a, p in zip(before, params))
+    assert all(torch.isfinite(p).all() for p in params)
+
+
+def test_filter_keeps_anchor_direction():
+    """A gradient inside the anchor's subspace survives the filter (d ~ 1); one orthogonal
+    to it is damped to alpha * G."""
+    torch.manual_seed(0)
+    u = torch.linalg.qr(torch.randn(20, 2)).Q
+    v = torch.linalg.qr(torch.randn(16, 2)).Q
+    p = torch.nn.Parameter(torch.zeros(20, 16))
+    opt = SpectralAdamW([p], rank=2, svd_method="exact", tau=1e-3, alpha=0.3)
+    opt.observe_anchor([10.0 * u[:, :1] @ v[:, :1].T + 5.0 * u[:, 1:] @ v[:, 1:].T], 0)
+    U, S, V = opt._current_factors()[0]
+    g_in = u[:, :1] @ v[:, :1].T
+    g_out = torch.zeros(20, 16)
+    g_out[:, :] = torch.randn(20, 16)
+    g_out -= u @ (u.T @ g_out)  # orthogonal to the anchor's left subspace
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out_in = sp.project(g_in, U, S, V, 1e-3, 0.3)
+        out_out = sp.project(g_out, U, S, V, 1e-3, 0.3)
+    assert torch.allclose(out_in, g_in, atol=2e-3 * g_in.abs().max())
+    assert torch.allclose(out_out, 0.3 * g_out, atol=1e-5)

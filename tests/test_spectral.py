@@ -1,0 +1,266 @@
+"""meshkern.spectral: Jacobi eigen, randomized SVD and the two-sided projection against
+torch.linalg references, on every backend that can run here."""
+import pytest
+import torch
+
+from meshkern import _backend
+from meshkern import spectral as sp
+
+
+def _backends():
+    out = [pytest.param("reference", id="reference")]
+    out.append(pytest.param("cpp", id="cpp", marks=pytest.mark.skipif(
+        _backend.extension("spectral") is None, reason="meshkern._spectral_C not built")))
+    out.append(pytest.param("triton", id="triton", marks=pytest.mark.skipif(
+        _backend.why_unavailable("triton", "spectral", torch.device("cpu")) is not None,
+        reason="Triton cannot run CPU tensors here")))
+    return out
+
+
+BACKENDS = _backends()
+
+
+def _known_spectrum(B, m, n, s, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    k = min(m, n)
+    Q1 = torch.linalg.qr(torch.randn(B, m, k, generator=g, dtype=torch.float64)).Q
+    Q2 = torch.linalg.qr(torch.randn(B, n, k, generator=g, dtype=torch.float64)).Q
+    return ((Q1 * s.to(torch.float64)) @ Q2.mT).to(dtype)
+
+
+def _rand(*shape, seed=0, dtype=torch.float32):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(dtype)
+
+
+# ------------------------------------------------------------------------- sym_eig
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("k,dtype", [(5, torch.float32), (24, torch.float32), (24, torch.float64), (40, torch.float32)])
+def test_sym_eig_matches_eigh(backend, k, dtype):
+    X = _rand(3, k, k, seed=k, dtype=dtype)
+    A = X @ X.mT + torch.diag_embed(_rand(3, k, seed=1, dtype=dtype))
+    w, W = sp.sym_eig(A, backend=backend)
+    w_ref = torch.linalg.eigvalsh(A.double()).flip(-1)
+    tol = 1e-4 if dtype == torch.float32 else 1e-10
+    scale = w_ref.abs().max()
+    assert torch.all(w[:, :-1] >= w[:, 1:]), "eigenvalues must be descending"
+    assert torch.allclose(w.double(), w_ref, atol=tol * scale, rtol=0)
+    eye = torch.eye(k, dtype=torch.float64)
+    assert torch.allclose(W.double().mT @ W.double(), eye.expand(3, k, k), atol=tol * 10)
+    recon = (W.double() * w.double()[:, None, :]) @ W.double().mT
+    assert torch.allclose(recon, A.double(), atol=tol * 10 * scale, rtol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sym_eig_diagonal_and_zero(backend):
+    A = torch.zeros(2, 6, 6)
+    A[0] = torch.diag(torch.tensor([3.0, -1.0, 2.0, 0.0, 5.0, 1.0]))
+    w, W = sp.sym_eig(A, backend=backend)
+    assert torch.equal(w[0], torch.tensor([5.0, 3.0, 2.0, 1.0, 0.0, -1.0]))
+    assert torch.equal(w[1], torch.zeros(6))
+    assert torch.isfinite(W).all()
+
+
+def test_sym_eig_bad_input():
+    with pytest.raises(ValueError, match="square"):
+        sp.sym_eig(torch.zeros(2, 3, 4))
+    with pytest.raises(TypeError, match="dtype"):
+        sp.sym_eig(torch.zeros(2, 3, 3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="sweeps"):
+        sp.sym_eig(torch.zeros(2, 3, 3), sweeps=0)
+
+
+# ------------------------------------------------------------------ randomized SVD
+def _principal_cos(U, U_ref):
+    """Cosines of the principal angles between the column spaces (smallest first)."""
+    return torch.linalg.svdvals(U.double().mT @ U_ref.double()).min(dim=-1).values
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("spectrum", ["harmonic", "exp"])
+def test_randomized_svd_accuracy_on_slow_decay(backend, spectrum):
+    m, n, r = 160, 128, 16
+    i = torch.arange(min(m, n), dtype=torch.float64)
+    s = 1.0 / (1.0 + i) if spectrum == "harmonic" else torch.exp(-i / 25.0)
+    M = _known_spectrum(2, m, n, s, seed=3)
+    U, S, V = sp.randomized_svd(M, r, backend=backend)
+    assert U.shape == (2, m, r) and S.shape == (2, r) and V.shape == (2, n, r)
+    rel = ((S.double() - s[:r]) / s[:r]).abs().max()
+    assert rel < 0.01, f"top-{r} singular values off by {rel:.4f}"
+    Ue, Se, Vhe = torch.linalg.svd(M.double())
+    # The top half of the subspace has a clear gap to r + oversample: angles must be tiny.
+    assert _principal_cos(U[:, :, : r // 2], Ue[:, :, :r]).min() > 0.999
+    assert _principal_cos(V[:, :, : r // 2], Vhe.mT[:, :, :r]).min() > 0.999
+    eye = torch.eye(r, dtype=torch.float64)
+    assert torch.allclose(U.double().mT @ U.double(), eye.expand(2, r, r), atol=1e-4)
+    assert torch.allclose(V.double().mT @ V.double(), eye.expand(2, r, r), atol=1e-3)
+
+
+def test_randomized_svd_cholqr2_and_wide():
+    i = torch.arange(96, dtype=torch.float64)
+    s = 1.0 / (1.0 + i)
+    M = _known_spectrum(2, 96, 200, s, seed=5)  # wide: m < n
+    U, S, V = sp.randomized_svd(M, 12, ortho="cholqr2", backend="reference")
+    assert ((S.double() - s[:12]) / s[:12]).abs().max() < 0.01
+    # Reconstruction of the top-12 part matches the exact truncated SVD.
+    Ue, Se, Vhe = torch.linalg.svd(M.double(), full_matrices=False)
+    ref = (Ue[:, :, :12] * Se[:, None, :12]) @ Vhe[:, :12]
+    got = (U.double() * S.double()[:, None, :]) @ V.double().mT
+    assert (got - ref).norm() / ref.norm() < 0.01
+
+
+def test_randomized_svd_exact_path_and_determinism():
+    M = _rand(3, 40, 30, seed=7)
+    U, S, V = sp.randomized_svd(M, 10, method="exact")
+    Ue, Se, Vhe = torch.linalg.svd(M, full_matrices=False)
+    assert torch.equal(S, Se[:, :10]) and torch.equal(U, Ue[:, :, :10]) and torch.equal(V, Vhe[:, :10].mT)
+    a = sp.randomized_svd(M, 10, seed=11)
+    b = sp.randomized_svd(M, 10, seed=11)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    # unbatched input gives unbatched output
+    U1, S1, V1 = sp.randomized_svd(M[0], 10, seed=11)
+    assert U1.shape == (40, 10) and torch.allclose(S1, a[1][0], rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_randomized_svd_rank_deficient_and_zero(backend):
+    g = torch.Generator().manual_seed(1)
+    M = torch.zeros(2, 50, 40)
+    M[0] = torch.randn(50, 3, generator=g) @ torch.randn(3, 40, generator=g)  # rank 3; M[1] = 0
+    U, S, V = sp.randomized_svd(M, 8, backend=backend)
+    assert torch.isfinite(U).all() and torch.isfinite(S).all() and torch.isfinite(V).all()
+    assert torch.allclose(S[0, :3], torch.linalg.svdvals(M[0])[:3], rtol=1e-4)
+    assert (S[0, 3:] <= 1e-4 * S[0, 0]).all() and torch.equal(S[1], torch.zeros(8))
+    recon = (U[0] * S[0]) @ V[0].mT
+    assert torch.allclose(recon, M[0], atol=1e-4 * M[0].abs().max())
+
+
+def test_randomized_svd_bad_input():
+    with pytest.raises(ValueError, match="rank"):
+        sp.randomized_svd(torch.zeros(1, 4, 4), 0)
+    with pytest.raises(ValueError, match="ortho"):
+        sp.randomized_svd(torch.zeros(1, 4, 4), 2, ortho="gram")
+    with pytest.raises(ValueError, match="non-finite"):
+        sp.randomized_svd(torch.full((1, 4, 4), float("nan")), 2)
+    with pytest.raises(ValueError, match=r"\[B, m, n\]"):
+        sp.randomized_svd(torch.zeros(1, 2, 4, 4), 2)
+
+
+# ------------------------------------------------------------------------- project
+def _factors(B, m, n, r, seed=0, dtype=torch.float32):
+    M = _rand(B, m, n, seed=seed, dtype=torch.float64)
+    U, S, Vh = torch.linalg.svd(M, full_matrices=False)
+    S = S / S[:, :1] * 4e-3  # singular values around tau = 1e-3, so gains spread over [0, 1]
+    return U[:, :, :r].to(dtype), S[:, :r].to(dtype), Vh[:, :r].mT.to(dtype)
+
+
+def _dense_formula(G, U, S, V, tau, alpha):
+    """The method's formula in fp64, with U, S, V as given."""
+    d = (S.double() / (S.double() + tau))
+    U, V, G = U.double(), V.double(), G.double()
+    X = U.mT @ G @ V
+    return alpha * G + (1 - alpha) * U @ (d[:, :, None] * X * d[:, None, :]) @ V.mT
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("m,n,r", [(48, 40, 8), (33, 70, 5)])
+def test_project_matches_dense_formula_fp32(backend, m, n, r):
+    U, S, V = _factors(2, m, n, r, seed=m)
+    G = _rand(2, m, n, seed=2)
+    out, fsq = sp.project(G, U, S, V, 1e-3, 0.3, backend=backend, return_stats=True)
+    ref = _dense_formula(G, U, S, V, 1e-3, 0.3)
+    assert out.dtype == torch.float32
+    assert torch.allclose(out.double(), ref, atol=1e-5, rtol=1e-5)
+    filt = (ref - 0.3 * G.double()) / 0.7
+    assert torch.allclose(fsq.double(), filt.pow(2).sum((1, 2)), rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_project_bf16_error_within_2x_torch_chain(backend):
+    m, n, r = 64, 48, 8
+    U, S, V = _factors(2, m, n, r, seed=9)
+    G = _rand(2, m, n, seed=4).bfloat16()
+    ref = _dense_formula(G.float(), U, S, V, 1e-3, 0.3)
+    out = sp.project(G, U, S, V, 1e-3, 0.3, backend=backend)
+    assert out.dtype == torch.bfloat16
+    # same-precision torch chain: every tensor bf16, every op rounding to bf16
+    Ub, Vb = U.bfloat16(), V.bfloat16()
+    d = sp.gains(S, 1e-3).bfloat16()
+    chain = 0.3 * G + 0.7 * (Ub @ (d[:, :, None] * (Ub.mT @ G @ Vb) * d[:, None, :]) @ Vb.mT)
+    err = (out.double() - ref).abs().max()
+    err_chain = (chain.double() - ref).abs().max()
+    assert err <= 2 * err_chain, f"bf16 error {err:.3e} > 2x torch bf16 chain {err_chain:.3e}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_project_limits(backend):
+    m, n = 20, 20  # square, so rank-20 factors span both spaces
+    G = _rand(2, m, n, seed=5)
+    # full-rank factors of some other matrix
+    U, S, V = _factors(2, m, n, min(m, n), seed=6)
+    assert torch.equal(sp.project(G, U, S, V, 1e-3, 1.0, backend=backend), G)  # alpha = 1: G exactly
+    Gb = G.bfloat16()
+    assert torch.equal(sp.project(Gb, U, S, V, 1e-3, 1.0, backend=backend), Gb)
+    # tau = 0 with full rank: d = 1 and U U^T G V V^T = G, so G_proj = G
+    out = sp.project(G, U, S, V, 0.0, 0.3, backend=backend)
+    assert torch.allclose(out, G, atol=1e-5)
+    # huge tau: d ~ 0, G_proj = alpha G
+    out = sp.project(G, U, S, V, 1e30, 0.3, backend=backend)
+    assert torch.allclose(out, 0.3 * G, atol=1e-6)
+    # the filter never increases the Frobenius norm
+    for tau in (0.0, 1e-4, 1e-3, 1e-2):
+        out, fsq = sp.project(G, U[:, :, :7], S[:, :7], V[:, :, :7], tau, 0.0, backend=backend,
+                              return_stats=True)
+        assert (out.norm(dim=(1, 2)) <= G.norm(dim=(1, 2)) * (1 + 1e-6)).all()
+        assert torch.allclose(fsq, out.pow(2).sum((1, 2)), rtol=1e-4)
+
+
+def test_gains_in_unit_interval():
+    S = torch.tensor([0.0, 1e-9, 1e-3, 1.0, 1e9, -1.0])
+    for tau in (0.0, 1e-3, 1e3):
+        d = sp.gains(S, tau)
+        assert ((d >= 0) & (d <= 1)).all()
+    assert sp.gains(torch.tensor([0.0]), 0.0).item() == 0.0
+
+
+def test_project_bad_input():
+    U, S, V = _factors(1, 8, 6, 3)
+    G = torch.zeros(1, 8, 6)
+    with pytest.raises(ValueError, match="tau"):
+        sp.project(G, U, S, V, -1.0, 0.3)
+    with pytest.raises(ValueError, match="alpha"):
+        sp.project(G, U, S, V, 1e-3, 1.5)
+    with pytest.raises(ValueError, match="U must be"):
+        sp.project(G, U[:, :7], S, V, 1e-3, 0.3)
+    with pytest.raises(ValueError, match="V must be"):
+        sp.project(G, U, S, V[:, :5], 1e-3, 0.3)
+    with pytest.raises(ValueError, match="S must be"):
+        sp.project(G, U, S[:, :2], V, 1e-3, 0.3)
+    with pytest.raises(TypeError, match="dtype"):
+        sp.project(G.int(), U, S, V, 1e-3, 0.3)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_project_gradient(backend):
+    U, S, V = _factors(1, 9, 7, 3, dtype=torch.float64)
+    G = _rand(1, 9, 7, seed=3, dtype=torch.float64).requires_grad_()
+    if backend == "reference":
+        assert torch.autograd.gradcheck(lambda g: sp.project(g, U, S, V, 1e-3, 0.3, backend=backend), (G,))
+    else:  # kernels may run fp32 internally: compare with the reference's gradient
+        w = _rand(1, 9, 7, seed=8, dtype=torch.float64)
+        (sp.project(G, U, S, V, 1e-3, 0.3, backend=backend) * w).sum().backward()
+        g1 = G.grad.clone()
+        G.grad = None
+        (sp.project(G, U, S, V, 1e-3, 0.3, backend="reference") * w).sum().backward()
+        assert torch.allclose(g1, G.grad, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_opcheck(backend):
+    U, S, V = _factors(2, 12, 10, 4)
+    G = _rand(2, 12, 10, seed=1).requires_grad_()
+    torch.library.opcheck(torch.ops.meshkern.spectral_project.default, (G, U, S, V, 1e-3, 0.3, backend))
+    X = _rand(2, 6, 6, seed=2)
+    torch.library.opcheck(torch.ops.meshkern.sym_eig.default, (X @ X.mT, 10, backend))
+    M = _rand(2, 12, 10, seed=3)
+    torch.library.opcheck(torch.ops.meshkern.randomized_svd.default,
+                          (M, 4, 4, 1, 0, "qr", "randomized", backend))
