@@ -1,0 +1,132 @@
+"""Link model against timelines computed by hand for tiny schedules."""
+import pytest
+
+from orchestration.linkmodel import (LinkSpec, model_step, replay, ring_allreduce_bytes, ring_allreduce_s,
+                                     simulate)
+from orchestration.schedule import Action, make_schedule
+
+L = LinkSpec(200e6)  # 25e6 bytes take exactly 1 s
+ONE_S = 25e6
+
+
+def _msg(tl, kind, src, mb):
+    return next(m for m in tl.messages if m[0] == kind and m[1] == src and m[3] == mb)
+
+
+def test_linkspec_defaults_and_validation():
+    assert L.wire_s(ONE_S) == 1.0 and LinkSpec().bandwidth_bps == 200e6
+    with pytest.raises(ValueError, match="bandwidth"):
+        LinkSpec(0)
+    with pytest.raises(ValueError, match="latency"):
+        LinkSpec(1e6, -1)
+
+
+def test_two_stages_one_microbatch():
+    # s0 F [0,1] -> wire [1,2] -> s1 F [2,3], B [3,5] -> wire [5,6] -> s0 B [6,8]
+    sched = make_schedule("gpipe", 2, 1)
+    ct, mb = {"F": 1.0, "B": 2.0}, {"F": ONE_S, "B": ONE_S}
+    tl = simulate(sched, ct, mb, L)
+    assert tl.step_s == pytest.approx(8.0)
+    assert [(s, repr(a), t0, t1) for s, a, t0, t1 in tl.actions] == [
+        (0, "F0", 0.0, 1.0), (1, "F0", 2.0, 3.0), (1, "B0", 3.0, 5.0), (0, "B0", 6.0, 8.0)]
+    assert tl.compute_s == [3.0, 3.0]
+    assert tl.bytes_by_kind() == {"F": ONE_S, "B": ONE_S}
+    # latency: a node-topology path crosses two access links, a pair link one
+    lat = LinkSpec(200e6, 0.1)
+    assert replay(sched, ct, mb, lat) == pytest.approx(8.4)
+    assert replay(sched, ct, mb, lat, topology="pair") == pytest.approx(8.2)
+
+
+def test_gpipe_two_microbatches_overlap():
+    # transfers 0.5 s; s0 F0[0,1] F1[1,2]; s1 F0[1.5,2.5] F1[2.5,3.5] B0[3.5,4.5] B1[4.5,5.5];
+    # grads arrive at s0 at 5 and 6: B0[5,6] B1[6,7]
+    tl = simulate(make_schedule("gpipe", 2, 2), {"F": 1.0, "B": 1.0}, {"F": ONE_S / 2, "B": ONE_S / 2}, L)
+    assert tl.step_s == pytest.approx(7.0)
+    starts = {(s, repr(a)): t0 for s, a, t0, _ in tl.actions}
+    assert starts == pytest.approx({(0, "F0"): 0, (0, "F1"): 1, (1, "F0"): 1.5, (1, "F1"): 2.5,
+                                    (1, "B0"): 3.5, (1, "B1"): 4.5, (0, "B0"): 5, (0, "B1"): 6})
+
+
+def test_messages_queue_on_a_busy_link():
+    # compute 0.1 s, transfers 1 s: the second activation waits for the first on the wire
+    tl = simulate(make_schedule("gpipe", 2, 2), {"F": 0.1, "B": 0.1}, {"F": ONE_S, "B": ONE_S}, L)
+    assert _msg(tl, "F", 0, 1)[6] == pytest.approx(1.1)  # ready at 0.2, starts when msg 0 is done
+    assert tl.step_s == pytest.approx(4.4)
+    assert tl.busy_s[("up", 0)] == pytest.approx(2.0) and tl.busy_s[("down", 0)] == pytest.approx(2.0)
+    assert tl.bytes[("up", 1)] == 2 * ONE_S
+
+
+def test_node_topology_shares_the_middle_downlink():
+    # S=3, M=2, 1F1B, zero compute. Boundary 0 forward messages take 2 s, all others 1 s.
+    # pair links: s2's grad for mb 0 leaves at 3 on its own link. Node links: the middle
+    # node's downlink is still receiving activation 1 (2 s..4 s), so the grad waits to 4.
+    sched = make_schedule("1f1b", 3, 2)
+    ct = {"F": 0.0, "B": 0.0}
+    mb = {"F": [2 * ONE_S, ONE_S], "B": [ONE_S, ONE_S]}
+    pair = simulate(sched, ct, mb, L, topology="pair")
+    node = simulate(sched, ct, mb, L, topology="node")
+    assert _msg(pair, "B", 2, 0)[6] == pytest.approx(3.0)
+    assert _msg(node, "B", 2, 0)[6] == pytest.approx(4.0)
+    # hand timelines: s0's backwards start at 5 and 7 (pair) vs 6 and 7 (node)
+    b0 = {name: {repr(a): t0 for s, a, t0, _ in tl.actions if s == 0 and a.kind == "B"}
+          for name, tl in (("pair", pair), ("node", node))}
+    assert b0 == {"pair": pytest.approx({"B0": 5.0, "B1": 7.0}), "node": pytest.approx({"B0": 6.0, "B1": 7.0})}
+    assert pair.step_s == pytest.approx(7.0) and node.step_s == pytest.approx(7.0)
+
+
+def test_single_stage_and_per_stage_compute():
+    assert replay(make_schedule("1f1b", 1, 3), {"F": 1.0, "B": 2.0}, {"F": 0, "B": 0}) == pytest.approx(9.0)
+    # stage-specific compute via callable: the slow stage sets the pace (1F1B steady state)
+    ct = lambda s, a: (3.0 if s == 1 else 1.0) * (2 if a.kind == "B" else 1)  # noqa: E731
+    t = replay(make_schedule("1f1b", 2, 4), ct, {"F": 0, "B": 0})
+    # s0 F0[0,1]; s1 runs F,B for 4 micro-batches back to back from t=1: 4*9 = 36 -> 37;
+    # s0's last B (2 s) starts when s1's B3 ends at 37
+    assert t == pytest.approx(39.0)
+
+
+def test_bad_inputs():
+    s = make_schedule("gpipe", 2, 1)
+    with pytest.raises(TypeError, match="compute_times"):
+        replay(s, 1.0, {"F": 0, "B": 0})
+    with pytest.raises(ValueError, match="2 numbers"):
+        replay(s, {"F": [1, 2, 3], "B": 1}, {"F": 0, "B": 0})
+    with pytest.raises(ValueError, match="links"):
+        replay(s, {"F": 1, "B": 1}, {"F": 0, "B": 0}, [L, L, L])
+    with pytest.raises(ValueError, match="deadlock|exactly once"):
+        replay([[Action("B", 0), Action("F", 0)], s[1]], {"F": 1, "B": 1}, {"F": 0, "B": 0})
+    with pytest.raises(ValueError, match="topology"):
+        replay(s, {"F": 1, "B": 1}, {"F": 0, "B": 0}, topology="mesh")
+
+
+def test_ring_allreduce():
+    assert ring_allreduce_bytes(100.0, 4) == 150.0
+    assert ring_allreduce_s(ONE_S, 4, LinkSpec(200e6, 0.01)) == pytest.approx(1.5 + 0.06)
+    assert ring_allreduce_s(ONE_S, 1) == 0.0
+
+
+def test_model_step_blocking_dp_adds_the_allreduce():
+    sched = make_schedule("gpipe", 2, 1)
+    ct, mb = {"F": 1.0, "B": 2.0}, {"F": ONE_S, "B": ONE_S}
+    m = model_step(sched, ct, mb, L, replicas=4, tokens_per_replica=1000, dp_payload_bytes=[ONE_S, 2 * ONE_S],
+                   dp_blocking=True)
+    assert m.pipeline_s == pytest.approx(8.0)
+    assert m.step_s == pytest.approx(8.0 + 3.0)  # stage 1's 2x payload: 1.5 * 2 s
+    assert m.limiting == "dp (blocking)"
+    assert m.tokens == 4000 and m.tokens_per_s == pytest.approx(4000 / 11.0)
+    assert m.bytes == pytest.approx({"pp_fwd": 4 * ONE_S, "pp_bwd": 4 * ONE_S, "dp": 4 * 1.5 * 3 * ONE_S, "anchor": 0})
+    assert m.bytes_per_token["total"] == pytest.approx(sum(m.bytes.values()) / 4000)
+
+
+def test_model_step_background_fills_idle_link_time():
+    sched = make_schedule("gpipe", 2, 1)
+    ct, mb = {"F": 1.0, "B": 2.0}, {"F": ONE_S, "B": ONE_S}  # pipeline 8 s, each link busy 1 s
+    # DP every 2 steps, 4 replicas, 4 s of ring traffic per sync -> 2 s/step: fits in the idle time
+    m = model_step(sched, ct, mb, L, replicas=4, tokens_per_replica=10, dp_payload_bytes=ONE_S * 8 / 3,
+                   dp_every=2)
+    assert m.step_s == pytest.approx(8.0) and m.limiting == "pipeline"
+    # plus anchor traffic: stage 0 downlink: 1 s (pp) + 2 s (dp) + 6 s (anchor) = 9 s > 8 s
+    m = model_step(sched, ct, mb, L, replicas=4, tokens_per_replica=10, dp_payload_bytes=ONE_S * 8 / 3,
+                   dp_every=2, anchor_down_bytes=[6 * ONE_S, 0], anchor_up_bytes=[0, ONE_S])
+    assert m.step_s == pytest.approx(9.0) and "downlink of stage 0" in m.limiting
+    assert m.bytes["anchor"] == pytest.approx(4 * 7 * ONE_S)
+    assert m.bytes["dp"] == pytest.approx(4 * 2 * (ONE_S * 8 / 3 * 1.5) / 2)
