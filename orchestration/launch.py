@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import signal
 import socket
 import sys
@@ -74,14 +75,20 @@ def set_rank_env(rank: int, world_size: int, port: int, threads: int = 1) -> Non
     torch.set_num_threads(threads)
 
 
+def _send(conn, msg) -> None:
+    # Plain pickle, not multiprocessing's ForkingPickler: that one ships tensors as
+    # shared-memory handles whose owner (this rank) may be gone by the time they are read.
+    conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+
+
 def _child(fn, rank, world_size, port, threads, conn, args):
     set_rank_env(rank, world_size, port, threads)
     try:
         out = fn(rank, world_size, *args)
-        conn.send(("ok", rank, out))
+        _send(conn, ("ok", rank, out))
     except BaseException as e:  # report everything, including KeyboardInterrupt
         try:
-            conn.send(("error", rank, {"type": type(e).__name__, "message": str(e),
+            _send(conn, ("error", rank, {"type": type(e).__name__, "message": str(e),
                                        "traceback": traceback.format_exc(), "peer": is_peer_error(e)}))
         finally:
             conn.close()
@@ -146,8 +153,8 @@ def run_local(fn, world_size: int, args: tuple = (), *, start_method: str = "for
                 if obj in pending_conns:
                     r = pending_conns[obj]
                     try:
-                        kind, _, payload = obj.recv()
-                    except (EOFError, OSError):
+                        kind, _, payload = pickle.loads(obj.recv_bytes())
+                    except (EOFError, OSError):  # closed without a report: judged by its exit code
                         del pending_conns[obj]
                         continue
                     del pending_conns[obj]
@@ -165,7 +172,7 @@ def run_local(fn, world_size: int, args: tuple = (), *, start_method: str = "for
                         c = conns[r]
                         if c in pending_conns and c.poll(0.2):
                             try:
-                                kind, _, payload = c.recv()
+                                kind, _, payload = pickle.loads(c.recv_bytes())
                                 if kind == "error":
                                     errors[r] = payload
                             except (EOFError, OSError):
@@ -192,6 +199,9 @@ def run_local(fn, world_size: int, args: tuple = (), *, start_method: str = "for
         raise _failure(died, errors, describe)
     if len(results) < world_size:
         missing = [r for r in range(world_size) if r not in results]
+        silent = [r for r in missing if procs[r].exitcode == 0]
+        if silent:
+            raise MeshFailure(f"{describe(silent[0])} exited without returning a result", silent[0])
         raise TimeoutError(f"mesh did not finish within {timeout_s} s; still running: "
                            + ", ".join(describe(r) for r in missing))
     return [results[r] for r in range(world_size)]

@@ -8,6 +8,7 @@ requires every rank to enter every new_group call):
     pp[row]      the Y stages of one replica (pipeline p2p partners; grad-norm clipping)
     dp[stage]    the fast replicas' ranks of one stage column (DP sync / DiLoCo)
     column[stage] dp[stage] plus the anchor's rank of that column (anchor <-> fast traffic)
+    ends[row]    first and last stage of one replica (tied-embedding gradient sum)
     fast         every fast rank (per-step metrics and stop flag; the anchor never joins it,
                  so nothing on the fast critical path waits for the anchor)
     anchor       the anchor row (None without the anchor)
@@ -163,6 +164,9 @@ def init_mesh(layout: MeshLayout, *, backend: str = "auto", timeout_s: float = 6
         m.groups[f"column{s}"] = g
         if s == stage:
             m.column = g
+    for r in range(layout.rows):  # first + last stage of a row: tied-embedding gradient sum
+        ends = sorted({layout.rank_of(r, 0), layout.rank_of(r, layout.stages - 1)})
+        m.groups[f"ends{r}"] = dist.new_group(ends, timeout=tmo)
     g = dist.new_group(layout.fast_ranks(), timeout=tmo)
     m.groups["fast"] = g
     if not m.is_anchor:

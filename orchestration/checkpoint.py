@@ -1,0 +1,131 @@
+"""Checkpoints: an HF-format model (sharded per stage) plus every rank's training state.
+
+Layout of one checkpoint, ``<dir>/step_00000020/``:
+
+    config.json, generation_config.json?, tokenizer files     (copied from the base model)
+    model-00001-of-00002.safetensors ...  one shard per pipeline stage, written by that
+                                          stage's rank of replica 0, tensors under the
+                                          unsplit model's names (Stage.hf_state_dict)
+    model.safetensors.index.json          weight name -> shard: a standard sharded HF
+                                          checkpoint, so AutoModelForCausalLM.from_pretrained
+                                          (and models.load_causal_lm) read the directory as is
+    rank_00003.pt                         that rank's stage parameters (its own replica),
+                                          optimizer, DiLoCo/compressor state, byte counters
+                                          and step; tensors and plain numbers only, loaded
+                                          with torch.load(weights_only=True)
+    meta.json                             step, mesh shape, config (written last)
+
+Why per-stage shards and not one merged file: each stage's weights live on a different
+process; merging would move the whole model through one rank for nothing, while HF
+already reads sharded checkpoints. The exported model is replica 0's current weights
+(with DiLoCo, replicas agree only right after an outer sync).
+
+Atomicity: ranks write into ``step_XXXXXXXX.tmp``; after a barrier rank 0 writes
+meta.json, renames the directory into place and updates ``latest`` (os.replace). A rank
+dying mid-save leaves only a .tmp directory, which is never read: the previous
+checkpoint stays intact and loadable.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import torch
+
+LATEST = "latest"
+_COPY = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+         "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt")
+
+
+def step_dir(root: str, step: int) -> str:
+    return os.path.join(root, f"step_{step:08d}")
+
+
+def shard_name(stage: int, num_stages: int) -> str:
+    return f"model-{stage + 1:05d}-of-{num_stages:05d}.safetensors"
+
+
+def write_stage_shard(tmp: str, stage, num_stages: int) -> dict[str, str]:
+    """Writes this stage's weights (HF names) as one safetensors shard; returns name -> file."""
+    from safetensors.torch import save_file
+
+    sd = {k: v.detach().contiguous().clone() for k, v in stage.hf_state_dict().items()}
+    if getattr(stage, "tied_lm_head", False):
+        sd.pop("lm_head.weight", None)  # the copy of the tied embedding: stage 0 holds it
+    fname = shard_name(stage.index, num_stages)
+    save_file(sd, os.path.join(tmp, fname), metadata={"format": "pt"})
+    return {k: fname for k in sd}
+
+
+def write_rank_state(tmp: str, rank: int, state: dict) -> None:
+    path = os.path.join(tmp, f"rank_{rank:05d}.pt")
+    torch.save(state, path + ".part")
+    os.replace(path + ".part", path)
+
+
+def finalize(root: str, tmp: str, step: int, meta: dict, model_dir: str | None, num_stages: int,
+             keep: int) -> str:
+    """Rank 0, after every rank wrote its files: index, metadata, atomic rename, pruning."""
+    weight_map = {}
+    for s in range(num_stages):
+        from safetensors import safe_open
+
+        fname = shard_name(s, num_stages)
+        with safe_open(os.path.join(tmp, fname), "pt") as f:
+            weight_map.update({k: fname for k in f.keys()})
+    total = sum(os.path.getsize(os.path.join(tmp, shard_name(s, num_stages))) for s in range(num_stages))
+    with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=1)
+    if model_dir:
+        for name in _COPY:
+            src = os.path.join(model_dir, name)
+            if os.path.isfile(src):
+                shutil.copy2(src, os.path.join(tmp, name))
+    with open(os.path.join(tmp, "meta.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+    final = step_dir(root, step)
+    if os.path.exists(final):
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    with open(os.path.join(root, LATEST + ".part"), "w") as f:
+        f.write(os.path.basename(final) + "\n")
+    os.replace(os.path.join(root, LATEST + ".part"), os.path.join(root, LATEST))
+    _prune(root, keep)
+    return final
+
+
+def _prune(root: str, keep: int) -> None:
+    done = sorted(d for d in os.listdir(root) if d.startswith("step_") and not d.endswith(".tmp"))
+    for d in done[:-keep]:
+        shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+
+
+def resolve(resume: str, root: str) -> str:
+    """The checkpoint directory named by ``--checkpoint.resume`` ('latest' or a path).
+
+    Raises ValueError if there is none or it is incomplete (no meta.json).
+    """
+    if resume == "latest":
+        p = os.path.join(root, LATEST)
+        if not os.path.isfile(p):
+            raise ValueError(f"--checkpoint.resume latest: no checkpoint in {root}")
+        with open(p) as f:
+            path = os.path.join(root, f.read().strip())
+    else:
+        path = resume
+    if not os.path.isfile(os.path.join(path, "meta.json")):
+        raise ValueError(f"--checkpoint.resume {resume}: {path} is not a complete checkpoint (no meta.json)")
+    return path
+
+
+def read_meta(path: str) -> dict:
+    with open(os.path.join(path, "meta.json")) as f:
+        return json.load(f)
+
+
+def load_rank_state(path: str, rank: int) -> dict:
+    f = os.path.join(path, f"rank_{rank:05d}.pt")
+    if not os.path.isfile(f):
+        raise ValueError(f"checkpoint {path} has no state for rank {rank}")
+    return torch.load(f, weights_only=True, map_location="cpu")
