@@ -1,0 +1,222 @@
+"""Data: every text source, offline BPE, packing, split and sharding, clear errors."""
+import gzip
+import json
+
+import pytest
+import torch
+
+from orchestration import data
+
+DOCS = ["The quick brown fox jumps over the lazy dog. " * 4,
+        "def add(a, b):\n    return a + b\n" * 3,
+        "Pack my box with five dozen liquor jugs! 0123456789 " * 3]
+
+
+@pytest.fixture(scope="module")
+def bpe():
+    return data.train_bpe(DOCS * 5, vocab_size=300)
+
+
+# ------------------------------------------------------------------ sources
+def test_text_file_and_gzip(tmp_path):
+    (tmp_path / "a.txt").write_text(DOCS[0])
+    (tmp_path / "b.txt.gz").write_bytes(gzip.compress(DOCS[1].encode()))
+    assert data.load_texts(tmp_path / "a.txt") == [DOCS[0]]
+    assert data.load_texts(str(tmp_path / "b.txt.gz")) == [DOCS[1]]
+
+
+def test_directory_sorted_recursive_skips_hidden(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "z.txt").write_text("zzz")
+    (tmp_path / "sub" / "a.md").write_text("aaa")
+    (tmp_path / ".hidden").write_text("never")
+    assert data.load_texts(tmp_path) == ["aaa", "zzz"]  # sub/a.md < z.txt
+
+
+def test_jsonl_text_field(tmp_path):
+    p = tmp_path / "d.jsonl"
+    p.write_text("\n".join(json.dumps({"body": d, "id": i}) for i, d in enumerate(DOCS)) + "\n\n")
+    assert data.load_texts(p, text_field="body") == DOCS
+    with pytest.raises(ValueError, match=r"d.jsonl:1: no field 'text' \(fields: \['body', 'id'\]\)"):
+        data.load_texts(p)
+
+
+def test_jsonl_bad_line_names_line(tmp_path):
+    p = tmp_path / "bad.jsonl"
+    p.write_text('{"text": "ok"}\n{"text": oops}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: invalid JSON"):
+        data.load_texts(p)
+    p.write_text('{"text": 5}\n')
+    with pytest.raises(ValueError, match="is int, not a string"):
+        data.load_texts(p)
+
+
+def test_hf_dataset_save_to_disk_and_object(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    ds = datasets.Dataset.from_dict({"content": DOCS})
+    ds.save_to_disk(str(tmp_path / "saved"))
+    assert data.load_texts(tmp_path / "saved", text_field="content") == DOCS
+    dd = datasets.DatasetDict({"train": ds, "test": ds.select([0])})
+    dd.save_to_disk(str(tmp_path / "saved_dict"))
+    assert data.load_texts(tmp_path / "saved_dict", text_field="content", split="test") == DOCS[:1]
+    assert data.load_texts(ds, text_field="content") == DOCS
+    with pytest.raises(ValueError, match=r"no column 'text' \(columns: \['content'\]\)"):
+        data.load_texts(ds)
+    with pytest.raises(ValueError, match="no split 'validation'"):
+        data.load_texts(dd, text_field="content", split="validation")
+
+
+def test_local_json_and_csv_via_datasets(tmp_path):
+    pytest.importorskip("datasets")
+    p = tmp_path / "rows.json"
+    p.write_text(json.dumps([{"text": d} for d in DOCS]))
+    assert data.load_texts(p, cache_dir=str(tmp_path / "cache")) == DOCS
+    c = tmp_path / "rows.csv"
+    c.write_text("text,n\n" + "".join(f'"{d}",{i}\n' for i, d in enumerate(["alpha beta", "gamma"])))
+    assert data.load_texts(c, cache_dir=str(tmp_path / "cache")) == ["alpha beta", "gamma"]
+
+
+def test_list_of_texts_and_prefixes():
+    assert data.load_texts(DOCS) == DOCS
+    with pytest.raises(TypeError, match="document 1 of the list is int"):
+        data.load_texts(["a", 1])
+    assert data.load_texts("task:add")[0].count("=") == 1
+    with pytest.raises(ValueError, match="unknown corpus 'nope'"):
+        data.load_texts("corpus:nope")
+
+
+# ------------------------------------------------------------------ clear errors
+def test_missing_empty_and_undecodable(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        data.load_texts(tmp_path / "nope.txt")
+    (tmp_path / "empty.txt").write_text("  \n")
+    with pytest.raises(ValueError, match="no text found"):
+        data.load_texts(tmp_path / "empty.txt")
+    (tmp_path / "emptydir").mkdir()
+    with pytest.raises(ValueError, match="holds no files"):
+        data.load_texts(tmp_path / "emptydir")
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"latin1.txt: not valid UTF-8 text \(byte 3"):
+        data.load_texts(tmp_path / "latin1.txt")
+    (tmp_path / "bin.dat").write_bytes(b"\x00\x01binary")
+    with pytest.raises(ValueError, match="NUL bytes"):
+        data.load_texts(tmp_path / "bin.dat")
+    d = tmp_path / "mixed"
+    d.mkdir()
+    (d / "good.txt").write_text("good text")
+    (d / "bad.bin").write_bytes(b"\xff\xfe\xfa")
+    with pytest.raises(ValueError, match="bad.bin"):
+        data.load_texts(d)
+    assert data.load_texts(d, on_decode_error="skip") == ["good text"]
+    with pytest.raises(TypeError, match="unsupported text source"):
+        data.load_texts(3.5)
+
+
+# ------------------------------------------------------------------ tokenizers
+def test_offline_bpe_roundtrip_deterministic_and_saved(tmp_path, bpe):
+    text = "Jumps over 42 dogs: def add(a, b) -> ü ✓"
+    ids = bpe.encode(text, add_special_tokens=False)
+    assert bpe.decode(ids) == text  # byte-level: unseen characters still round-trip
+    assert len(bpe) == 300 and bpe.eos_token_id == 0
+    again = data.train_bpe(DOCS * 5, vocab_size=300)
+    assert again.backend_tokenizer.to_str() == bpe.backend_tokenizer.to_str()
+    bpe.save_pretrained(str(tmp_path / "tok"))
+    loaded = data.load_tokenizer(tmp_path / "tok")
+    assert loaded.encode(text, add_special_tokens=False) == ids
+    assert data.load_tokenizer(tmp_path / "tok" / "tokenizer.json").encode(text) == ids
+    assert data.load_tokenizer(bpe.backend_tokenizer).encode(text) == ids
+
+
+def test_tokenizer_errors(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        data.load_tokenizer(tmp_path / "missing")
+    with pytest.raises(ValueError, match="no usable tokenizer"):
+        data.load_tokenizer(tmp_path)
+    with pytest.raises(ValueError, match="vocab_size"):
+        data.train_bpe(DOCS, vocab_size=100)
+
+
+# ------------------------------------------------------------------ packing
+def test_pack_is_concatenation_with_separators():
+    t = data.pack([[1, 2, 3], [4, 5], [6, 7, 8, 9]], 4, separator=0)
+    assert t.dtype == torch.int64
+    assert t.tolist() == [[1, 2, 3, 0], [4, 5, 0, 6], [7, 8, 9, 0]]
+    assert data.pack([[1, 2, 3], [4, 5]], 2).tolist() == [[1, 2], [3, 4]]  # tail dropped
+    with pytest.raises(ValueError, match="fewer than one sequence"):
+        data.pack([[1, 2]], 8)
+
+
+def test_build_token_dataset_matches_manual_encoding(tmp_path, bpe):
+    (tmp_path / "c.txt").write_text(DOCS[0])
+    ds = data.build_token_dataset(DOCS, bpe, seq_len=16)
+    stream = []
+    for d in DOCS:
+        stream += bpe.encode(d, add_special_tokens=False) + [bpe.eos_token_id]
+    n = len(stream) // 16
+    assert ds.tokens.shape == (n, 16) and ds.tokens.dtype == torch.int64
+    assert ds.tokens.flatten().tolist() == stream[: n * 16]
+    capped = data.build_token_dataset(DOCS, bpe, seq_len=16, max_tokens=40)
+    assert capped.tokens.shape == (2, 16)
+    with pytest.raises(ValueError, match="fewer than one sequence"):
+        data.build_token_dataset(tmp_path / "c.txt", bpe, seq_len=10_000)
+
+
+# ------------------------------------------------------------------ split / shard / batches
+def _dataset(n=23, t=5):
+    return data.TokenDataset(torch.arange(n * t, dtype=torch.int64).reshape(n, t))
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 4, 7])
+def test_shards_disjoint_cover_and_deterministic(count):
+    ds = _dataset()
+    shards = [ds.shard(i, count) for i in range(count)]
+    rows = [tuple(r.tolist()) for s in shards for r in s.tokens]
+    assert len(rows) == len(set(rows)) == len(ds)  # disjoint + full coverage
+    assert set(rows) == {tuple(r.tolist()) for r in ds.tokens}
+    sizes = [len(s) for s in shards]
+    assert max(sizes) - min(sizes) <= 1
+    assert all(torch.equal(s.tokens, ds.shard(i, count).tokens) for i, s in enumerate(shards))
+
+
+def test_shard_errors():
+    ds = _dataset(3)
+    with pytest.raises(ValueError, match="shard index"):
+        ds.shard(3, 3)
+    with pytest.raises(ValueError, match="shard count"):
+        ds.shard(0, 0)
+    with pytest.raises(ValueError, match="a shard would be empty"):
+        ds.shard(0, 4)
+
+
+def test_split_held_out_disjoint_spread_deterministic():
+    ds = _dataset(100)
+    train, held = ds.split(0.1, seed=3)
+    assert len(held) == 10 and len(train) == 90
+    firsts = sorted(r[0].item() for r in torch.cat([train.tokens, held.tokens]))
+    assert firsts == [r[0].item() for r in ds.tokens]  # disjoint, complete
+    assert torch.equal(ds.split(0.1, seed=3)[1].tokens, held.tokens)
+    assert not torch.equal(ds.split(0.1, seed=4)[1].tokens, held.tokens)
+    assert held.tokens[:, 0].max() - held.tokens[:, 0].min() > 50 * 5  # not just the tail
+    with pytest.raises(ValueError, match="eval_fraction"):
+        ds.split(1.0)
+    with pytest.raises(ValueError, match="keep any for training"):
+        _dataset(1).split(0.5)
+
+
+def test_batches_epochs_are_permutations_and_deterministic():
+    ds = _dataset(12)
+    got = list(ds.batches(4, seed=7, epochs=2))
+    assert len(got) == 6 and all(b.shape == (4, 5) for b in got)
+    epoch0 = torch.cat(got[:3])[:, 0].sort().values
+    assert torch.equal(epoch0, ds.tokens[:, 0])
+    again = list(ds.batches(4, seed=7, epochs=2))
+    assert all(torch.equal(a, b) for a, b in zip(got, again))
+    with pytest.raises(ValueError, match="batch_size"):
+        next(ds.batches(13))
+
+
+def test_token_dataset_validates():
+    with pytest.raises(ValueError, match="int64"):
+        data.TokenDataset(torch.zeros(2, 3, dtype=torch.int32))
+    with pytest.raises(TypeError):
+        data.TokenDataset([[1, 2]])
