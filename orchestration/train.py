@@ -1,0 +1,558 @@
+"""``python -m orchestration.train``: adapt a causal LM on an X x Y mesh of processes.
+
+    python -m orchestration.train                      # embedded default: 3x2 CPU mesh, a few minutes
+    python -m orchestration.train --preset m95 --steps 50
+    python -m orchestration.train --config run.yaml --mesh.rows 4
+    torchrun --nnodes 2 --nproc-per-node 3 ... -m orchestration.train --preset m95   # multi-node
+
+Flow: ``main`` parses and validates the config, then ``prepare`` checks every path and
+builds the model and token data once, all BEFORE a process is spawned (bad input is a
+clear error, never a dead mesh). Without torchrun variables it spawns the local mesh
+itself (orchestration.launch); under torchrun each process is one rank. Every rank runs
+``run_rank``: join the mesh, take its stage of the model, then the step loop:
+
+    pipeline step (schedule + codec boundaries, grad accumulation over micro-batches)
+    -> tied-embedding grad sync -> DP gradient all-reduce (dp.mode=allreduce)
+    -> global grad-norm clip -> anchor gradients (if any arrived) -> inner optimizer
+    -> Streaming DiLoCo (dp.mode=diloco) -> metrics / progress / checkpoint
+
+The anchor circuit (issue 6) plugs in through ``orchestration.anchor``: fast ranks poll
+an ``AnchorHook`` once per step; anchor ranks run ``anchor.run_anchor_rank(ctx)``.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP (environment.md)
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # we fork after tokenizing
+
+import math
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from orchestration import checkpoint as ckpt
+from orchestration.config import Config, parse_args, to_yaml
+from orchestration.launch import MeshFailure, run_local
+from orchestration.mesh import MeshLayout, init_mesh, destroy_mesh
+from orchestration.metrics import AXES, JsonlWriter, LinkCounter, format_table, summary_rows
+
+DEFAULT_DATA = "corpus:python"  # domain B of orchestration.corpora: the base model never saw it
+
+
+# ============================================================== before any process starts
+@dataclass
+class Plan:
+    """Everything resolved in the parent: paths, the token rows, the model (fork only)."""
+
+    model_path: str
+    run_dir: str
+    ckpt_dir: str
+    train_rows: torch.Tensor
+    eval_rows: torch.Tensor
+    resume_from: str = ""
+    model: object = None  # loaded once in the parent and inherited by forked ranks
+    num_layers: int = 0
+    hidden_size: int = 0
+    arch: str = ""
+
+
+def prepare(cfg: Config, *, load_model: bool = True) -> Plan:
+    """Checks the model, data and checkpoint inputs and loads them; ValueError/FileNotFoundError
+    name the problem. Nothing here needs another process."""
+    from transformers import AutoConfig
+
+    from orchestration import data as data_mod
+    from orchestration import models
+    from orchestration.stages import SUPPORTED_ARCHITECTURES, balanced_layers
+
+    path = cfg.model.path or models.default_base_model(progress=True)
+    if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"--model.path {path!r} is not a Hugging Face checkpoint directory (no config.json)")
+    try:
+        hf_cfg = AutoConfig.from_pretrained(path, local_files_only=True)
+    except (ValueError, KeyError, OSError) as e:
+        raise ValueError(f"--model.path {path}: unreadable or unknown architecture in config.json ({e})") from None
+    arch = (getattr(hf_cfg, "architectures", None) or [type(hf_cfg).__name__])[0]
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"--model.path {path}: architecture {arch} cannot be split into stages; "
+                         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    n_layers = hf_cfg.num_hidden_layers
+    lps = cfg.mesh.layers_per_stage
+    if lps:
+        if sum(lps) != n_layers:
+            raise ValueError(f"--mesh.layers_per_stage {lps} sums to {sum(lps)}, the model has {n_layers} decoder layers")
+    else:
+        balanced_layers(n_layers, cfg.mesh.stages)  # raises: more stages than layers
+    if cfg.anchor.enabled:
+        try:
+            import orchestration.anchor  # noqa: F401
+        except ImportError:
+            raise ValueError("--anchor.enabled: the anchor circuit (orchestration/anchor.py) is not available") from None
+
+    source = cfg.data.source or DEFAULT_DATA
+    if not source.startswith(("corpus:", "task:")) and not os.path.exists(source):
+        raise FileNotFoundError(f"--data.source {source!r} does not exist")
+    max_tokens = cfg.data.max_sequences * cfg.data.seq_len if cfg.data.max_sequences else None
+    ds = data_mod.build_token_dataset(source, path, cfg.data.seq_len, max_tokens=max_tokens)
+    if cfg.data.eval_fraction > 0:
+        train_ds, eval_ds = ds.split(cfg.data.eval_fraction, seed=cfg.train.seed)
+    else:
+        train_ds, eval_ds = ds, None
+    per_row = len(train_ds) // cfg.fast_rows
+    if per_row < cfg.train.batch_size:
+        raise ValueError(f"--data.source {source}: {len(train_ds)} training sequences of {cfg.data.seq_len} tokens "
+                         f"give each of {cfg.fast_rows} replicas {per_row}, fewer than --train.batch_size "
+                         f"{cfg.train.batch_size}; use more text, a shorter --data.seq_len or a smaller batch")
+    if hf_cfg.vocab_size <= int(ds.tokens.max()):
+        raise ValueError(f"--data.source tokens reach id {int(ds.tokens.max())} but the model's vocab is {hf_cfg.vocab_size}")
+
+    name = cfg.run.name or f"{cfg.preset or 'default'}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = os.path.join(cfg.run.out_dir, name)
+    ckpt_dir = cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints")
+    resume_from = ""
+    if cfg.checkpoint.resume:
+        resume_from = ckpt.resolve(cfg.checkpoint.resume, ckpt_dir)
+        meta = ckpt.read_meta(resume_from)
+        if (meta["rows"], meta["stages"]) != (cfg.mesh.rows, cfg.mesh.stages):
+            raise ValueError(f"--checkpoint.resume {resume_from} was written by a {meta['rows']}x{meta['stages']} mesh, "
+                             f"this run is {cfg.mesh.rows}x{cfg.mesh.stages}")
+        if meta["step"] >= cfg.train.steps:
+            raise ValueError(f"--checkpoint.resume {resume_from} is at step {meta['step']}, not before --train.steps {cfg.train.steps}")
+    plan = Plan(path, run_dir, ckpt_dir, train_ds.tokens, None if eval_ds is None else eval_ds.tokens,
+                resume_from, num_layers=n_layers, hidden_size=hf_cfg.hidden_size, arch=arch)
+    if load_model:
+        plan.model = _load_model(cfg, path)
+    return plan
+
+
+def _load_model(cfg: Config, path: str):
+    from orchestration.models import load_causal_lm
+
+    model, _ = load_causal_lm(path, dtype=getattr(torch, cfg.model.dtype))
+    return model
+
+
+# ============================================================== per-rank pieces
+def lr_at(step: int, cfg: Config) -> float:
+    """Linear warmup to train.lr, then cosine decay to lr * min_lr_ratio at the last step."""
+    t = cfg.train
+    if step < t.warmup_steps:
+        return t.lr * (step + 1) / t.warmup_steps
+    span = max(1, t.steps - t.warmup_steps)
+    frac = min(1.0, (step - t.warmup_steps) / span)
+    return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+class BatchSampler:
+    """Stateless: the batch of step s is a pure function of (rows, seed, s), so a resumed
+    run sees exactly the batches the uninterrupted run would have seen."""
+
+    def __init__(self, rows: torch.Tensor, batch_size: int, seed: int):
+        self.rows, self.B, self.seed = rows, batch_size, seed
+        self.per_epoch = len(rows) // batch_size
+        self._perm_epoch, self._perm = -1, None
+
+    def __call__(self, step: int) -> torch.Tensor:
+        epoch, i = divmod(step, self.per_epoch)
+        if epoch != self._perm_epoch:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._perm, self._perm_epoch = torch.randperm(len(self.rows), generator=g), epoch
+        return self.rows[self._perm[i * self.B:(i + 1) * self.B]]
+
+
+class NullAnchor:
+    """The anchor hook when the anchor is off: never anything to fold in."""
+
+    bytes_sent = 0
+
+    def poll(self, step: int):
+        """Returns (grads aligned with the optimizer's params, staleness) or None."""
+        return None
+
+    def after_step(self, step: int) -> None:
+        pass
+
+    def stats(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+def make_compressor(cfg: Config):
+    from meshkern import compress
+
+    names = {"none": "NoCompression", "powersgd": "PowerSGD", "sparseloco": "SparseLoCo", "int8": "Int8"}
+    cls = getattr(compress, names[cfg.dp.compressor], None)
+    if cls is None:
+        raise ValueError(f"--dp.compressor {cfg.dp.compressor}: meshkern.compress.{names[cfg.dp.compressor]} is not available")
+    return cls(timeout_s=cfg.mesh.timeout_s, **cfg.dp.compressor_options)
+
+
+def make_optimizer(cfg: Config, stage):
+    t = cfg.train
+    kw = dict(lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=t.weight_decay)
+    if t.optimizer == "spectral":
+        from meshkern.optim import SpectralAdamW, spectral_param_groups
+
+        return SpectralAdamW(spectral_param_groups(stage), tau=t.tau, alpha=t.alpha, beta_anc=t.beta_anc,
+                             rank=t.spectral_rank, seed=t.seed, **kw)
+    return torch.optim.AdamW([p for p in stage.parameters() if p.requires_grad], **kw)
+
+
+@dataclass
+class RankContext:
+    """What a rank holds; handed to the anchor module's hooks."""
+
+    cfg: Config
+    plan: Plan
+    mesh: object
+    stage: object
+    params: list
+    optimizer: object = None
+    counter: LinkCounter = field(default_factory=LinkCounter)
+    step: int = 0
+
+
+# ============================================================== the rank's main loop
+def run_rank(rank: int, world_size: int, cfg: Config, plan: Plan) -> dict:
+    """Runs one rank to the end of training; returns its record (rank 0: the summary)."""
+    torch.set_num_threads(cfg.mesh.threads_per_rank)
+    layout = MeshLayout(cfg.mesh.rows, cfg.mesh.stages, cfg.anchor.enabled)
+    mesh = init_mesh(layout, backend=cfg.mesh.backend, timeout_s=cfg.mesh.timeout_s)
+    try:
+        return _run(rank, cfg, plan, mesh)
+    finally:
+        destroy_mesh()
+
+
+def _run(rank: int, cfg: Config, plan: Plan, mesh) -> dict:
+    from orchestration.codecs import make_codec
+    from orchestration.pipeline import PipelineExecutor
+    from orchestration.schedule import make_schedule
+    from orchestration.stages import split_model
+
+    torch.manual_seed(cfg.train.seed)
+    model = plan.model if plan.model is not None else _load_model(cfg, plan.model_path)
+    stages = split_model(model, cfg.mesh.stages, cfg.mesh.layers_per_stage or None)
+    stage = stages[mesh.stage]
+    del stages, model
+    plan.model = None
+    stage.train()
+    params = [p for p in stage.parameters() if p.requires_grad]
+    ctx = RankContext(cfg, plan, mesh, stage, params)
+
+    if mesh.is_anchor:
+        from orchestration import anchor
+
+        return anchor.run_anchor_rank(ctx)
+
+    opt = ctx.optimizer = make_optimizer(cfg, stage)
+    counter = ctx.counter
+    t = cfg.train
+    M = t.microbatches
+    codec = make_codec(cfg.boundary.codec, p=cfg.boundary.p, rescale=cfg.boundary.rescale, **cfg.boundary.options)
+    actions = make_schedule(t.schedule, cfg.mesh.stages, M)[mesh.stage]
+    # Each replica draws its own masks: mix the row into the Philox seed.
+    mask_seed = (t.seed << 16) | mesh.row
+    pipe = PipelineExecutor(stage, actions, codec=codec, prev_rank=mesh.prev_rank, next_rank=mesh.next_rank,
+                            rank=rank, seed=mask_seed, counter=counter)
+    sampler = BatchSampler(plan.train_rows[mesh.row::cfg.fast_rows], t.batch_size, t.seed + 7919 * mesh.row)
+
+    n_fast = cfg.fast_rows
+    allreduce = diloco = None
+    if n_fast > 1 and cfg.dp.mode == "allreduce":
+        allreduce = make_compressor(cfg)
+    elif n_fast > 1 and cfg.dp.mode == "diloco":
+        from meshkern.diloco import StreamingDiLoCo
+
+        d = cfg.dp
+        diloco = StreamingDiLoCo(list(stage.named_parameters()), mesh.dp, sync_every=d.sync_every,
+                                 num_fragments=d.fragments, outer_lr=d.outer_lr, outer_momentum=d.outer_momentum,
+                                 overlap_steps=d.overlap_steps, compressor=make_compressor(cfg),
+                                 timeout_s=cfg.mesh.timeout_s)
+    tied = stage.tied_lm_head or (stage.is_first and _tied_across(plan, cfg))
+    tied_param = (stage.lm_head.weight if stage.is_last else stage.embed_tokens.weight) if tied else None
+
+    hook = NullAnchor()
+    if cfg.anchor.enabled:
+        from orchestration import anchor
+
+        hook = anchor.make_fast_hook(ctx)
+
+    start = 0
+    if plan.resume_from:
+        st = ckpt.load_rank_state(plan.resume_from, rank)
+        stage.load_state_dict(st["stage"])
+        opt.load_state_dict(st["optimizer"])
+        counter.load_state_dict(st["counter"])
+        if diloco is not None and st.get("diloco") is not None:
+            diloco.load_state_dict(st["diloco"])
+        if allreduce is not None and st.get("compressor") is not None:
+            allreduce.load_state_dict(st["compressor"])
+        start = int(st["step"])
+
+    stop = {"flag": False}
+
+    def on_sigint(signum, frame):  # stop at the next step boundary, checkpoint, exit
+        stop["flag"] = True
+
+    signal.signal(signal.SIGINT, on_sigint)
+
+    is_log = rank == 0
+    writer = JsonlWriter(os.path.join(plan.run_dir, "metrics.jsonl")) if is_log else None
+    bar = None
+    if is_log and cfg.run.progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=t.steps, initial=start, desc="train", unit="step", dynamic_ncols=True, file=sys.stdout)
+    tokens_per_step = n_fast * t.batch_size * cfg.data.seq_len
+    Y = cfg.mesh.stages
+    history: list[dict] = []
+    last_ckpt = plan.resume_from
+    t_start = time.perf_counter()
+    t_last = t_start
+    steps_done = 0
+    step = start
+    interrupted = False
+    for step in range(start, t.steps):
+        ctx.step = step
+        if rank == cfg.run.fail_rank and step == cfg.run.fail_step:
+            os.kill(os.getpid(), signal.SIGKILL)  # fault injection (tests): die like a crashed node
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, cfg)
+        stats = pipe.step(step, sampler(step), num_microbatches=M)
+
+        if tied_param is not None:
+            dist.all_reduce(tied_param.grad, group=mesh.groups[f"ends{mesh.row}"])
+        if allreduce is not None:
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            for p, g in zip(params, allreduce.all_reduce_mean(grads, mesh.dp, key=f"stage{mesh.stage}")):
+                p.grad = g
+            counter.set_total("dp", allreduce.bytes_sent)
+        gnorm = _clip(params, t.clip_grad_norm, mesh.pp)
+        got = hook.poll(step)
+        if got is not None:
+            opt.observe_anchor(*got)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if diloco is not None:
+            diloco.step()
+            counter.set_total("dp", diloco.bytes_sent)
+        counter.set_total("anchor", hook.bytes_sent)
+        hook.after_step(step)
+
+        # One small all-reduce over the fast ranks: stop flag, loss, times, bytes.
+        vec = torch.zeros(4 + 3 * Y + len(AXES), dtype=torch.float64)
+        vec[0] = float(stop["flag"])
+        vec[1] = stats.loss if mesh.is_last else 0.0
+        vec[2] = gnorm / Y if mesh.is_first else 0.0
+        vec[3] = stats.wait_s / (n_fast * Y)
+        vec[4 + mesh.stage] = sum(stats.fwd_s) / len(stats.fwd_s) / n_fast
+        vec[4 + Y + mesh.stage] = sum(stats.bwd_s) / len(stats.bwd_s) / n_fast
+        tot = counter.totals()
+        for i, a in enumerate(AXES):
+            vec[4 + 2 * Y + i] = tot[a]
+        vec[4 + 2 * Y + len(AXES) + mesh.stage] = tot["dp"]
+        dist.all_reduce(vec, group=mesh.fast)
+        steps_done += 1
+        now = time.perf_counter()
+        rec = {"step": step + 1, "loss": vec[1].item() / n_fast, "lr": lr_at(step, cfg), "grad_norm": vec[2].item(),
+               "tokens": (step + 1) * tokens_per_step, "step_s": now - t_last,
+               "tokens_per_s": tokens_per_step / max(now - t_last, 1e-9), "recv_wait_s": vec[3].item(),
+               "fwd_s": vec[4:4 + Y].tolist(), "bwd_s": vec[4 + Y:4 + 2 * Y].tolist(),
+               "bytes": {a: int(vec[4 + 2 * Y + i]) for i, a in enumerate(AXES)},
+               "dp_bytes_by_stage": [int(v) for v in vec[4 + 2 * Y + len(AXES):].tolist()]}
+        rec["bytes_per_token"] = {a: rec["bytes"][a] / rec["tokens"] for a in AXES}
+        rec.update({f"anchor_{k}": v for k, v in hook.stats().items()})
+        if hasattr(opt, "anchor_stats") and cfg.anchor.enabled:
+            rec["anchor_optim"] = {k: v for k, v in opt.anchor_stats().items() if isinstance(v, (int, float, type(None)))}
+        t_last = now
+        history.append(rec)
+        if is_log:
+            if (step + 1) % cfg.run.log_every == 0 or step + 1 == t.steps:
+                writer.write(rec)
+            if bar is not None:
+                bpt = rec["bytes_per_token"]
+                bar.set_postfix_str(f"loss {rec['loss']:.3f} | {rec['tokens_per_s']:.0f} tok/s | "
+                                    f"B/tok PP {bpt['pp_fwd'] + bpt['pp_bwd']:.0f} DP {bpt['dp']:.0f}", refresh=False)
+                bar.update(1)
+        stopping = vec[0].item() > 0
+        due = cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0
+        if due or stopping or step + 1 == t.steps:
+            if diloco is not None:
+                diloco.finish()
+            last_ckpt = save(cfg, plan, mesh, stage, opt, diloco, allreduce, counter, step + 1)
+        if stopping:
+            interrupted = True
+            break
+    if bar is not None:
+        bar.close()
+    hook.close()
+    elapsed = time.perf_counter() - t_start
+    out = {"rank": rank, "losses": [h["loss"] for h in history], "bytes": counter.totals(),
+           "by_link": counter.by_link(), "interrupted": interrupted, "checkpoint": last_ckpt}
+    if is_log:
+        writer.close()
+        s = summarize(cfg, plan, history, elapsed, steps_done, last_ckpt)
+        out["summary"] = s
+        if interrupted:
+            print(f"interrupted: checkpoint saved at step {step + 1} in {last_ckpt}; continue with "
+                  f"--checkpoint.resume {last_ckpt}", flush=True)
+        print(format_table(summary_rows(s), title="meshkern run summary"), flush=True)
+    return out
+
+
+def _tied_across(plan: Plan, cfg: Config) -> bool:
+    from transformers import AutoConfig
+
+    return cfg.mesh.stages > 1 and bool(getattr(AutoConfig.from_pretrained(plan.model_path), "tie_word_embeddings", False))
+
+
+def _clip(params, max_norm: float, pp_group) -> float:
+    """Global L2 norm of the replica's gradient (all stages) and clipping to ``max_norm``."""
+    sq = torch.zeros(1, dtype=torch.float64)
+    for p in params:
+        if p.grad is not None:
+            sq += p.grad.detach().double().pow(2).sum()
+    dist.all_reduce(sq, group=pp_group)
+    norm = math.sqrt(sq.item())
+    if max_norm > 0 and norm > max_norm:
+        coef = max_norm / (norm + 1e-6)
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(coef)
+    return norm
+
+
+def save(cfg: Config, plan: Plan, mesh, stage, opt, diloco, allreduce, counter, step: int) -> str:
+    """Every fast rank writes its part; rank 0 publishes the checkpoint atomically."""
+    root = plan.ckpt_dir
+    tmp = ckpt.step_dir(root, step) + ".tmp"
+    os.makedirs(tmp, exist_ok=True)
+    dist.barrier(group=mesh.fast)  # the directory exists before anyone writes (rank 0 may have removed an old one)
+    if mesh.row == 0:
+        ckpt.write_stage_shard(tmp, stage, cfg.mesh.stages)
+    ckpt.write_rank_state(tmp, mesh.rank, {
+        "step": step, "stage": stage.state_dict(), "optimizer": opt.state_dict(),
+        "diloco": None if diloco is None else diloco.state_dict(),
+        "compressor": None if allreduce is None else allreduce.state_dict(),
+        "counter": counter.state_dict()})
+    dist.barrier(group=mesh.fast)
+    final = ckpt.step_dir(root, step)
+    if mesh.rank == 0:
+        meta = {"step": step, "rows": cfg.mesh.rows, "stages": cfg.mesh.stages, "anchor": cfg.anchor.enabled,
+                "model_path": plan.model_path, "config": cfg.to_dict()}
+        ckpt.finalize(root, tmp, step, meta, plan.model_path, cfg.mesh.stages, cfg.checkpoint.keep)
+    dist.barrier(group=mesh.fast)
+    return final
+
+
+def summarize(cfg: Config, plan: Plan, history: list[dict], elapsed: float, steps_done: int, last_ckpt: str) -> dict:
+    last = history[-1]
+    t = cfg.train
+    tokens_run = steps_done * cfg.fast_rows * t.batch_size * cfg.data.seq_len
+    bpt = last["bytes_per_token"]
+    model = modeled_step(cfg, plan, history)
+    s = {
+        "mesh": f"{cfg.mesh.rows}x{cfg.mesh.stages} ({cfg.fast_rows} fast replicas"
+                + (" + anchor" if cfg.anchor.enabled else "") + f" x {cfg.mesh.stages} stages)",
+        "model": f"{plan.arch} ({plan.num_layers} layers, H={plan.hidden_size}) from {plan.model_path}",
+        "codec": cfg.boundary.codec + (f" p={cfg.boundary.p}" if cfg.boundary.codec in ("mask", "topk", "bottleneck") else ""),
+        "dp": cfg.dp.mode + ("" if cfg.dp.mode == "none" else f" + {cfg.dp.compressor}"),
+        "steps": last["step"], "tokens": last["tokens"],
+        "loss_first": history[0]["loss"], "loss_last": last["loss"],
+        "tokens_per_s": tokens_run / max(elapsed, 1e-9),
+        "bytes_per_token": bpt, "bytes_per_token_pp": bpt["pp_fwd"] + bpt["pp_bwd"],
+        "bytes_per_token_total": sum(bpt.values()),
+        "bandwidth_bps": cfg.run.bandwidth_bps,
+        "modeled_tokens_per_s": None if model is None else model.tokens_per_s,
+        "modeled_limit": None if model is None else model.limiting,
+        "checkpoint": last_ckpt, "metrics_path": os.path.join(plan.run_dir, "metrics.jsonl"),
+    }
+    return s
+
+
+def modeled_step(cfg: Config, plan: Plan, history: list[dict]):
+    """The link model's step (orchestration.linkmodel.model_step) at --run.bandwidth_bps and
+    --run.latency_s, replaying this run's schedule with its measured per-stage compute times
+    (median over steps, the first step excluded as warm-up) and its exact byte counts."""
+    from orchestration import linkmodel
+    from orchestration.codecs import make_codec
+    from orchestration.schedule import make_schedule
+
+    t, Y, X = cfg.train, cfg.mesh.stages, cfg.fast_rows
+    hist = history[1:] or history
+    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    compute = {"F": [med([h["fwd_s"][s] for h in hist]) for s in range(Y)],
+               "B": [med([h["bwd_s"][s] for h in hist]) for s in range(Y)]}
+    codec = make_codec(cfg.boundary.codec, p=cfg.boundary.p, rescale=cfg.boundary.rescale, **cfg.boundary.options)
+    shape = (t.batch_size // t.microbatches, cfg.data.seq_len, plan.hidden_size)
+    dtype = getattr(torch, cfg.model.dtype)
+    msg = {"F": codec.wire_bytes(shape, dtype, "fwd"), "B": codec.wire_bytes(shape, dtype, "bwd")}
+    # Measured DP bytes each node sent per step (ring all-reduce), back to the payload.
+    n = history[-1]["step"]  # counters are cumulative since step 0 (restored on resume)
+    ring = 2.0 * (X - 1) / X if X > 1 else 1.0
+    dp_payload = [history[-1]["dp_bytes_by_stage"][s] / n / X / ring for s in range(Y)]
+    anchor = history[-1]["bytes"]["anchor"] / n / max(1, X * Y)
+    return linkmodel.model_step(make_schedule(t.schedule, Y, t.microbatches), compute, msg,
+                                linkmodel.LinkSpec(cfg.run.bandwidth_bps, cfg.run.latency_s),
+                                replicas=X, tokens_per_replica=t.batch_size * cfg.data.seq_len,
+                                dp_payload_bytes=dp_payload, dp_blocking=cfg.dp.mode == "allreduce",
+                                anchor_up_bytes=anchor)
+
+
+# ============================================================== entry point
+def under_torchrun() -> bool:
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cfg, ns = parse_args(argv)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if ns.print_config:
+        print(to_yaml(cfg), end="")
+        return 0
+    torch.set_num_threads(cfg.mesh.threads_per_rank)
+    try:
+        plan = prepare(cfg, load_model=cfg.mesh.start_method == "fork" and not under_torchrun())
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if under_torchrun():
+        world = int(os.environ["WORLD_SIZE"])
+        if world != cfg.world_size:
+            print(f"error: torchrun started {world} processes, the {cfg.mesh.rows}x{cfg.mesh.stages} mesh needs "
+                  f"{cfg.world_size}", file=sys.stderr)
+            return 2
+        run_rank(int(os.environ["RANK"]), world, cfg, plan)
+        return 0
+    os.makedirs(plan.run_dir, exist_ok=True)
+    with open(os.path.join(plan.run_dir, "config.yaml"), "w") as f:
+        f.write(to_yaml(cfg))
+    layout = MeshLayout(cfg.mesh.rows, cfg.mesh.stages, cfg.anchor.enabled)
+    try:
+        run_local(run_rank, cfg.world_size, (cfg, plan), start_method=cfg.mesh.start_method,
+                  threads=cfg.mesh.threads_per_rank, describe=layout.describe)
+    except MeshFailure as e:
+        print(f"\nerror: the mesh stopped: {e}", file=sys.stderr)
+        if e.details:
+            print(e.details, file=sys.stderr)
+        latest = os.path.join(plan.ckpt_dir, ckpt.LATEST)
+        if os.path.isfile(latest):
+            print(f"last complete checkpoint: {ckpt.resolve('latest', plan.ckpt_dir)} "
+                  f"(resume with --checkpoint.resume latest --checkpoint.dir {plan.ckpt_dir})", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""The trainer end to end on spawned gloo meshes with a tiny model: checkpoint/resume,
+a killed rank, and bad input refused before any process starts."""
+import glob
+import json
+import os
+import sysconfig
+import time
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from orchestration import checkpoint as ckpt
+from orchestration.config import parse_args
+from orchestration.launch import MeshFailure, run_local
+from orchestration.mesh import MeshLayout
+from orchestration.train import main, prepare, run_rank
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny Llama + offline BPE tokenizer (HF directory) and a small local text file."""
+    from orchestration.data import train_bpe
+
+    root = tmp_path_factory.mktemp("tiny")
+    src = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "json", "*.py")))
+    text = "\n".join(open(f).read() for f in src)[:120_000]
+    (root / "data.txt").write_text(text)
+    tok = train_bpe([text], vocab_size=300)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=40, intermediate_size=64,
+                                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                         max_position_embeddings=64, tie_word_embeddings=False))
+    model.save_pretrained(root / "model")
+    tok.save_pretrained(root / "model")
+    return root
+
+
+def _args(tiny, tmp_path, *extra):
+    return ["--model", str(tiny / "model"), "--data", str(tiny / "data.txt"), "--data.seq_len", "32",
+            "--data.max_sequences", "200", "--train.batch_size", "4", "--train.microbatches", "2",
+            "--run.out_dir", str(tmp_path), "--run.name", "t", "--run.progress", "false",
+            "--mesh.timeout_s", "30", *extra]
+
+
+def _run(argv):
+    cfg, _ = parse_args(argv)
+    plan = prepare(cfg)
+    lay = MeshLayout(cfg.mesh.rows, cfg.mesh.stages)
+    return cfg, plan, run_local(run_rank, cfg.world_size, (cfg, plan), timeout_s=180, describe=lay.describe)
+
+
+def test_checkpoint_then_resume_continues_with_identical_losses(tiny, tmp_path):
+    base = _args(tiny, tmp_path, "--mesh.rows", "2", "--mesh.stages", "2", "--train.steps", "4",
+                 "--checkpoint.every", "2", "--boundary.codec", "mask", "--boundary.p", "0.9")
+    cfg, plan, res = _run(base)
+    full = res[1]["losses"]  # rank 1 = replica 0's last stage
+    assert len(full) == 4 and all(l > 0 for l in full)
+    step2 = ckpt.step_dir(plan.ckpt_dir, 2)
+    assert os.path.isdir(step2) and ckpt.read_meta(step2)["step"] == 2
+
+    # The exported model is a standard (sharded) HF checkpoint with replica 0's weights.
+    from orchestration.models import load_causal_lm
+
+    final = ckpt.resolve("latest", plan.ckpt_dir)
+    model, tok_path = load_causal_lm(final)
+    assert tok_path == final
+    st = ckpt.load_rank_state(final, 0)["stage"]
+    torch.testing.assert_close(model.model.embed_tokens.weight, st["embed_tokens.weight"])
+    torch.testing.assert_close(model.model.layers[0].mlp.up_proj.weight, st["layers.0.mlp.up_proj.weight"])
+
+    _, _, res2 = _run(base + ["--checkpoint.resume", step2])
+    assert res2[1]["losses"] == full[2:]  # bit-identical continuation
+    assert res2[0]["bytes"] == res[0]["bytes"]  # counters restored, then the same traffic
+
+
+def test_killed_rank_stops_the_mesh_and_keeps_the_last_checkpoint(tiny, tmp_path):
+    argv = _args(tiny, tmp_path, "--mesh.rows", "2", "--mesh.stages", "2", "--train.steps", "50",
+                 "--checkpoint.every", "2", "--run.fail_rank", "3", "--run.fail_step", "3")
+    cfg, _ = parse_args(argv)
+    plan = prepare(cfg)
+    lay = MeshLayout(2, 2)
+    t0 = time.monotonic()
+    with pytest.raises(MeshFailure, match=r"rank 3 \(replica 1, stage 1\) died: killed by signal SIGKILL"):
+        run_local(run_rank, 4, (cfg, plan), timeout_s=120, describe=lay.describe)
+    assert time.monotonic() - t0 < 60
+    last = ckpt.resolve("latest", plan.ckpt_dir)
+    assert ckpt.read_meta(last)["step"] == 2
+    for r in range(4):
+        assert ckpt.load_rank_state(last, r)["step"] == 2
+    from orchestration.models import load_causal_lm
+
+    load_causal_lm(last)
+
+
+def test_main_reports_a_dead_rank(tiny, tmp_path, capsys):
+    rc = main(_args(tiny, tmp_path, "--mesh.rows", "1", "--mesh.stages", "2", "--train.steps", "20",
+                    "--run.fail_rank", "0", "--run.fail_step", "1"))
+    assert rc == 1
+    assert "rank 0 (replica 0, stage 0) died: killed by signal SIGKILL" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--mesh.stages", "5"], "more stages than layers"),
+    (["--mesh.layers_per_stage", "3,2"], "sums to 5"),
+    (["--train.batch_size", "5"], "does not split into"),
+    (["--data.source", "/nonexistent/text"], "does not exist"),
+    (["--model.path", "/nonexistent/model"], "not a Hugging Face checkpoint"),
+    (["--boundary.codec", "zip"], "--boundary.codec must be one of"),
+])
+def test_bad_input_is_refused_before_spawning(tiny, tmp_path, capsys, monkeypatch, extra, message):
+    import orchestration.train as train_mod
+
+    def no_spawn(*a, **k):
+        raise AssertionError("a process was spawned")
+
+    monkeypatch.setattr(train_mod, "run_local", no_spawn)
+    assert main(_args(tiny, tmp_path, *extra)) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_unknown_architecture_is_refused(tiny, tmp_path, capsys):
+    bad = tmp_path / "gpt2"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
+                                                 "n_layer": 2, "n_embd": 16, "n_head": 2, "vocab_size": 300}))
+    assert main(_args(tiny, tmp_path, "--model.path", str(bad))) == 2
+    assert "cannot be split into stages" in capsys.readouterr().err
