@@ -1,0 +1,191 @@
+"""The common base of meshkern's data-parallel compressors.
+
+A compressor averages a list of tensors across the ranks of a torch.distributed process
+group, possibly lossily, possibly keeping error-feedback state between calls:
+
+    out = compressor.all_reduce_mean(tensors, group, key="fragment0")
+
+Guarantees every subclass keeps:
+- every rank returns the same ``out`` (same values, shapes and dtypes as ``tensors``);
+- only tensor collectives go on the wire (all_reduce / all_gather of plain tensors,
+  never pickled objects);
+- every collective is awaited with ``timeout_s``: a dead or hung peer raises
+  :class:`SyncError` (a RuntimeError) naming the collective, never a hang;
+- state (error feedback, warm-start factors) is kept per ``key``, so one compressor
+  can serve several independent streams (e.g. Streaming DiLoCo's fragments), and is
+  saved/restored by ``state_dict`` / ``load_state_dict`` (tensors only, safe to load
+  with ``weights_only=True``);
+- byte counters are exact and per rank (see "Byte accounting").
+
+Byte accounting. ``payload_bytes`` is the exact size of what this rank hands to
+collectives (the compressed message). ``bytes_sent`` / ``bytes_received`` are the bytes
+this rank puts on / takes off its links when each collective runs as a ring, the
+bandwidth-optimal algorithm gloo and NCCL use for large messages: an all_reduce of N
+elements is split into ``world`` chunks (sizes as ``torch.tensor_split``), and each rank
+sends every chunk but two (reduce-scatter, then all-gather) and receives every chunk
+but two; an all_gather of equal blocks of b bytes sends and receives (world-1)*b.
+The counts are exact integers under that model and are what the link model uses.
+"""
+from __future__ import annotations
+
+import datetime
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+class SyncError(RuntimeError):
+    """A collective failed or did not complete within the timeout (peer died or hung)."""
+
+
+def ring_all_reduce_bytes(numel: int, itemsize: int, world: int, rank: int) -> tuple[int, int]:
+    """(sent, received) bytes of ``rank`` for a ring all-reduce of ``numel`` elements.
+
+    Chunks are sized as ``torch.tensor_split`` would (the first ``numel % world`` chunks
+    one element longer). Reduce-scatter step s: rank r sends chunk r-s, receives r-s-1;
+    all-gather step s: sends r+1-s, receives r-s (indices mod world, s = 0..world-2).
+    So rank r sends all chunks but r+1 and r+2, and receives all but r and r+1.
+    """
+    if world <= 1 or numel == 0:
+        return 0, 0
+    base, extra = divmod(numel, world)
+
+    def chunk(i: int) -> int:
+        return base + (1 if i % world < extra else 0)
+
+    sent = 2 * numel - chunk(rank + 1) - chunk(rank + 2)
+    received = 2 * numel - chunk(rank) - chunk(rank + 1)
+    return sent * itemsize, received * itemsize
+
+
+def ring_all_gather_bytes(block_bytes: int, world: int) -> tuple[int, int]:
+    """(sent, received) bytes of one rank for a ring all_gather of equal blocks."""
+    return (world - 1) * block_bytes, (world - 1) * block_bytes
+
+
+def _group_size_rank(group) -> tuple[int, int]:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialized: call init_process_group first")
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+class Compressor:
+    """Base class: collectives with timeouts, exact byte counters, per-key state.
+
+    Subclasses implement :meth:`_all_reduce_mean` (and :meth:`payload_bytes_for`) using
+    :meth:`_all_reduce` / :meth:`_all_gather`, which count bytes and enforce timeouts.
+    """
+
+    #: True when the compressor's error feedback plays the role of the outer momentum
+    #: (SparseLoCo): Streaming DiLoCo then defaults its outer momentum to 0.
+    replaces_outer_momentum = False
+
+    def __init__(self, *, timeout_s: float = DEFAULT_TIMEOUT_S):
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.timeout_s = float(timeout_s)
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.payload_bytes = 0
+        self.calls = 0
+
+    # ---- public API -------------------------------------------------------------------
+    def all_reduce_mean(self, tensors: Sequence[torch.Tensor], group=None, *, key: str = "default") -> list[torch.Tensor]:
+        """Average ``tensors`` over the ranks of ``group``; every rank gets the same result.
+
+        ``tensors``: floating-point tensors, the same shapes/dtypes/order on every rank.
+        Returns new tensors (inputs are not modified). ``key`` selects the state stream.
+        Raises TypeError/ValueError for bad input, SyncError when a peer fails.
+        """
+        tensors = list(tensors)
+        for i, t in enumerate(tensors):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"tensors[{i}] is a {type(t).__name__}, expected a torch.Tensor")
+            if not t.is_floating_point():
+                raise TypeError(f"tensors[{i}] has dtype {t.dtype}; compressors average floating-point tensors")
+        if not isinstance(key, str):
+            raise TypeError(f"key must be a str, got {type(key).__name__}")
+        world, _ = _group_size_rank(group)
+        if not tensors:
+            return []
+        self.calls += 1
+        with torch.no_grad():
+            return self._all_reduce_mean([t.detach() for t in tensors], group, world, key)
+
+    def payload_bytes_for(self, shapes: Sequence[Sequence[int]], dtype: torch.dtype = torch.float32) -> int:
+        """Exact bytes this compressor hands to collectives for tensors of ``shapes``
+        (one call, any rank), without running it: for tables of a full model."""
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        """Counters plus subclass state (tensors and plain numbers only)."""
+        return {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
+                "payload_bytes": self.payload_bytes, "calls": self.calls, "state": self._state_dict()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        for k in ("bytes_sent", "bytes_received", "payload_bytes", "calls"):
+            setattr(self, k, int(sd[k]))
+        self._load_state_dict(sd["state"])
+
+    # ---- for subclasses ---------------------------------------------------------------
+    def _all_reduce_mean(self, tensors, group, world, key):
+        raise NotImplementedError
+
+    def _state_dict(self) -> dict:
+        return {}
+
+    def _load_state_dict(self, sd: dict) -> None:
+        pass
+
+    def _wait(self, work, what: str) -> None:
+        try:
+            ok = work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
+        except Exception as e:  # gloo raises on a reset connection or a timeout
+            raise SyncError(f"{type(self).__name__}: {what} failed or timed out after "
+                            f"{self.timeout_s:g} s (a peer died or hung): {e}") from e
+        if ok is False:
+            raise SyncError(f"{type(self).__name__}: {what} did not complete within {self.timeout_s:g} s")
+
+    def _all_reduce(self, flat: torch.Tensor, group, what: str) -> torch.Tensor:
+        """In-place SUM all-reduce of a contiguous 1-D tensor, counted and timed out."""
+        world, rank = _group_size_rank(group)
+        self.payload_bytes += flat.numel() * flat.element_size()
+        s, r = ring_all_reduce_bytes(flat.numel(), flat.element_size(), world, rank)
+        self.bytes_sent += s
+        self.bytes_received += r
+        if world > 1:
+            self._wait(dist.all_reduce(flat, group=group, async_op=True), what)
+        return flat
+
+    def _all_gather(self, block: torch.Tensor, group, what: str) -> torch.Tensor:
+        """All-gather of a contiguous 1-D block: returns [world, numel], counted, timed out."""
+        world, _ = _group_size_rank(group)
+        nbytes = block.numel() * block.element_size()
+        self.payload_bytes += nbytes
+        s, r = ring_all_gather_bytes(nbytes, world)
+        self.bytes_sent += s
+        self.bytes_received += r
+        out = torch.empty(world * block.numel(), dtype=block.dtype, device=block.device)
+        if world > 1:
+            self._wait(dist.all_gather_into_tensor(out, block, group=group, async_op=True), what)
+        else:
+            out.copy_(block)
+        return out.view(world, block.numel())
+
+
+def flatten(tensors: Sequence[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
+    """One contiguous 1-D buffer holding ``tensors`` back to back (cast to ``dtype``)."""
+    dtype = dtype or tensors[0].dtype
+    return torch.cat([t.reshape(-1).to(dtype) for t in tensors])
+
+
+def unflatten(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Inverse of :func:`flatten`: new tensors with the shapes and dtypes of ``like``."""
+    out, i = [], 0
+    for t in like:
+        out.append(flat[i:i + t.numel()].view(t.shape).to(t.dtype).clone())
+        i += t.numel()
+    return out
