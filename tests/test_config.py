@@ -1,0 +1,78 @@
+"""Config: defaults < preset < file < flags, types, validation messages, --help."""
+import json
+
+import pytest
+
+from orchestration.config import Config, build_parser, parse_args, presets, validate
+
+
+def test_precedence_preset_file_flags(tmp_path):
+    f = tmp_path / "run.yaml"
+    f.write_text("boundary: {p: 0.9}\ntrain: {steps: 7, lr: 1.0e-4}\n")
+    cfg, _ = parse_args(["--preset", "m95", "--config", str(f), "--steps", "9"])
+    assert cfg.boundary.codec == "mask"          # from the preset
+    assert cfg.boundary.p == 0.9                 # file overrides preset
+    assert cfg.train.lr == 1e-4 and cfg.train.steps == 9  # flag overrides file
+    assert cfg.dp.mode == "diloco" and cfg.dp.compressor == "powersgd"
+
+
+def test_json_file_and_typed_values(tmp_path):
+    f = tmp_path / "run.json"
+    f.write_text(json.dumps({"mesh": {"rows": 2, "layers_per_stage": [3, 1]}, "boundary": {"options": {"k": 3}}}))
+    cfg, _ = parse_args(["--config", str(f), "--run.progress", "false", "--dp.compressor_options", '{"rank": 2}'])
+    assert cfg.mesh.rows == 2 and cfg.mesh.layers_per_stage == [3, 1]
+    assert cfg.boundary.options == {"k": 3} and cfg.dp.compressor_options == {"rank": 2}
+    assert cfg.run.progress is False
+    cfg, _ = parse_args(["--mesh.layers_per_stage", "2,1,1", "--mesh.stages", "3"])
+    assert cfg.mesh.layers_per_stage == [2, 1, 1]
+
+
+def test_every_preset_loads_and_matches_its_row():
+    assert set(presets()) >= {"dense", "dp", "m95", "m90-ap", "m95-ap"}
+    rows = {n: parse_args(["--preset", n])[0] for n in ("dense", "dp", "m95", "m90-ap", "m95-ap")}
+    assert rows["dense"].boundary.codec == "dense" and rows["dense"].dp.compressor == "none"
+    assert rows["dp"].boundary.codec == "dense" and rows["dp"].dp.compressor == "powersgd"
+    assert rows["m90-ap"].boundary.p == 0.9 and rows["m90-ap"].anchor.enabled
+    assert rows["m95-ap"].train.optimizer == "spectral"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--train.batch_size", "6", "--train.microbatches", "4"], "does not split into"),
+    (["--boundary.p", "1.0"], "--boundary.p must be in [0, 1)"),
+    (["--mesh.rows", "1", "--anchor.enabled", "true"], "needs --mesh.rows >= 2"),
+    (["--mesh.stages", "2", "--mesh.layers_per_stage", "1,1,2"], "has 3 entries for 2 stages"),
+    (["--train.steps", "x"], "cannot use 'x' as int"),
+    (["--preset", "nope"], "unknown preset 'nope'"),
+    (["--dp.mode", "ring"], "--dp.mode must be"),
+])
+def test_bad_values_name_the_flag(argv, message):
+    with pytest.raises(ValueError) as ei:
+        parse_args(argv)
+    assert message in str(ei.value)
+
+
+def test_unknown_keys_in_files_are_errors(tmp_path):
+    f = tmp_path / "bad.yaml"
+    f.write_text("train: {stepz: 3}\n")
+    with pytest.raises(ValueError, match="unknown field train.stepz"):
+        parse_args(["--config", str(f)])
+    f.write_text("trian: {steps: 3}\n")
+    with pytest.raises(ValueError, match="unknown section 'trian'"):
+        parse_args(["--config", str(f)])
+    with pytest.raises(ValueError, match="not found"):
+        parse_args(["--config", str(tmp_path / "missing.yaml")])
+
+
+def test_help_lists_every_field():
+    text = build_parser().format_help()
+    cfg = Config()
+    for sec, vals in cfg.to_dict().items():
+        if isinstance(vals, dict):
+            for k in vals:
+                assert f"--{sec}.{k}" in text
+
+
+def test_round_trip_through_dict():
+    cfg, _ = parse_args(["--preset", "m90-ap", "--mesh.rows", "4"])
+    again = validate(Config.from_dict(cfg.to_dict()))
+    assert again == cfg
