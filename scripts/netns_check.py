@@ -1,0 +1,245 @@
+"""Measured vs modeled: a small pipeline over gloo between rate-limited network namespaces.
+
+Run as root (creates and deletes its own namespaces; talks only to addresses it created):
+
+    python scripts/netns_check.py                 # 3 stages, 4 micro-batches, 200 Mbit/s
+    python scripts/netns_check.py --help
+
+Topology (what orchestration.linkmodel calls "node"): one namespace per rank, each
+joined to a hub namespace (IP forwarding) by a veth pair; ``tc tbf rate 200mbit`` on
+the rank side (its uplink) and on the hub side (its downlink). So every rank has a
+200 Mbit/s access link, as consumer GPUs on the internet do.
+
+Workload: each rank is one pipeline stage running the schedule of
+orchestration/schedule.py exactly as listed, with real gloo isend/recv of the boundary
+messages (sizes from orchestration/codecs.py: a dense and a masked p=0.95 boundary of a
+[micro-batch, T, H] fp32 activation). Compute is a sleep of fixed length (this machine
+has 2 cores for 3+ ranks: real compute would measure core contention, not links); the
+actual per-action durations are measured and fed to the link model with the counted
+bytes. Measured step time (median over steps, max over ranks) is set beside the
+model's prediction at the nominal rate and at the rate calibrated by one bulk transfer
+(TCP/IP headers and tbf's accounting make the payload rate a few % below nominal).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+PREFIX = "mkns"  # namespace/interface names: mkns<pid>h, mkns<pid>r<i>; ifnames r<i>/h<i>
+SUBNET = "10.213"  # 10.213.<rank>.0/24 per access link: addresses this script owns
+
+
+def _sh(*cmd: str) -> None:
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+
+
+class Mesh:
+    """Namespaces + shaped veth access links; ``close()`` deletes all of them."""
+
+    def __init__(self, n: int, rate: str, burst: str):
+        self.tag = f"{PREFIX}{os.getpid()}"
+        self.hub = f"{self.tag}h"
+        self.ranks = [f"{self.tag}r{i}" for i in range(n)]
+        self.made: list[str] = []
+        try:
+            for ns in [self.hub] + self.ranks:
+                _sh("ip", "netns", "add", ns)
+                self.made.append(ns)
+            _sh("ip", "netns", "exec", self.hub, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+            _sh("ip", "netns", "exec", self.hub, "ip", "link", "set", "lo", "up")
+            for i, ns in enumerate(self.ranks):
+                r, h = f"r{i}", f"h{i}"
+                # create the pair inside the hub namespace so no name lands in the root namespace
+                _sh("ip", "netns", "exec", self.hub, "ip", "link", "add", r, "type", "veth", "peer", "name", h)
+                _sh("ip", "netns", "exec", self.hub, "ip", "link", "set", r, "netns", ns)
+                _sh("ip", "netns", "exec", self.hub, "ip", "addr", "add", f"{SUBNET}.{i}.1/24", "dev", h)
+                _sh("ip", "netns", "exec", self.hub, "ip", "link", "set", h, "up")
+                _sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
+                _sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"{SUBNET}.{i}.2/24", "dev", r)
+                _sh("ip", "netns", "exec", ns, "ip", "link", "set", r, "up")
+                _sh("ip", "netns", "exec", ns, "ip", "route", "add", "default", "via", f"{SUBNET}.{i}.1")
+                for where, dev in ((ns, r), (self.hub, h)):  # uplink, downlink
+                    _sh("ip", "netns", "exec", where, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
+                        "rate", rate, "burst", burst, "latency", "200ms")
+        except Exception:
+            self.close()
+            raise
+
+    def addr(self, i: int) -> str:
+        return f"{SUBNET}.{i}.2"
+
+    def close(self) -> None:
+        for ns in reversed(self.made):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        self.made = []
+
+
+# ---------------------------------------------------------------------------------
+# worker: one rank = one pipeline stage (runs inside its namespace)
+# ---------------------------------------------------------------------------------
+
+def worker(a) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from orchestration.schedule import make_schedule
+
+    torch.set_num_threads(1)
+    rank, S = a.rank, a.world
+    dist.init_process_group("gloo", init_method=f"tcp://{a.master}:{a.port}", rank=rank, world_size=S,
+                            timeout=__import__("datetime").timedelta(seconds=60))
+    sched = make_schedule(a.schedule, S, a.microbatches)[rank]
+    nf, nb = a.fwd_bytes // 4, a.bwd_bytes // 4  # fp32 payloads of exactly these byte counts
+    out = {"rank": rank, "steps": [], "F": [], "B": []}
+    if a.calibrate and rank in (0, 1):  # one bulk transfer 0 -> 1 through both access links
+        buf = torch.zeros(a.calibrate // 4)
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.send(buf, 1) if rank == 0 else dist.recv(buf, 0)
+        if rank == 1:
+            dist.send(torch.zeros(1), 0)
+        else:
+            dist.recv(torch.zeros(1), 1)
+        out["calib_s"] = time.perf_counter() - t0
+    elif a.calibrate:
+        dist.barrier()
+    for step in range(a.warmup + a.steps):
+        recvs = {}
+        for act in sched:  # pre-post every receive of the step, in schedule order
+            if act.kind == "F" and rank > 0:
+                t = torch.empty(nf)
+                recvs[act] = (t, dist.irecv(t, rank - 1, tag=2 * act.microbatch))
+            elif act.kind == "B" and rank < S - 1:
+                t = torch.empty(nb)
+                recvs[act] = (t, dist.irecv(t, rank + 1, tag=2 * act.microbatch + 1))
+        sends = []
+        dist.barrier()
+        t0 = time.perf_counter()
+        for act in sched:
+            if act in recvs:
+                recvs[act][1].wait()
+            c0 = time.perf_counter()
+            time.sleep(a.f_s if act.kind == "F" else a.b_s)  # stand-in compute (module doc)
+            c1 = time.perf_counter()
+            if step >= a.warmup:
+                out[act.kind].append(c1 - c0)
+            if act.kind == "F" and rank < S - 1:
+                sends.append(dist.isend(torch.zeros(nf), rank + 1, tag=2 * act.microbatch))
+            elif act.kind == "B" and rank > 0:
+                sends.append(dist.isend(torch.zeros(nb), rank - 1, tag=2 * act.microbatch + 1))
+        for w in sends:
+            w.wait()
+        if step >= a.warmup:
+            out["steps"].append(time.perf_counter() - t0)
+    dist.barrier()
+    dist.destroy_process_group()
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+# ---------------------------------------------------------------------------------
+# driver
+# ---------------------------------------------------------------------------------
+
+def run_case(mesh: Mesh, a, fwd_bytes: int, bwd_bytes: int, calibrate: int, port: int) -> list[dict]:
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", OMP_NUM_THREADS="1")
+    procs = []
+    for i, ns in enumerate(mesh.ranks):
+        cmd = ["ip", "netns", "exec", ns, sys.executable, os.path.abspath(__file__), "--worker",
+               "--rank", str(i), "--world", str(a.stages), "--master", mesh.addr(0), "--port", str(port),
+               "--schedule", a.schedule, "--microbatches", str(a.microbatches), "--steps", str(a.steps),
+               "--warmup", "1", "--f-s", str(a.f_s), "--b-s", str(a.b_s),
+               "--fwd-bytes", str(fwd_bytes), "--bwd-bytes", str(bwd_bytes), "--calibrate", str(calibrate)]
+        procs.append(subprocess.Popen(cmd, env=dict(env, GLOO_SOCKET_IFNAME=f"r{i}"), stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True,
+                                      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    results = []
+    try:
+        for i, p in enumerate(procs):
+            o, e = p.communicate(timeout=a.timeout_s)
+            if p.returncode:
+                raise RuntimeError(f"rank {i} failed (exit {p.returncode}):\n{e[-2000:]}")
+            results.append(json.loads(next(ln for ln in o.splitlines() if ln.startswith("RESULT "))[7:]))
+    finally:
+        for p in procs:  # only the processes this script started
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return results
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--stages", type=int, default=3, help="pipeline stages = ranks = namespaces")
+    ap.add_argument("--microbatches", type=int, default=4, help="micro-batches per step")
+    ap.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
+    ap.add_argument("--steps", type=int, default=4, help="measured steps per case (after 1 warm-up)")
+    ap.add_argument("--rate", default="200mbit", help="tc tbf rate of every access link")
+    ap.add_argument("--burst", default="64kb", help="tc tbf burst (bucket size)")
+    ap.add_argument("--f-s", type=float, default=0.03, help="stand-in forward compute per micro-batch (s)")
+    ap.add_argument("--b-s", type=float, default=0.06, help="stand-in backward compute per micro-batch (s)")
+    ap.add_argument("--shape", default="2,128,1024", help="boundary activation [micro-batch, T, H] (fp32)")
+    ap.add_argument("--timeout-s", type=float, default=120.0, help="per case; a stuck rank fails the run")
+    ap.add_argument("--json", default="", help="also write the figures to this JSON file")
+    # worker-only flags
+    for f, t in (("--rank", int), ("--world", int), ("--port", int), ("--warmup", int), ("--fwd-bytes", int),
+                 ("--bwd-bytes", int), ("--calibrate", int)):
+        ap.add_argument(f, type=t, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--master", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.worker:
+        return worker(a)
+    if os.geteuid() != 0:
+        raise SystemExit("netns_check needs root (ip netns, tc)")
+    if a.stages < 2:
+        raise SystemExit("--stages must be >= 2")
+
+    import torch
+
+    from orchestration.codecs import make_codec
+    from orchestration.linkmodel import LinkSpec, simulate
+    from orchestration.schedule import make_schedule
+
+    shape = tuple(int(x) for x in a.shape.split(","))
+    rate_bps = float(a.rate.lower().replace("mbit", "e6").replace("kbit", "e3").replace("gbit", "e9"))
+    cases = [(name, make_codec(name, p=0.95)) for name in ("dense", "mask")]
+    mesh = Mesh(a.stages, a.rate, a.burst)
+    rows, calib_bps = [], None
+    try:
+        for j, (name, codec) in enumerate(cases):
+            fb = codec.wire_bytes(shape, torch.float32, "fwd")
+            bb = codec.wire_bytes(shape, torch.float32, "bwd")
+            calib = 8 * 2 ** 20 if j == 0 else 0
+            res = run_case(mesh, a, fb, bb, calib, 29600 + j)
+            if calib:
+                calib_bps = calib * 8 / next(r["calib_s"] for r in res if "calib_s" in r)
+            measured = statistics.median(max(r["steps"][k] for r in res) for k in range(a.steps))
+            ct = {k: [statistics.mean(r[k]) for r in sorted(res, key=lambda r: r["rank"])] for k in ("F", "B")}
+            sched = make_schedule(a.schedule, a.stages, a.microbatches)
+            nominal = simulate(sched, ct, {"F": fb, "B": bb}, LinkSpec(rate_bps)).step_s
+            calibrated = simulate(sched, ct, {"F": fb, "B": bb}, LinkSpec(calib_bps)).step_s
+            rows.append(dict(codec=name, fwd_bytes=fb, bwd_bytes=bb, measured_s=measured, model_nominal_s=nominal,
+                             model_calibrated_s=calibrated, compute=ct))
+    finally:
+        mesh.close()
+    print(f"netns check: {a.stages} stages x {a.microbatches} micro-batches, {a.schedule}, tbf {a.rate} "
+          f"(burst {a.burst}) per access link, activation {shape} fp32, compute F={a.f_s}s B={a.b_s}s (sleep)")
+    print(f"bulk transfer through two shaped links: {calib_bps / 1e6:.1f} Mbit/s payload "
+          f"(nominal {rate_bps / 1e6:.0f})")
+    print(f"{'codec':8} {'bytes/msg':>10} {'measured s':>11} {'model@nominal':>14} {'model@calib':>12} {'meas/calib':>11}")
+    for r in rows:
+        print(f"{r['codec']:8} {r['fwd_bytes']:>10} {r['measured_s']:>11.3f} {r['model_nominal_s']:>14.3f} "
+              f"{r['model_calibrated_s']:>12.3f} {r['measured_s'] / r['model_calibrated_s']:>11.3f}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(dict(args=vars(a), calib_bps=calib_bps, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
