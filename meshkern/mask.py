@@ -149,10 +149,16 @@ def _indices_op(seed_lo: int, seed_hi: int, boundary: int, step: int, microbatch
     K = kept_dims(H, p)
     if not 0 <= T <= _MAX_ROWS:
         raise ValueError(f"T={T} token rows must be in [0, 2**32]")
-    name, fn = _impl("indices", torch.device(device), backend)
+    device = torch.device(device)
+    name, fn = _impl("indices", device, backend)
     if fn is None:
         return _ref.indices(words, T, H, K).to(device)
-    return fn(*words, T, H, K) if name != "triton" else fn(words, T, H, K, torch.device(device))
+    out = torch.empty(T, K, dtype=torch.int64, device=device)
+    if name == "triton":
+        fn(out, words, H)
+    else:
+        fn(out, *words, H)
+    return out
 
 
 @_indices_op.register_fake

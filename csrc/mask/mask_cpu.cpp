@@ -1,0 +1,168 @@
+// meshkern_C mask kernels: schemas (all devices) and the CPU implementations.
+//
+// Per token row: zero a bitmap of H bits, run Floyd's K-step selection (floyd.h), then
+// scan the bitmap's set bits in ascending order; the scan drives the gather (pack),
+// the scatter (unpack) or the index write (indices) directly, so the fused ops write no
+// index tensor. Rows are independent: at::parallel_for (OpenMP) splits them across
+// torch's intra-op threads; the result does not depend on the thread count.
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/library.h>
+
+#include <cstring>
+#include <vector>
+
+#include "floyd.h"
+
+namespace meshkern {
+namespace mask {
+namespace {
+
+KeyWords key_words(int64_t k0, int64_t k1, int64_t step, int64_t tag) {
+  TORCH_CHECK(k0 >= 0 && k0 < (1ll << 32) && k1 >= 0 && k1 < (1ll << 32) && step >= 0 &&
+                  step < (1ll << 32) && tag >= 0 && tag < (1ll << 32),
+              "malformed key: every key word must be in [0, 2**32)");
+  return {static_cast<uint32_t>(k0), static_cast<uint32_t>(k1), static_cast<uint32_t>(step),
+          static_cast<uint32_t>(tag)};
+}
+
+void check_sizes(int64_t N, int64_t H, int64_t K) {
+  TORCH_CHECK(H >= 1 && H < (1ll << 31), "H=", H, " must be in [1, 2**31)");
+  TORCH_CHECK(K >= 1 && K <= H, "K=", K, " must be in [1, H=", H, "]");
+  TORCH_CHECK(N <= (1ll << 32), "N=", N, " token rows exceed the 2**32 row counter");
+}
+
+// Rows per parallel chunk: ~32K elements of work per chunk (ATen's GRAIN_SIZE idea).
+int64_t grain(int64_t H) { return std::max<int64_t>(1, 32768 / H); }
+
+// Runs Floyd's selection for rows [begin, end) and calls visit(row, dim, k) for every
+// kept dim of a row in ascending order (k = 0..K-1), after begin_row(row).
+template <class BeginRow, class Visit>
+void for_each_kept(const KeyWords& key, int64_t N, uint32_t H, uint32_t K, BeginRow begin_row,
+                   Visit visit) {
+  at::parallel_for(0, N, grain(H), [&](int64_t begin, int64_t end) {
+    const uint32_t nwords = bitmap_words<uint64_t>(H), nblocks = (K + 1) / 2;
+    std::vector<uint64_t> bits(nwords);
+    std::vector<uint32_t> cand(2 * nblocks);
+    uint32_t* cd = cand.data();
+    for (int64_t row = begin; row < end; ++row) {
+      const uint32_t r = static_cast<uint32_t>(row);
+      // All Philox blocks first: independent iterations, vectorized with omp simd
+      // (measured 2.2 -> 1.4 ms for 4096 x 51 blocks on SSE2).
+#pragma omp simd
+      for (uint32_t b = 0; b < nblocks; ++b) draw_pair(key, r, H, K, b, cd[2 * b], cd[2 * b + 1]);
+      std::memset(bits.data(), 0, nwords * sizeof(uint64_t));
+      for (uint32_t d = 0; d < K; ++d) floyd_insert(bits.data(), cd[d], H - K + d);
+      begin_row(row);
+      uint32_t k = 0;
+      for (uint32_t w = 0; w < nwords; ++w) {
+        for (uint64_t word = bits[w]; word; word &= word - 1) visit(row, w * 64 + __builtin_ctzll(word), k++);
+      }
+    }
+  });
+}
+
+at::Tensor philox4x32(const at::Tensor& counters, int64_t k0, int64_t k1) {
+  TORCH_CHECK(counters.dim() == 2 && counters.size(1) == 4 && counters.scalar_type() == at::kLong,
+              "counters must be int64 [N, 4]");
+  const KeyWords key = key_words(k0, k1, 0, 0);
+  auto c = counters.contiguous();
+  auto out = at::empty_like(c);
+  const int64_t* in = c.const_data_ptr<int64_t>();
+  int64_t* o = out.data_ptr<int64_t>();
+  for (int64_t i = 0; i < c.size(0); ++i) {
+    const int64_t* x = in + 4 * i;
+    const Philox4x32 w = philox4x32_10(uint32_t(x[0]), uint32_t(x[1]), uint32_t(x[2]), uint32_t(x[3]),
+                                       key.k0, key.k1);
+    o[4 * i] = w.w0; o[4 * i + 1] = w.w1; o[4 * i + 2] = w.w2; o[4 * i + 3] = w.w3;
+  }
+  return out;
+}
+
+void indices_cpu(at::Tensor& out, int64_t k0, int64_t k1, int64_t step, int64_t tag, int64_t H) {
+  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kLong && out.is_contiguous(),
+              "out must be a contiguous int64 [N, K] tensor");
+  const int64_t N = out.size(0), K = out.size(1);
+  check_sizes(N, H, K);
+  int64_t* o = out.data_ptr<int64_t>();
+  for_each_kept(key_words(k0, k1, step, tag), N, H, K, [](int64_t) {},
+                [&](int64_t row, uint32_t dim, uint32_t k) { o[row * K + k] = dim; });
+}
+
+at::Tensor pack_cpu(const at::Tensor& h_in, int64_t k0, int64_t k1, int64_t step, int64_t tag,
+                    int64_t K, double scale, bool rescale) {
+  TORCH_CHECK(h_in.dim() == 2, "h must be [N, H]");
+  TORCH_CHECK(at::isFloatingType(h_in.scalar_type()), "h must be a floating tensor, got ", h_in.scalar_type());
+  const auto h = h_in.contiguous();
+  const int64_t N = h.size(0), H = h.size(1);
+  check_sizes(N, H, K);
+  auto out = at::empty({N, K}, h.options());
+  const KeyWords key = key_words(k0, k1, step, tag);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, h.scalar_type(), "mask_pack_cpu", [&] {
+    using opmath_t = at::opmath_type<scalar_t>;
+    const scalar_t* src = h.const_data_ptr<scalar_t>();
+    scalar_t* dst = out.data_ptr<scalar_t>();
+    if (rescale) {
+      const opmath_t s = static_cast<opmath_t>(scale);
+      for_each_kept(key, N, H, K, [](int64_t) {}, [&](int64_t row, uint32_t dim, uint32_t k) {
+        dst[row * K + k] = static_cast<scalar_t>(static_cast<opmath_t>(src[row * H + dim]) * s);
+      });
+    } else {
+      for_each_kept(key, N, H, K, [](int64_t) {},
+                    [&](int64_t row, uint32_t dim, uint32_t k) { dst[row * K + k] = src[row * H + dim]; });
+    }
+  });
+  return out;
+}
+
+at::Tensor unpack_cpu(const at::Tensor& v_in, int64_t k0, int64_t k1, int64_t step, int64_t tag,
+                      int64_t H, double scale, bool rescale) {
+  TORCH_CHECK(v_in.dim() == 2, "v must be [N, K]");
+  TORCH_CHECK(at::isFloatingType(v_in.scalar_type()), "v must be a floating tensor, got ", v_in.scalar_type());
+  const auto v = v_in.contiguous();
+  const int64_t N = v.size(0), K = v.size(1);
+  check_sizes(N, H, K);
+  auto out = at::empty({N, H}, v.options());
+  const KeyWords key = key_words(k0, k1, step, tag);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, v.scalar_type(), "mask_unpack_cpu", [&] {
+    using opmath_t = at::opmath_type<scalar_t>;
+    const scalar_t* src = v.const_data_ptr<scalar_t>();
+    scalar_t* dst = out.data_ptr<scalar_t>();
+    // Zero each row just before scattering into it, while it is in cache.
+    auto zero_row = [&](int64_t row) { std::memset(dst + row * H, 0, H * sizeof(scalar_t)); };
+    if (rescale) {
+      const opmath_t s = static_cast<opmath_t>(scale);
+      for_each_kept(key, N, H, K, zero_row, [&](int64_t row, uint32_t dim, uint32_t k) {
+        dst[row * H + dim] = static_cast<scalar_t>(static_cast<opmath_t>(src[row * K + k]) * s);
+      });
+    } else {
+      for_each_kept(key, N, H, K, zero_row,
+                    [&](int64_t row, uint32_t dim, uint32_t k) { dst[row * H + dim] = src[row * K + k]; });
+    }
+  });
+  return out;
+}
+
+}  // namespace
+}  // namespace mask
+}  // namespace meshkern
+
+// Internal kernels; the public ops are meshkern::mask_* (meshkern/mask.py).
+// mask_indices writes into `out` so that it dispatches on out's device.
+TORCH_LIBRARY_FRAGMENT(meshkern_C, m) {
+  m.def("philox4x32(Tensor counters, int k0, int k1) -> Tensor");
+  m.def("mask_indices(Tensor(a!) out, int k0, int k1, int step, int tag, int H) -> ()");
+  m.def("mask_pack(Tensor h, int k0, int k1, int step, int tag, int K, float scale, bool rescale) -> Tensor");
+  m.def("mask_unpack(Tensor v, int k0, int k1, int step, int tag, int H, float scale, bool rescale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(meshkern_C, CPU, m) {
+  m.impl("philox4x32", &meshkern::mask::philox4x32);
+  m.impl("mask_indices", &meshkern::mask::indices_cpu);
+  m.impl("mask_pack", &meshkern::mask::pack_cpu);
+  m.impl("mask_unpack", &meshkern::mask::unpack_cpu);
+}
