@@ -130,3 +130,24 @@ def test_model_step_background_fills_idle_link_time():
     assert m.step_s == pytest.approx(9.0) and "downlink of stage 0" in m.limiting
     assert m.bytes["anchor"] == pytest.approx(4 * 7 * ONE_S)
     assert m.bytes["dp"] == pytest.approx(4 * 2 * (ONE_S * 8 / 3 * 1.5) / 2)
+
+
+def test_e2e_bench_1b_geometry_bytes_per_token():
+    # Llama-3.2-1B shape, 2 stages, bf16: dense boundary = H*2 bytes per token per direction,
+    # mask p=0.95 keeps K = round(0.05*2048) = 102 dims -> 204 bytes. Dense DP: 4 replicas
+    # ring-all-reduce every bf16 gradient each step: per node 2*(4-1)/4 * 2 bytes * params.
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "e2e_bench.py"  # bench/ is not installed
+    spec = importlib.util.spec_from_file_location("e2e_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = {r["row"]: r for r in bench.main(["--geometry", "1b", "--rows", "dense,m95"])}
+    d, m = out["dense"]["bytes_per_token"], out["m95"]["bytes_per_token"]
+    assert d["pp_fwd"] == d["pp_bwd"] == 2048 * 2
+    assert m["pp_fwd"] == m["pp_bwd"] == 102 * 2
+    params = sum(p.numel() for st in bench.meta_stages(bench.llama_1b_config(), 2) for p in st.parameters())
+    tokens = 4 * 32 * 2048
+    assert d["dp"] == pytest.approx(4 * 1.5 * 2 * params / tokens)
+    assert m["dp"] < d["dp"] / 100  # PowerSGD rank 16 and one sync per H=10 steps
+    assert out["m95"]["tokens_per_s"] > out["dense"]["tokens_per_s"]
