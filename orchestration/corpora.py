@@ -23,9 +23,11 @@ text; :func:`corpus_fingerprint` identifies exactly what was used.
 """
 from __future__ import annotations
 
+import functools
 import glob
 import gzip
 import hashlib
+import os
 import re
 import sysconfig
 from dataclasses import dataclass
@@ -153,14 +155,21 @@ def _normalize(text: str, max_file_bytes: int) -> str:
 
 
 # ------------------------------------------------------------------ candidates
-def _files(root: str, pattern: str) -> Iterator[Path]:
-    base = Path(root)
-    if base.is_dir():
-        for p in base.glob(pattern):
-            if p.is_file() and not p.is_symlink():
-                yield p
+def _files(root: str, suffixes: tuple[str, ...] | None = None, skip_dirs=frozenset()) -> list[Path]:
+    """Regular files below ``root`` (no symlinks, no hidden entries, no directory named
+    in ``skip_dirs``), optionally only those ending in one of ``suffixes``; sorted."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".") and d not in skip_dirs]
+        for f in filenames:
+            p = Path(dirpath, f)
+            if not f.startswith(".") and (suffixes is None or f.endswith(suffixes)) \
+                    and p.is_file() and not p.is_symlink():
+                out.append(p)
+    return sorted(out)
 
 
+@functools.lru_cache(maxsize=None)  # the installed files do not change within a run
 def _pydoc_topics() -> list[_Doc]:
     try:
         from pydoc_data.topics import topics
@@ -169,9 +178,10 @@ def _pydoc_topics() -> list[_Doc]:
     return [_Doc(f"pydoc/{k}", (lambda v=v: v)) for k, v in sorted(topics.items())]
 
 
+@functools.lru_cache(maxsize=None)  # the installed files do not change within a run
 def _share_doc() -> list[_Doc]:
     docs = []
-    for p in _files("/usr/share/doc", "**/*"):
+    for p in _files("/usr/share/doc"):
         name = p.name[:-3] if p.name.endswith(".gz") else p.name
         if name.startswith(("copyright", "changelog")):
             continue
@@ -185,10 +195,11 @@ def _share_doc() -> list[_Doc]:
 MAN_PAGES_PER_FAMILY = 8
 
 
+@functools.lru_cache(maxsize=None)  # the installed files do not change within a run
 def _man_pages() -> list[_Doc]:
     docs, per_family = [], {}
     pages = [p for section in ("man1", "man5", "man7", "man8")  # commands, formats, overviews, admin
-             for p in _files(f"/usr/share/man/{section}", "*")]
+             for p in _files(f"/usr/share/man/{section}")]
     for p in sorted(pages, key=lambda p: (_order(p.name), str(p))):
         family = re.split(r"[_.\-]", p.name, maxsplit=1)[0]
         per_family[family] = per_family.get(family, 0) + 1
@@ -203,21 +214,21 @@ def _man_pages() -> list[_Doc]:
     return docs
 
 
+@functools.lru_cache(maxsize=None)  # the installed files do not change within a run
 def _vim_help() -> list[_Doc]:
     docs = []
     for d in sorted(glob.glob("/usr/share/vim/vim*/doc")):
-        for p in _files(d, "*.txt"):
+        for p in _files(d, (".txt",)):
             docs.append(_Doc(f"vim/{p.name}", (lambda p=p: _read(p))))
     return docs
 
 
+@functools.lru_cache(maxsize=None)  # the installed files do not change within a run
 def _stdlib_sources() -> list[_Doc]:
     root = Path(sysconfig.get_paths()["stdlib"])
     docs = []
-    for p in _files(str(root), "**/*.py"):
+    for p in _files(str(root), (".py",), skip_dirs=_PY_SKIP):
         rel = p.relative_to(root)
-        if _PY_SKIP.intersection(rel.parts):
-            continue
         docs.append(_Doc(f"py/{rel.as_posix()}", (lambda p=p: _read(p))))
     return docs
 
@@ -237,7 +248,13 @@ def _order(key: str) -> str:
 def corpus_documents(name: str, *, max_bytes: int = DEFAULT_MAX_BYTES,
                      max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> list[tuple[str, str]]:
     """``(key, text)`` of the documents of domain ``name``, deterministic order, total
-    UTF-8 size at most ``max_bytes`` (the last document that would overflow is cut)."""
+    UTF-8 size at most ``max_bytes`` (the last document that would overflow is cut).
+    Cached per process (a fresh list each call)."""
+    return list(_corpus_documents(name, max_bytes, max_file_bytes))
+
+
+@functools.lru_cache(maxsize=16)
+def _corpus_documents(name: str, max_bytes: int, max_file_bytes: int) -> tuple[tuple[str, str], ...]:
     if name not in DOMAINS:
         raise ValueError(f"unknown corpus {name!r}; choose from {sorted(DOMAINS)}")
     if max_bytes < MIN_DOC_CHARS or max_file_bytes < MIN_DOC_CHARS:
@@ -260,7 +277,7 @@ def corpus_documents(name: str, *, max_bytes: int = DEFAULT_MAX_BYTES,
             break
     if not out:
         raise ValueError(f"corpus {name!r}: no readable documents on this machine")
-    return out
+    return tuple(out)
 
 
 def _round_robin(queues: list[list[_Doc]]) -> Iterator[_Doc]:

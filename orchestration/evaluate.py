@@ -1,0 +1,232 @@
+"""Evaluation: held-out loss/perplexity, exact match on synthetic tasks by greedy
+generation, and robustness to magnitude pruning.
+
+Every function accepts either a Hugging Face causal LM or a plain callable
+``input_ids [B, T] int64 -> logits [B, T, V]`` (how a staged / pipelined model is
+evaluated: chain the stages in that callable, or pass the list of stages, which are
+then called one after the other on the previous one's output).
+"""
+from __future__ import annotations
+
+import copy
+import math
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+LogitsFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+def as_logits_fn(model_or_stages) -> LogitsFn:
+    """A callable ``input_ids -> logits`` from a HF model, a callable, or a sequence
+    of stages (first takes input_ids, last returns logits)."""
+    if isinstance(model_or_stages, (list, tuple, torch.nn.ModuleList)):
+        stages = list(model_or_stages)
+        if not stages:
+            raise ValueError("empty list of stages")
+
+        def chained(x):
+            for s in stages:
+                x = s(x)
+            return _logits_of(x)
+        return chained
+    if not callable(model_or_stages):
+        raise TypeError(f"expected a model, a callable or a list of stages, got "
+                        f"{type(model_or_stages).__name__}")
+    if isinstance(model_or_stages, torch.nn.Module) and hasattr(model_or_stages, "config"):
+        return lambda x: _logits_of(model_or_stages(input_ids=x, use_cache=False))
+    return lambda x: _logits_of(model_or_stages(x))
+
+
+def _logits_of(out) -> torch.Tensor:
+    logits = getattr(out, "logits", out)
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
+        raise TypeError(f"model must return logits [B, T, V], got {type(logits).__name__} "
+                        f"{tuple(getattr(logits, 'shape', ()))}")
+    return logits
+
+
+def _rows(dataset) -> torch.Tensor:
+    tokens = getattr(dataset, "tokens", dataset)
+    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.dtype != torch.int64:
+        raise TypeError("dataset must be a TokenDataset or an int64 tensor [N, T]")
+    if tokens.shape[0] == 0 or tokens.shape[1] < 2:
+        raise ValueError(f"dataset needs >= 1 row of >= 2 tokens, got {tuple(tokens.shape)}")
+    return tokens
+
+
+@torch.no_grad()
+def eval_loss(model_or_stages, dataset, *, batch_size: int = 16,
+              max_batches: int | None = None) -> dict:
+    """Mean next-token cross-entropy over every predicted token of ``dataset`` (rows
+    in order; the first ``max_batches`` batches if given), in float32.
+
+    Returns ``{"loss", "perplexity", "tokens"}``; the loss is the exact token mean
+    (sum over all tokens / count), not a mean of batch means. Puts an nn.Module in
+    eval mode for the call and restores its previous mode.
+    """
+    fn = as_logits_fn(model_or_stages)
+    tokens = _rows(dataset)
+    modules = [m for m in (model_or_stages if isinstance(model_or_stages, (list, tuple))
+                           else [model_or_stages]) if isinstance(m, torch.nn.Module)]
+    was_training = [m.training for m in modules]
+    for m in modules:
+        m.eval()
+    try:
+        total, count = 0.0, 0
+        for i, start in enumerate(range(0, tokens.shape[0], batch_size)):
+            if max_batches is not None and i >= max_batches:
+                break
+            x = tokens[start:start + batch_size]
+            logits = fn(x)[:, :-1].float()
+            target = x[:, 1:]
+            total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
+                                     reduction="sum").item()
+            count += target.numel()
+    finally:
+        for m, t in zip(modules, was_training):
+            m.train(t)
+    loss = total / count
+    return {"loss": loss, "perplexity": math.exp(min(loss, 80.0)), "tokens": count}
+
+
+# ----------------------------------------------------------------- exact match
+@torch.no_grad()
+def greedy_generate(model_or_stages, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int, *,
+                    stop_ids: set[int] | frozenset = frozenset(), batch_size: int = 32
+                    ) -> list[list[int]]:
+    """Greedy continuation of each prompt (argmax, no sampling, no KV cache: the
+    whole sequence is re-run each step, which also works for staged models).
+
+    Prompts of equal length are batched together, so no padding enters the model and
+    a row's output equals what the model produces for that prompt alone. A row stops
+    after emitting a token in ``stop_ids`` (that token is kept) or ``max_new_tokens``.
+    """
+    fn = as_logits_fn(model_or_stages)
+    out: list[list[int] | None] = [None] * len(prompt_ids)
+    by_len: dict[int, list[int]] = {}
+    for i, p in enumerate(prompt_ids):
+        if len(p) == 0:
+            raise ValueError(f"prompt {i} is empty")
+        by_len.setdefault(len(p), []).append(i)
+    for _, idx in sorted(by_len.items()):
+        for s in range(0, len(idx), batch_size):
+            rows = idx[s:s + batch_size]
+            x = torch.tensor([list(prompt_ids[i]) for i in rows], dtype=torch.int64)
+            done = torch.zeros(len(rows), dtype=torch.bool)
+            gen = []
+            for _ in range(max_new_tokens):
+                nxt = fn(x)[:, -1].argmax(-1)
+                gen.append(nxt)
+                x = torch.cat([x, nxt[:, None]], dim=1)
+                done |= torch.tensor([int(t) in stop_ids for t in nxt])
+                if bool(done.all()):
+                    break
+            g = torch.stack(gen, 1).tolist() if gen else [[] for _ in rows]
+            for r, i in enumerate(rows):
+                ids = g[r]
+                cut = next((k + 1 for k, t in enumerate(ids) if t in stop_ids), len(ids))
+                out[i] = ids[:cut]
+    return out  # type: ignore[return-value]
+
+
+def exact_match(model_or_stages, tokenizer, task, *, n: int = 100, seed: int | None = None,
+                max_new_tokens: int | None = None, batch_size: int = 32) -> dict:
+    """Exact-match accuracy on ``n`` fresh examples of a synthetic task by greedy
+    generation (``orchestration.tasks``; evaluation seed by default).
+
+    Each prompt is preceded by the tokenizer's document separator (eos, else bos),
+    as every document is in packed training data. Generation stops at the eos or at
+    a token that decodes to a newline; the answer is the text before the newline.
+    Returns ``{"accuracy", "n", "samples"}`` (samples: the first 5 (prompt, answer,
+    prediction) triples).
+    """
+    from orchestration import data, tasks
+
+    tok = data.load_tokenizer(tokenizer)
+    exs = tasks.examples(task, n, seed=tasks.EVAL_SEED if seed is None else seed)
+    sep = data.separator_id(tok)
+    prefix = [sep] if sep is not None else []
+    prompts = [prefix + tok.encode(e.prompt, add_special_tokens=False) for e in exs]
+    if max_new_tokens is None:  # room for the longest answer + newline, plus slack
+        max_new_tokens = max(len(tok.encode(e.answer + "\n", add_special_tokens=False)) for e in exs) + 2
+    stop = {sep} if sep is not None else set()
+    stop |= {i for i in range(len(tok)) if "\n" in tok.decode([i])}
+    gens = greedy_generate(model_or_stages, prompts, max_new_tokens, stop_ids=stop, batch_size=batch_size)
+    preds = [tok.decode([t for t in g if t != sep]) for g in gens]
+    acc = tasks.exact_match(preds, [e.answer for e in exs])
+    return {"accuracy": acc, "n": n,
+            "samples": [(e.prompt, e.answer, tasks.extract_answer(p)) for e, p in zip(exs[:5], preds)]}
+
+
+# ----------------------------------------------------------------- pruning
+def prunable_weights(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """The 2-D weights of the model's ``nn.Linear`` layers except the output head:
+    the matrices the method trains and transmits. Embeddings and ``lm_head`` are left
+    dense (pruning the vocabulary projections measures tokenizer coverage, not the
+    robustness of the learned transformations)."""
+    out = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear) and not name.endswith("lm_head"):
+            out[f"{name}.weight"] = mod.weight
+    if not out:
+        raise ValueError("model has no nn.Linear weights to prune")
+    return out
+
+
+@torch.no_grad()
+def magnitude_prune(model: torch.nn.Module, fraction: float, *, scope: str = "per_matrix",
+                    inplace: bool = False) -> torch.nn.Module:
+    """Zero the ``fraction`` of smallest-magnitude entries of the prunable weights
+    (:func:`prunable_weights`). Returns a pruned deep copy unless ``inplace``.
+
+    ``scope="per_matrix"`` (default) zeroes exactly ``round(fraction * numel)``
+    entries of every matrix: each layer keeps the same share, so no layer is wiped
+    out because its weights happen to be small in absolute terms. ``scope="global"``
+    ranks all prunable entries together (one threshold), zeroing exactly
+    ``round(fraction * total)`` of them. Ties are broken by position (topk), so the
+    counts are exact.
+    """
+    if not 0.0 <= fraction < 1.0:
+        raise ValueError(f"prune fraction must be in [0, 1), got {fraction}")
+    if scope not in ("per_matrix", "global"):
+        raise ValueError(f"scope must be 'per_matrix' or 'global', got {scope!r}")
+    target = model if inplace else copy.deepcopy(model)
+    weights = list(prunable_weights(target).values())
+    if fraction == 0.0:
+        return target
+    if scope == "per_matrix":
+        for w in weights:
+            k = round(fraction * w.numel())
+            if k:
+                idx = w.detach().abs().flatten().topk(k, largest=False).indices
+                w.view(-1)[idx] = 0
+    else:
+        flat = torch.cat([w.detach().abs().flatten().float() for w in weights])
+        k = round(fraction * flat.numel())
+        idx = flat.topk(k, largest=False).indices if k else flat.new_zeros(0, dtype=torch.int64)
+        mask = torch.ones_like(flat, dtype=torch.bool)
+        mask[idx] = False
+        offset = 0
+        for w in weights:
+            n = w.numel()
+            w.mul_(mask[offset:offset + n].view_as(w).to(w.dtype))
+            offset += n
+    return target
+
+
+def pruning_robustness(model: torch.nn.Module, dataset, *, fractions=(0.3, 0.5, 0.7),
+                       scope: str = "per_matrix", batch_size: int = 16,
+                       max_batches: int | None = None) -> dict:
+    """Held-out loss of the model and of magnitude-pruned copies (the model itself is
+    not modified). Returns ``{fraction: {"loss", "perplexity", "tokens",
+    "loss_increase_pct"}}`` including fraction 0.0 (the unpruned model);
+    ``loss_increase_pct`` is 100 * (loss / unpruned loss - 1)."""
+    base = eval_loss(model, dataset, batch_size=batch_size, max_batches=max_batches)
+    out = {0.0: {**base, "loss_increase_pct": 0.0}}
+    for f in fractions:
+        r = eval_loss(magnitude_prune(model, f, scope=scope), dataset, batch_size=batch_size,
+                      max_batches=max_batches)
+        out[float(f)] = {**r, "loss_increase_pct": 100.0 * (r["loss"] / base["loss"] - 1.0)}
+    return out
