@@ -13,7 +13,8 @@ decoded as ``meta`` to ``encode_bwd`` (top-k needs the indices it received).
 ``wire_specs(shape, dtype, direction)`` lists the (shape, dtype) of every wire tensor
 (what a receiver preallocates for ``torch.distributed.recv``) and ``wire_bytes`` is
 their exact byte count; encode always produces exactly these, and decode raises a
-ValueError on anything else (a peer's garbage never reaches the model).
+ValueError on anything else, or on non-finite values (a peer's garbage never reaches
+the model).
 
 Backward semantics (what gradient comes back), per codec:
     dense       identity both ways; H elements per token per direction.
@@ -74,13 +75,18 @@ def kept_count(H: int, p: float) -> int:
 
 
 def validate_wire(wire: Sequence[torch.Tensor], specs: Sequence[Spec], what: str) -> None:
-    """Raise ValueError unless ``wire`` matches ``specs`` tensor by tensor (shape and dtype)."""
+    """Raise ValueError unless ``wire`` matches ``specs`` tensor by tensor (shape and
+    dtype) and every floating-point wire tensor is finite: a peer's NaN/Inf or a
+    truncated message stops at the boundary with an error instead of entering the model
+    (cost: one pass over the K or H values, negligible next to the transfer)."""
     if len(wire) != len(specs):
         raise ValueError(f"{what}: expected {len(specs)} wire tensors, got {len(wire)}")
     for i, (t, (shape, dtype)) in enumerate(zip(wire, specs)):
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(shape) or t.dtype != dtype:
             got = (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"{what}: wire tensor {i} should be {tuple(shape)} {dtype}, got {got}")
+        if t.dtype.is_floating_point and not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{what}: wire tensor {i} holds non-finite values (NaN/Inf from the peer)")
 
 
 class BoundaryCodec:

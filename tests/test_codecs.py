@@ -181,6 +181,18 @@ def test_bad_input_and_peer_garbage_raise():
         codec.decode_fwd([wire[0][..., :-1]], KEY, h.shape, h.dtype)
     with pytest.raises(ValueError, match="wire tensors"):
         codec.decode_fwd([], KEY, h.shape, h.dtype)
+    for name in CODECS:  # NaN from a peer stops at the boundary, both directions
+        c = make_codec(name, p=0.5)
+        wire, ctx = c.encode_fwd(h, KEY)
+        bad = [w.clone() for w in wire]
+        bad[0].view(-1)[0] = float("nan") if bad[0].dtype.is_floating_point else bad[0].view(-1)[0]
+        if bad[0].dtype.is_floating_point:
+            with pytest.raises(ValueError, match="non-finite"):
+                c.decode_fwd(bad, KEY, h.shape, h.dtype)
+        g = h.clone()
+        g[0, 0, :] = float("inf")  # a whole token: whatever dims a codec keeps
+        with pytest.raises(ValueError, match="non-finite"):
+            c.decode_bwd(c.encode_bwd(g, KEY, wire), KEY, ctx)
     topk = make_codec("topk", p=0.5)
     wire, _ = topk.encode_fwd(h, KEY)
     wire[1][0, 0, 0] = H + 5
