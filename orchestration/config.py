@@ -80,7 +80,7 @@ class TrainConfig:
 
 @dataclass
 class BoundaryConfig:
-    codec: str = _f("dense", "pipeline boundary codec: dense, mask, topk, int8, int4, bottleneck")
+    codec: str = _f("mask", "pipeline boundary codec: dense, mask, topk, int8, int4, bottleneck")
     p: float = _f(0.95, "fraction of hidden dims dropped per token (mask; also the ratio target of topk/bottleneck)")
     rescale: bool = _f(False, "mask: scale kept values by 1/(1-p) (dropout-style unbiased estimate)")
     options: dict = _f({}, "extra keyword arguments for the codec, as JSON, e.g. '{\"k\": 64}'")
@@ -88,8 +88,8 @@ class BoundaryConfig:
 
 @dataclass
 class DPConfig:
-    mode: str = _f("allreduce", "replica sync: allreduce (gradients every step), diloco (Streaming DiLoCo), none")
-    compressor: str = _f("none", "what compresses the DP exchange: none, powersgd, sparseloco, int8")
+    mode: str = _f("diloco", "replica sync: allreduce (gradients every step), diloco (Streaming DiLoCo), none")
+    compressor: str = _f("powersgd", "what compresses the DP exchange: none, powersgd, sparseloco, int8")
     compressor_options: dict = _f({}, "extra keyword arguments for the compressor, as JSON")
     sync_every: int = _f(10, "DiLoCo: inner steps between outer syncs of a fragment (H)")
     fragments: int = _f(2, "DiLoCo: parameter fragments synced on a staggered schedule")
@@ -124,6 +124,7 @@ class RunConfig:
     progress: bool = _f(True, "show a progress bar on rank 0")
     bandwidth_bps: float = _f(200e6, "link model: bandwidth of every link in bit/s")
     latency_s: float = _f(0.0, "link model: one-way latency of every link in seconds")
+    eval_sequences: int = _f(64, "held-out sequences scored by the final checkpoint (0: skip)")
     fail_rank: int = _f(-1, "fault injection (tests): this rank kills itself ...")
     fail_step: int = _f(-1, "... at the start of this step")
 
@@ -347,6 +348,7 @@ def validate(cfg: Config) -> Config:
     _need(dp.sync_every >= 1 and dp.fragments >= 1, "--dp.sync_every and --dp.fragments must be >= 1")
     _need(a.transport in ("dense", "factored"), f"--anchor.transport must be dense or factored, got {a.transport!r}")
     _need(cfg.checkpoint.every >= 0 and cfg.checkpoint.keep >= 1, "--checkpoint.every must be >= 0 and --checkpoint.keep >= 1")
+    _need(cfg.run.eval_sequences >= 0, "--run.eval_sequences must be >= 0")
     _need(cfg.run.log_every >= 1, "--run.log_every must be >= 1")
     _need(cfg.run.bandwidth_bps > 0 and cfg.run.latency_s >= 0, "--run.bandwidth_bps must be > 0, --run.latency_s >= 0")
     _need(cfg.run.fail_rank < cfg.world_size, f"--run.fail_rank {cfg.run.fail_rank} is not a rank of a {cfg.world_size}-rank mesh")

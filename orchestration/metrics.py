@@ -99,7 +99,8 @@ def summary_rows(s: dict) -> list[tuple[str, str]]:
         ("loss first -> last", f"{s['loss_first']:.4f} -> {s['loss_last']:.4f}"),
     ]
     if s.get("eval_loss") is not None:
-        rows.append(("held-out loss", f"{s['eval_loss']:.4f}"))
+        base = s.get("eval_loss_base")
+        rows.append(("held-out loss base -> final", (f"{base:.4f} -> " if base is not None else "") + f"{s['eval_loss']:.4f}"))
     rows.append(("measured tokens/s (CPU)", f"{s['tokens_per_s']:.1f}"))
     if s.get("modeled_tokens_per_s") is not None:
         rows.append((f"modeled tokens/s @ {s['bandwidth_bps'] / 1e6:.0f} Mbps", f"{s['modeled_tokens_per_s']:.1f}"))

@@ -69,6 +69,9 @@ def prepare(cfg: Config, *, load_model: bool = True) -> Plan:
     from orchestration import data as data_mod
     from orchestration import models
     from orchestration.stages import SUPPORTED_ARCHITECTURES, balanced_layers
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one progress bar on screen: ours
 
     path = cfg.model.path or models.default_base_model(progress=True)
     if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
@@ -343,6 +346,8 @@ def _run(rank: int, cfg: Config, plan: Plan, mesh) -> dict:
         opt.zero_grad(set_to_none=True)
         if diloco is not None:
             diloco.step()
+            # Read while a fragment's sync may still run in the background: its bytes count
+            # when its collectives have run (exact totals after finish()).
             counter.set_total("dp", diloco.bytes_sent)
         counter.set_total("anchor", hook.bytes_sent)
         hook.after_step(step)
@@ -387,6 +392,7 @@ def _run(rank: int, cfg: Config, plan: Plan, mesh) -> dict:
         if due or stopping or step + 1 == t.steps:
             if diloco is not None:
                 diloco.finish()
+                counter.set_total("dp", diloco.bytes_sent)  # in-flight syncs are now counted too
             last_ckpt = save(cfg, plan, mesh, stage, opt, diloco, allreduce, counter, step + 1)
         if stopping:
             interrupted = True
@@ -400,12 +406,25 @@ def _run(rank: int, cfg: Config, plan: Plan, mesh) -> dict:
     if is_log:
         writer.close()
         s = summarize(cfg, plan, history, elapsed, steps_done, last_ckpt)
+        s["eval_loss"] = held_out_loss(cfg, plan, last_ckpt)
+        s["eval_loss_base"] = held_out_loss(cfg, plan, plan.model_path)
         out["summary"] = s
         if interrupted:
             print(f"interrupted: checkpoint saved at step {step + 1} in {last_ckpt}; continue with "
                   f"--checkpoint.resume {last_ckpt}", flush=True)
         print(format_table(summary_rows(s), title="meshkern run summary"), flush=True)
     return out
+
+
+def held_out_loss(cfg: Config, plan: Plan, path: str):
+    """Mean next-token loss of the exported checkpoint on up to --run.eval_sequences held-out rows."""
+    if plan.eval_rows is None or not path or cfg.run.eval_sequences == 0:
+        return None
+    from orchestration.evaluate import eval_loss
+    from orchestration.models import load_causal_lm
+
+    model, _ = load_causal_lm(path, dtype=getattr(torch, cfg.model.dtype))
+    return eval_loss(model, plan.eval_rows[:cfg.run.eval_sequences])["loss"]
 
 
 def _tied_across(plan: Plan, cfg: Config) -> bool:

@@ -39,7 +39,7 @@ def tiny(tmp_path_factory):
 def _args(tiny, tmp_path, *extra):
     return ["--model", str(tiny / "model"), "--data", str(tiny / "data.txt"), "--data.seq_len", "32",
             "--data.max_sequences", "200", "--train.batch_size", "4", "--train.microbatches", "2",
-            "--run.out_dir", str(tmp_path), "--run.name", "t", "--run.progress", "false",
+            "--run.out_dir", str(tmp_path), "--run.name", "t", "--run.progress", "false", "--run.eval_sequences", "4",
             "--mesh.timeout_s", "30", *extra]
 
 
@@ -50,9 +50,12 @@ def _run(argv):
     return cfg, plan, run_local(run_rank, cfg.world_size, (cfg, plan), timeout_s=180, describe=lay.describe)
 
 
-def test_checkpoint_then_resume_continues_with_identical_losses(tiny, tmp_path):
+@pytest.mark.parametrize("dp", [["--dp.mode", "allreduce", "--dp.compressor", "none"],
+                                ["--dp.mode", "diloco", "--dp.compressor", "powersgd", "--dp.sync_every", "2"]],
+                         ids=["allreduce", "diloco-powersgd"])
+def test_checkpoint_then_resume_continues_with_identical_losses(tiny, tmp_path, dp):
     base = _args(tiny, tmp_path, "--mesh.rows", "2", "--mesh.stages", "2", "--train.steps", "4",
-                 "--checkpoint.every", "2", "--boundary.codec", "mask", "--boundary.p", "0.9")
+                 "--checkpoint.every", "2", "--boundary.codec", "mask", "--boundary.p", "0.9", *dp)
     cfg, plan, res = _run(base)
     full = res[1]["losses"]  # rank 1 = replica 0's last stage
     assert len(full) == 4 and all(l > 0 for l in full)
