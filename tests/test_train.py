@@ -129,3 +129,38 @@ def test_unknown_architecture_is_refused(tiny, tmp_path, capsys):
                                                  "n_layer": 2, "n_embd": 16, "n_head": 2, "vocab_size": 300}))
     assert main(_args(tiny, tmp_path, "--model.path", str(bad))) == 2
     assert "cannot be split into stages" in capsys.readouterr().err
+
+
+def test_ctrl_c_saves_a_checkpoint_and_resume_continues(tiny, tmp_path):
+    """SIGINT to the whole process group (what a terminal's Ctrl-C does): every rank stops at
+    the same step boundary, a checkpoint is written, and --checkpoint.resume latest continues."""
+    import signal
+    import subprocess
+    import sys
+
+    argv = _args(tiny, tmp_path, "--mesh.rows", "1", "--mesh.stages", "2", "--train.steps", "100000",
+                 "--checkpoint.every", "0")
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
+    proc = subprocess.Popen([sys.executable, "-m", "orchestration.train", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True, env=env)
+    metrics = tmp_path / "t" / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+            time.sleep(0.2)
+        assert metrics.exists(), "the run never started"
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, err
+    assert "interrupted: checkpoint saved at step" in out
+    ck = ckpt.resolve("latest", str(tmp_path / "t" / "checkpoints"))
+    stopped = ckpt.read_meta(ck)["step"]
+    assert 3 <= stopped < 100000
+    cfg, _ = parse_args(argv[:argv.index("--train.steps")] + ["--train.steps", str(stopped + 2),
+                                                                "--checkpoint.resume", "latest"])
+    plan = prepare(cfg)
+    res = run_local(run_rank, 2, (cfg, plan), timeout_s=120)
+    assert len(res[1]["losses"]) == 2
