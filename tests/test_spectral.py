@@ -34,10 +34,13 @@ def _rand(*shape, seed=0, dtype=torch.float32):
 
 # ------------------------------------------------------------------------- sym_eig
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("k,dtype", [(5, torch.float32), (24, torch.float32), (24, torch.float64), (40, torch.float32)])
+@pytest.mark.parametrize("k,dtype", [(5, torch.float32), (5, torch.float64), (24, torch.float32), (24, torch.float64),
+                                     (40, torch.float32)])
 def test_sym_eig_matches_eigh(backend, k, dtype):
-    X = _rand(3, k, k, seed=k, dtype=dtype)
-    A = X @ X.mT + torch.diag_embed(_rand(3, k, seed=1, dtype=dtype))
+    if backend == "triton" and (k == 40 or (k == 24 and dtype == torch.float64)):
+        pytest.skip("interpreter cost: the Triton kernel is exercised at k=5 (K=16) and k=24 (K=32)")
+    X = _rand(2, k, k, seed=k, dtype=dtype)
+    A = X @ X.mT + torch.diag_embed(_rand(2, k, seed=1, dtype=dtype))
     w, W = sp.sym_eig(A, backend=backend)
     w_ref = torch.linalg.eigvalsh(A.double()).flip(-1)
     tol = 1e-4 if dtype == torch.float32 else 1e-10
@@ -45,7 +48,7 @@ def test_sym_eig_matches_eigh(backend, k, dtype):
     assert torch.all(w[:, :-1] >= w[:, 1:]), "eigenvalues must be descending"
     assert torch.allclose(w.double(), w_ref, atol=tol * scale, rtol=0)
     eye = torch.eye(k, dtype=torch.float64)
-    assert torch.allclose(W.double().mT @ W.double(), eye.expand(3, k, k), atol=tol * 10)
+    assert torch.allclose(W.double().mT @ W.double(), eye.expand(2, k, k), atol=tol * 10)
     recon = (W.double() * w.double()[:, None, :]) @ W.double().mT
     assert torch.allclose(recon, A.double(), atol=tol * 10 * scale, rtol=0)
 
@@ -78,6 +81,8 @@ def _principal_cos(U, U_ref):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("spectrum", ["harmonic", "exp"])
 def test_randomized_svd_accuracy_on_slow_decay(backend, spectrum):
+    if backend == "triton" and spectrum == "exp":
+        pytest.skip("interpreter cost: one spectrum is enough to exercise the Triton eigen kernel")
     m, n, r = 160, 128, 16
     i = torch.arange(min(m, n), dtype=torch.float64)
     s = 1.0 / (1.0 + i) if spectrum == "harmonic" else torch.exp(-i / 25.0)
@@ -126,7 +131,7 @@ def test_randomized_svd_rank_deficient_and_zero(backend):
     g = torch.Generator().manual_seed(1)
     M = torch.zeros(2, 50, 40)
     M[0] = torch.randn(50, 3, generator=g) @ torch.randn(3, 40, generator=g)  # rank 3; M[1] = 0
-    U, S, V = sp.randomized_svd(M, 8, backend=backend)
+    U, S, V = sp.randomized_svd(M, 8, oversample=8, backend=backend)
     assert torch.isfinite(U).all() and torch.isfinite(S).all() and torch.isfinite(V).all()
     assert torch.allclose(S[0, :3], torch.linalg.svdvals(M[0])[:3], rtol=1e-4)
     assert (S[0, 3:] <= 1e-4 * S[0, 0]).all() and torch.equal(S[1], torch.zeros(8))
@@ -259,8 +264,11 @@ def test_opcheck(backend):
     U, S, V = _factors(2, 12, 10, 4)
     G = _rand(2, 12, 10, seed=1).requires_grad_()
     torch.library.opcheck(torch.ops.meshkern.spectral_project.default, (G, U, S, V, 1e-3, 0.3, backend))
-    X = _rand(2, 6, 6, seed=2)
-    torch.library.opcheck(torch.ops.meshkern.sym_eig.default, (X @ X.mT, 10, backend))
-    M = _rand(2, 12, 10, seed=3)
-    torch.library.opcheck(torch.ops.meshkern.randomized_svd.default,
-                          (M, 4, 4, 1, 0, "qr", "randomized", backend))
+    X = _rand(1, 6, 6, seed=2)
+    # 2 sweeps: opcheck tests the op's contract (schema, fake, autograd registration), not
+    # convergence, and the Triton interpreter pays per Jacobi round.
+    torch.library.opcheck(torch.ops.meshkern.sym_eig.default, (X @ X.mT, 2, backend))
+    if backend != "triton":  # its only Triton part is sym_eig, checked just above
+        M = _rand(2, 12, 10, seed=3)
+        torch.library.opcheck(torch.ops.meshkern.randomized_svd.default,
+                              (M, 4, 4, 1, 0, "qr", "randomized", backend))

@@ -48,7 +48,11 @@ def _jacobi_kernel(A_ptr, w_ptr, W_ptr, k, SWEEPS: tl.constexpr, K: tl.constexpr
             # Golub & Van Loan sym.schur2; both members of a pair compute the same (c, s).
             theta = tl.where(nz, (aqq - app) / (2.0 * tl.where(nz, apq, apq * 0.0 + 1.0)), apq * 0.0)
             at = tl.abs(theta)
-            t = 1.0 / (at + tl.sqrt(1.0 + at * at))  # |theta| -> inf gives t = 0: no rotation
+            # t = 1 / (|theta| + sqrt(1 + theta^2)), written without overflow for large |theta|
+            # (-> 0: no rotation) in either branch of the where
+            inv = 1.0 / tl.maximum(at, 1.0)
+            small = tl.minimum(at, 1.0)
+            t = tl.where(at >= 1.0, inv / (1.0 + tl.sqrt(1.0 + inv * inv)), 1.0 / (small + tl.sqrt(1.0 + small * small)))
             t = tl.where(theta < 0.0, -t, t)
             t = tl.where(nz, t, apq * 0.0)
             c = 1.0 / tl.sqrt(1.0 + t * t)
