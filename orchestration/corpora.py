@@ -245,12 +245,14 @@ def _order(key: str) -> str:
     return hashlib.sha1(key.encode("utf-8")).hexdigest()
 
 
-def corpus_documents(name: str, *, max_bytes: int = DEFAULT_MAX_BYTES,
-                     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> list[tuple[str, str]]:
+def corpus_documents(name: str, *, max_bytes: int | None = None,
+                     max_file_bytes: int | None = None) -> list[tuple[str, str]]:
     """``(key, text)`` of the documents of domain ``name``, deterministic order, total
     UTF-8 size at most ``max_bytes`` (the last document that would overflow is cut).
-    Cached per process (a fresh list each call)."""
-    return list(_corpus_documents(name, max_bytes, max_file_bytes))
+    Defaults: DEFAULT_MAX_BYTES, DEFAULT_MAX_FILE_BYTES. Cached per process (a fresh
+    list each call)."""
+    return list(_corpus_documents(name, DEFAULT_MAX_BYTES if max_bytes is None else max_bytes,
+                                  DEFAULT_MAX_FILE_BYTES if max_file_bytes is None else max_file_bytes))
 
 
 @functools.lru_cache(maxsize=16)

@@ -1,0 +1,58 @@
+"""Embedded corpora: two real domains, bounded, deterministic; the roff stripper."""
+import pytest
+
+from orchestration import corpora, data
+
+SMALL = 60_000
+
+
+def test_domains_exist_bounded_and_deterministic():
+    for name in ("prose", "python"):
+        docs = corpora.corpus_documents(name, max_bytes=SMALL, max_file_bytes=8_000)
+        total = sum(len(t.encode()) for _, t in docs)
+        assert SMALL // 2 <= total <= SMALL and all(len(t.encode()) <= 8_000 for _, t in docs)
+        assert len({k for k, _ in docs}) == len(docs)
+        corpora._corpus_documents.cache_clear()  # a second, uncached selection is identical
+        assert corpora.corpus_documents(name, max_bytes=SMALL, max_file_bytes=8_000) == docs
+    assert corpora.corpus_fingerprint("prose", max_bytes=SMALL) != corpora.corpus_fingerprint(
+        "python", max_bytes=SMALL)
+
+
+def test_domains_differ_in_kind():
+    prose = "\n".join(corpora.load_corpus("prose", max_bytes=SMALL))
+    code = "\n".join(corpora.load_corpus("python", max_bytes=SMALL))
+    def code_share(t):  # lines that look like Python statements
+        lines = [ln.strip() for ln in t.splitlines() if ln.strip()]
+        return sum(ln.startswith(("def ", "import ", "from ", "return ", "class ", "self.")) for ln in lines) / len(lines)
+    assert code_share(code) > 0.1 > code_share(prose) * 2
+    assert all(k.startswith("py/") and k.endswith(".py") and "/test/" not in k
+               for k, _ in corpora.corpus_documents("python", max_bytes=SMALL))
+
+
+def test_prose_always_has_python_reference_topics():
+    keys = [k for k, _ in corpora.corpus_documents("prose", max_bytes=SMALL)]
+    assert any(k.startswith("pydoc/") for k in keys)  # present with every CPython
+
+
+def test_corpus_as_data_source(monkeypatch):
+    monkeypatch.setattr(corpora, "DEFAULT_MAX_BYTES", SMALL)
+    tok = data.train_bpe(corpora.load_corpus("python", max_bytes=SMALL), vocab_size=400)
+    ds = data.build_token_dataset("corpus:python", tok, 64)
+    assert len(ds) > 100
+
+
+def test_unknown_and_bad_bounds():
+    with pytest.raises(ValueError, match="unknown corpus 'klingon'"):
+        corpora.load_corpus("klingon")
+    with pytest.raises(ValueError, match="max_bytes"):
+        corpora.load_corpus("prose", max_bytes=10)
+
+
+def test_roff_to_text():
+    src = "\n".join([
+        '.\\" a comment', ".TH GZIP 1 local", ".SH NAME", "gzip \\- compress files",
+        ".SH DESCRIPTION", "The", ".B gzip", "command reduces", "the size \\fBof\\fR files.",
+        ".PP", "Second \\(aqparagraph\\(aq.", ".nf", "line one", "line two", ".fi"])
+    assert corpora.roff_to_text(src) == (
+        "\nNAME\ngzip - compress files\n\nDESCRIPTION\nThe gzip command reduces the size of files."
+        "\n\nSecond 'paragraph'.\nline one\nline two")
