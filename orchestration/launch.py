@@ -97,9 +97,13 @@ def _child(fn, rank, world_size, port, threads, conn, args):
 
 
 def run_local(fn, world_size: int, args: tuple = (), *, start_method: str = "fork", threads: int = 1,
-              timeout_s: float | None = None, grace_s: float = 3.0, describe=None) -> list:
+              timeout_s: float | None = None, grace_s: float = 3.0, describe=None,
+              optional: frozenset | set = frozenset()) -> list:
     """Runs ``fn(rank, world_size, *args)`` on ``world_size`` local processes; returns the
     per-rank return values (rank order).
+
+    ``optional`` ranks (the anchor row: nobody waits for it) may fail without stopping
+    the others: their failure is printed as one warning line and their result is None.
 
     Raises MeshFailure naming the first failed rank (``describe(rank)`` gives its name) if
     any rank raises or dies, or TimeoutError if ``timeout_s`` passes first. Never leaves a
@@ -160,6 +164,8 @@ def run_local(fn, world_size: int, args: tuple = (), *, start_method: str = "for
                     del pending_conns[obj]
                     if kind == "ok":
                         results[r] = payload
+                    elif r in optional:
+                        _lost(r, f"failed: {payload['type']}: {payload['message']}", describe, results)
                     else:
                         errors[r] = payload
                         first_fail_at = first_fail_at or time.monotonic()
@@ -167,7 +173,11 @@ def run_local(fn, world_size: int, args: tuple = (), *, start_method: str = "for
                     r = alive.pop(obj)
                     procs[r].join(0.5)
                     code = procs[r].exitcode
-                    if code != 0:
+                    if code != 0 and r in optional:
+                        pending_conns.pop(conns[r], None)
+                        if r not in results:
+                            _lost(r, f"exited with code {code}", describe, results)
+                    elif code != 0:
                         # Collect its report, if it sent one, before deciding it died silently.
                         c = conns[r]
                         if c in pending_conns and c.poll(0.2):
@@ -205,6 +215,11 @@ def run_local(fn, world_size: int, args: tuple = (), *, start_method: str = "for
         raise TimeoutError(f"mesh did not finish within {timeout_s} s; still running: "
                            + ", ".join(describe(r) for r in missing))
     return [results[r] for r in range(world_size)]
+
+
+def _lost(r: int, how: str, describe, results: dict) -> None:
+    print(f"warning: {describe(r)} {how}; the rest of the mesh continues without it", file=sys.stderr, flush=True)
+    results[r] = None
 
 
 def _failure(died: dict, errors: dict, describe) -> MeshFailure:

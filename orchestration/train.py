@@ -106,10 +106,10 @@ def prepare(cfg: Config, *, load_model: bool = True) -> Plan:
         train_ds, eval_ds = ds.split(cfg.data.eval_fraction, seed=cfg.train.seed)
     else:
         train_ds, eval_ds = ds, None
-    per_row = len(train_ds) // cfg.fast_rows
+    per_row = len(train_ds) // cfg.mesh.rows
     if per_row < cfg.train.batch_size:
         raise ValueError(f"--data.source {source}: {len(train_ds)} training sequences of {cfg.data.seq_len} tokens "
-                         f"give each of {cfg.fast_rows} replicas {per_row}, fewer than --train.batch_size "
+                         f"give each of {cfg.mesh.rows} replicas {per_row}, fewer than --train.batch_size "
                          f"{cfg.train.batch_size}; use more text, a shorter --data.seq_len or a smaller batch")
     if hf_cfg.vocab_size <= int(ds.tokens.max()):
         raise ValueError(f"--data.source tokens reach id {int(ds.tokens.max())} but the model's vocab is {hf_cfg.vocab_size}")
@@ -151,6 +151,12 @@ def lr_at(step: int, cfg: Config) -> float:
     return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
+def data_shard(cfg: Config, plan: Plan, row: int) -> torch.Tensor:
+    """Training rows of mesh row ``row``: one disjoint strided shard per row (the anchor
+    row, when on, gets its own: rows[rows-1::rows]); data.TokenDataset.shard's rule."""
+    return plan.train_rows[row::cfg.mesh.rows]
+
+
 class BatchSampler:
     """Stateless: the batch of step s is a pure function of (rows, seed, s), so a resumed
     run sees exactly the batches the uninterrupted run would have seen."""
@@ -169,7 +175,19 @@ class BatchSampler:
 
 
 class NullAnchor:
-    """The anchor hook when the anchor is off: never anything to fold in."""
+    """The anchor hook when the anchor is off: never anything to fold in.
+
+    The contract ``orchestration.anchor.make_fast_hook(ctx: RankContext)`` implements on
+    fast ranks (polled once per fast step, on the critical path, so it must never block
+    on the anchor): ``poll(step)`` -> None or (grads aligned with
+    ``ctx.optimizer``'s flattened params, staleness in fast steps), folded in with
+    ``optimizer.observe_anchor`` before the inner step; ``after_step(step)`` (e.g. serve
+    a parameter snapshot); ``bytes_sent`` (this rank's anchor-axis bytes, both ways it
+    sends); ``stats()`` -> flat dict logged as ``anchor_<key>``; ``close()`` at the end
+    of training (tell the anchor row to stop). Anchor ranks run
+    ``orchestration.anchor.run_anchor_rank(ctx)`` instead of the fast loop and return a
+    dict; the launcher treats them as optional (their death does not stop the run).
+    """
 
     bytes_sent = 0
 
@@ -265,7 +283,7 @@ def _run(rank: int, cfg: Config, plan: Plan, mesh) -> dict:
     mask_seed = (t.seed << 16) | mesh.row
     pipe = PipelineExecutor(stage, actions, codec=codec, prev_rank=mesh.prev_rank, next_rank=mesh.next_rank,
                             rank=rank, seed=mask_seed, counter=counter)
-    sampler = BatchSampler(plan.train_rows[mesh.row::cfg.fast_rows], t.batch_size, t.seed + 7919 * mesh.row)
+    sampler = BatchSampler(data_shard(cfg, plan, mesh.row), t.batch_size, t.seed + 7919 * mesh.row)
 
     n_fast = cfg.fast_rows
     allreduce = diloco = None
@@ -559,8 +577,9 @@ def main(argv: list[str] | None = None) -> int:
         f.write(to_yaml(cfg))
     layout = MeshLayout(cfg.mesh.rows, cfg.mesh.stages, cfg.anchor.enabled)
     try:
+        anchors = {r for r in range(cfg.world_size) if layout.is_anchor(r)}
         run_local(run_rank, cfg.world_size, (cfg, plan), start_method=cfg.mesh.start_method,
-                  threads=cfg.mesh.threads_per_rank, describe=layout.describe)
+                  threads=cfg.mesh.threads_per_rank, describe=layout.describe, optional=anchors)
     except MeshFailure as e:
         print(f"\nerror: the mesh stopped: {e}", file=sys.stderr)
         if e.details:

@@ -86,3 +86,16 @@ def test_raising_rank_is_named_and_others_terminated():
     with pytest.raises(MeshFailure, match="rank 1 failed: ValueError: bad thing on purpose"):
         run_local(_raises_worker, 3, timeout_s=60, grace_s=1.0)
     assert time.monotonic() - t0 < 20
+
+
+def _optional_dies_worker(rank, world):
+    if rank == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(1.0)
+    return rank
+
+
+def test_optional_rank_may_die_without_stopping_the_others(capsys):
+    res = run_local(_optional_dies_worker, 3, timeout_s=60, optional={2})
+    assert res == [0, 1, None]
+    assert "rank 2 exited with code -9; the rest of the mesh continues" in capsys.readouterr().err
