@@ -20,8 +20,8 @@ cross a stage boundary, which is what makes the boundary compressible.
 
 Guarantees (tested in tests/test_stages.py): running the stages one after the other
 gives bit-identical logits to the unsplit model, and the same gradients, for
-LlamaForCausalLM, Qwen2ForCausalLM and MistralForCausalLM, including grouped-query
-attention. The stages share their modules (hence their parameters) with ``model``;
+LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM and MistralForCausalLM, including
+grouped-query attention and sliding-window layers. The stages share their modules (hence their parameters) with ``model``;
 ``copy.deepcopy(model)`` first if you need an independent original.
 
 Tied embeddings (``lm_head.weight is embed_tokens.weight``): with one stage nothing
@@ -52,7 +52,7 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 # shared rotary_emb: exactly the contract Stage relies on. Others (Gemma scales the
 # embeddings, Phi-3 fuses projections differently, ...) are refused rather than split
 # silently wrong; add one here only together with a test in tests/test_stages.py.
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 
 _FULL, _SLIDING = "full_attention", "sliding_attention"
 

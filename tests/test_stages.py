@@ -4,7 +4,7 @@ import copy
 import pytest
 import torch
 from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
-                          Qwen2Config, Qwen2ForCausalLM)
+                          Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 from orchestration.stages import (Stage, balanced_layers, causal_lm_loss, run_stages, split_model,
                                   tied_weight_pairs)
@@ -16,6 +16,7 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_atte
 def _model(family: str, tied: bool = False, **extra):
     torch.manual_seed(0)
     cfg_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+                          "qwen3": (Qwen3Config, Qwen3ForCausalLM),
                           "mistral": (MistralConfig, MistralForCausalLM)}[family]
     cfg = cfg_cls(**{**TINY, **extra}, tie_word_embeddings=tied)
     if family == "qwen2":
@@ -28,7 +29,7 @@ def _batch(B=2, T=12, V=128):
     return torch.randint(0, V, (B, T), generator=g)
 
 
-@pytest.mark.parametrize("family,layers", [("llama", None), ("llama", [1, 3]), ("qwen2", None),
+@pytest.mark.parametrize("family,layers", [("llama", None), ("llama", [1, 3]), ("qwen2", None), ("qwen3", [3, 1]),
                                            ("mistral", [2, 1, 1]), ("llama", [1, 1, 1, 1])])
 def test_split_reproduces_logits_and_grads(family, layers):
     ref = _model(family)
@@ -115,6 +116,16 @@ def test_sliding_window_layers_get_their_own_mask():
     ids = _batch(T=16)
     stages = split_model(copy.deepcopy(ref), 2, [2, 2])
     assert torch.equal(run_stages(stages, ids), ref(ids).logits)
+
+
+def test_mistral_sliding_window_is_kept_per_stage():
+    ref = _model("mistral", sliding_window=4)
+    ids = _batch(T=16)
+    want = ref(ids).logits
+    full = copy.deepcopy(ref)
+    full.config.sliding_window = None
+    assert not torch.allclose(full(ids).logits, want)  # the window matters at T=16
+    assert torch.equal(run_stages(split_model(copy.deepcopy(ref), 2), ids), want)
 
 
 def test_bad_input_gives_clear_errors():
