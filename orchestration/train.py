@@ -5,6 +5,10 @@
     python -m orchestration.train --config run.yaml --mesh.rows 4
     torchrun --nnodes 2 --nproc-per-node 3 ... -m orchestration.train --preset m95   # multi-node
 
+Under torchrun (multi-node) every rank runs ``prepare`` itself (deterministic, so all
+agree), and ``--checkpoint.dir`` must be on storage every node sees: ranks write their
+own files, rank 0 indexes the stage shards and publishes the checkpoint.
+
 Flow: ``main`` parses and validates the config, then ``prepare`` checks every path and
 builds the model and token data once, all BEFORE a process is spawned (bad input is a
 clear error, never a dead mesh). Without torchrun variables it spawns the local mesh
@@ -114,7 +118,10 @@ def prepare(cfg: Config, *, load_model: bool = True) -> Plan:
     if hf_cfg.vocab_size <= int(ds.tokens.max()):
         raise ValueError(f"--data.source tokens reach id {int(ds.tokens.max())} but the model's vocab is {hf_cfg.vocab_size}")
 
-    name = cfg.run.name or f"{cfg.preset or 'default'}-{time.strftime('%Y%m%d-%H%M%S')}"
+    # Under torchrun every rank derives the run directory: it must not depend on the clock.
+    rid = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    stamp = (rid if rid != "none" else "torchrun") if under_torchrun() else time.strftime("%Y%m%d-%H%M%S")
+    name = cfg.run.name or f"{cfg.preset or 'default'}-{stamp}"
     run_dir = os.path.join(cfg.run.out_dir, name)
     ckpt_dir = cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints")
     resume_from = ""
