@@ -151,3 +151,21 @@ def test_pruning_errors(model):
         evaluate.magnitude_prune(model, 0.5, scope="rows")
     with pytest.raises(ValueError, match="no nn.Linear"):
         evaluate.magnitude_prune(torch.nn.Embedding(3, 3), 0.5)
+
+
+# ------------------------------------------------------------------ report / CLI
+def test_cli_report_matches_direct_evaluation(model, tok, tmp_path, capsys):
+    import json
+    model.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(str(tmp_path / "m"))
+    evaluate.main(["--model", str(tmp_path / "m"), "--data", "task:add,task:upper", "--seq-len", "16",
+                   "--max-batches", "0", "--tasks", "reverse", "--n-task", "4", "--prune", "0.5",
+                   "--threads", "1", "--json", str(tmp_path / "r.json")])
+    rep = json.loads((tmp_path / "r.json").read_text())
+    held = data.build_token_dataset("task:upper", tok, 16).split(0.02, seed=0)[1]
+    assert rep["held_out"]["task:upper"]["loss"] == pytest.approx(evaluate.eval_loss(model, held)["loss"], rel=1e-5)
+    assert rep["exact_match"]["reverse"]["n"] == 4
+    assert rep["pruning"]["source"] == "task:upper"
+    half = evaluate.eval_loss(evaluate.magnitude_prune(model, 0.5), held)["loss"]
+    assert rep["pruning"]["results"]["0.5"]["loss"] == pytest.approx(half, rel=1e-5)
+    assert "held-out task:add" in capsys.readouterr().out
