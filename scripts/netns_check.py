@@ -2,7 +2,8 @@
 
 Run as root (creates and deletes its own namespaces; talks only to addresses it created):
 
-    python scripts/netns_check.py                 # 3 stages, 4 micro-batches, 200 Mbit/s
+    python scripts/netns_check.py                 # 2 rows x 3 stages, 4 micro-batches, 200 Mbit/s
+    python scripts/netns_check.py --rows 1        # one pipeline, no DP sync
     python scripts/netns_check.py --help
 
 Topology (what orchestration.linkmodel calls "node"): one namespace per rank, each
@@ -10,10 +11,12 @@ joined to a hub namespace (IP forwarding) by a veth pair; ``tc tbf rate 200mbit`
 the rank side (its uplink) and on the hub side (its downlink). So every rank has a
 200 Mbit/s access link, as consumer GPUs on the internet do.
 
-Workload: each rank is one pipeline stage running the schedule of
-orchestration/schedule.py exactly as listed, with real gloo isend/recv of the boundary
-messages (sizes from orchestration/codecs.py: a dense and a masked p=0.95 boundary of a
-[micro-batch, T, H] fp32 activation). Compute is a sleep of fixed length (this machine
+Workload: a rows x stages mesh (rank = row * stages + stage). Each rank is one pipeline
+stage running the schedule of orchestration/schedule.py exactly as listed, with real
+gloo isend/recv of the boundary messages (sizes from orchestration/codecs.py: a dense
+and a masked p=0.95 boundary of a [micro-batch, T, H] fp32 activation); then, with
+rows > 1, a blocking gloo all_reduce of --dp-bytes within each stage column (plain DP),
+which the link model prices as a ring all-reduce (``model_step(dp_blocking=True)``). Compute is a sleep of fixed length (this machine
 has 2 cores for 3+ ranks: real compute would measure core contention, not links); the
 actual per-action durations are measured and fed to the link model with the counted
 bytes. Measured step time (median over steps, max over ranks) is set beside the
@@ -90,12 +93,15 @@ def worker(a) -> None:
     from orchestration.schedule import make_schedule
 
     torch.set_num_threads(1)
-    rank, S = a.rank, a.world
-    dist.init_process_group("gloo", init_method=f"tcp://{a.master}:{a.port}", rank=rank, world_size=S,
+    rank, S, X = a.rank, a.stages, a.world // a.stages
+    row, stage = divmod(rank, S)
+    dist.init_process_group("gloo", init_method=f"tcp://{a.master}:{a.port}", rank=rank, world_size=a.world,
                             timeout=__import__("datetime").timedelta(seconds=60))
-    sched = make_schedule(a.schedule, S, a.microbatches)[rank]
+    columns = [dist.new_group([r * S + c for r in range(X)]) for c in range(S)]  # every rank creates all
+    sched = make_schedule(a.schedule, S, a.microbatches)[stage]
     nf, nb = a.fwd_bytes // 4, a.bwd_bytes // 4  # fp32 payloads of exactly these byte counts
-    out = {"rank": rank, "steps": [], "F": [], "B": []}
+    dp_buf = torch.zeros(a.dp_bytes // 4) if X > 1 and a.dp_bytes else None
+    out = {"rank": rank, "stage": stage, "steps": [], "F": [], "B": []}
     if a.calibrate and rank in (0, 1):  # one bulk transfer 0 -> 1 through both access links
         buf = torch.zeros(a.calibrate // 4)
         dist.barrier()
@@ -108,15 +114,16 @@ def worker(a) -> None:
         out["calib_s"] = time.perf_counter() - t0
     elif a.calibrate:
         dist.barrier()
+    prev, nxt = (rank - 1 if stage > 0 else None), (rank + 1 if stage < S - 1 else None)
     for step in range(a.warmup + a.steps):
         recvs = {}
         for act in sched:  # pre-post every receive of the step, in schedule order
-            if act.kind == "F" and rank > 0:
+            if act.kind == "F" and prev is not None:
                 t = torch.empty(nf)
-                recvs[act] = (t, dist.irecv(t, rank - 1, tag=2 * act.microbatch))
-            elif act.kind == "B" and rank < S - 1:
+                recvs[act] = (t, dist.irecv(t, prev, tag=2 * act.microbatch))
+            elif act.kind == "B" and nxt is not None:
                 t = torch.empty(nb)
-                recvs[act] = (t, dist.irecv(t, rank + 1, tag=2 * act.microbatch + 1))
+                recvs[act] = (t, dist.irecv(t, nxt, tag=2 * act.microbatch + 1))
         sends = []
         dist.barrier()
         t0 = time.perf_counter()
@@ -128,12 +135,14 @@ def worker(a) -> None:
             c1 = time.perf_counter()
             if step >= a.warmup:
                 out[act.kind].append(c1 - c0)
-            if act.kind == "F" and rank < S - 1:
-                sends.append(dist.isend(torch.zeros(nf), rank + 1, tag=2 * act.microbatch))
-            elif act.kind == "B" and rank > 0:
-                sends.append(dist.isend(torch.zeros(nb), rank - 1, tag=2 * act.microbatch + 1))
+            if act.kind == "F" and nxt is not None:
+                sends.append(dist.isend(torch.zeros(nf), nxt, tag=2 * act.microbatch))
+            elif act.kind == "B" and prev is not None:
+                sends.append(dist.isend(torch.zeros(nb), prev, tag=2 * act.microbatch + 1))
         for w in sends:
             w.wait()
+        if dp_buf is not None:
+            dist.all_reduce(dp_buf, group=columns[stage])
         if step >= a.warmup:
             out["steps"].append(time.perf_counter() - t0)
     dist.barrier()
@@ -150,7 +159,8 @@ def run_case(mesh: Mesh, a, fwd_bytes: int, bwd_bytes: int, calibrate: int, port
     procs = []
     for i, ns in enumerate(mesh.ranks):
         cmd = ["ip", "netns", "exec", ns, sys.executable, os.path.abspath(__file__), "--worker",
-               "--rank", str(i), "--world", str(a.stages), "--master", mesh.addr(0), "--port", str(port),
+               "--rank", str(i), "--world", str(len(mesh.ranks)), "--stages", str(a.stages),
+               "--dp-bytes", str(a.dp_bytes), "--master", mesh.addr(0), "--port", str(port),
                "--schedule", a.schedule, "--microbatches", str(a.microbatches), "--steps", str(a.steps),
                "--warmup", "1", "--f-s", str(a.f_s), "--b-s", str(a.b_s),
                "--fwd-bytes", str(fwd_bytes), "--bwd-bytes", str(bwd_bytes), "--calibrate", str(calibrate)]
@@ -175,7 +185,10 @@ def run_case(mesh: Mesh, a, fwd_bytes: int, bwd_bytes: int, calibrate: int, port
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--stages", type=int, default=3, help="pipeline stages = ranks = namespaces")
+    ap.add_argument("--stages", type=int, default=3, help="pipeline stages per row")
+    ap.add_argument("--rows", type=int, default=2, help="replicas (rows x stages ranks = namespaces)")
+    ap.add_argument("--dp-bytes", type=int, default=4 * 2 ** 20,
+                    help="rows > 1: bytes each rank all-reduces in its stage column after every step")
     ap.add_argument("--microbatches", type=int, default=4, help="micro-batches per step")
     ap.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
     ap.add_argument("--steps", type=int, default=4, help="measured steps per case (after 1 warm-up)")
@@ -197,19 +210,19 @@ def main(argv=None) -> None:
         return worker(a)
     if os.geteuid() != 0:
         raise SystemExit("netns_check needs root (ip netns, tc)")
-    if a.stages < 2:
-        raise SystemExit("--stages must be >= 2")
+    if a.stages < 2 or a.rows < 1:
+        raise SystemExit("--stages must be >= 2 and --rows >= 1")
 
     import torch
 
     from orchestration.codecs import make_codec
-    from orchestration.linkmodel import LinkSpec, simulate
+    from orchestration.linkmodel import LinkSpec, model_step
     from orchestration.schedule import make_schedule
 
     shape = tuple(int(x) for x in a.shape.split(","))
     rate_bps = float(a.rate.lower().replace("mbit", "e6").replace("kbit", "e3").replace("gbit", "e9"))
     cases = [(name, make_codec(name, p=0.95)) for name in ("dense", "mask")]
-    mesh = Mesh(a.stages, a.rate, a.burst)
+    mesh = Mesh(a.rows * a.stages, a.rate, a.burst)
     rows, calib_bps = [], None
     try:
         for j, (name, codec) in enumerate(cases):
@@ -220,22 +233,31 @@ def main(argv=None) -> None:
             if calib:
                 calib_bps = calib * 8 / next(r["calib_s"] for r in res if "calib_s" in r)
             measured = statistics.median(max(r["steps"][k] for r in res) for k in range(a.steps))
-            ct = {k: [statistics.mean(r[k]) for r in sorted(res, key=lambda r: r["rank"])] for k in ("F", "B")}
+            ct = {k: [statistics.mean(x for r in res if r["stage"] == st for x in r[k]) for st in range(a.stages)]
+                  for k in ("F", "B")}
             sched = make_schedule(a.schedule, a.stages, a.microbatches)
-            nominal = simulate(sched, ct, {"F": fb, "B": bb}, LinkSpec(rate_bps)).step_s
-            calibrated = simulate(sched, ct, {"F": fb, "B": bb}, LinkSpec(calib_bps)).step_s
-            rows.append(dict(codec=name, fwd_bytes=fb, bwd_bytes=bb, measured_s=measured, model_nominal_s=nominal,
-                             model_calibrated_s=calibrated, compute=ct))
+
+            def modeled(bps):
+                return model_step(sched, ct, {"F": fb, "B": bb}, LinkSpec(bps), replicas=a.rows, tokens_per_replica=1,
+                                  dp_payload_bytes=a.dp_bytes if a.rows > 1 else 0, dp_blocking=True)
+
+            nominal, calibrated = modeled(rate_bps), modeled(calib_bps)
+            rows.append(dict(codec=name, fwd_bytes=fb, bwd_bytes=bb, measured_s=measured,
+                             model_nominal_s=nominal.step_s, model_calibrated_s=calibrated.step_s,
+                             model_pipeline_s=calibrated.pipeline_s, compute=ct))
     finally:
         mesh.close()
-    print(f"netns check: {a.stages} stages x {a.microbatches} micro-batches, {a.schedule}, tbf {a.rate} "
+    dp = f", DP all-reduce {a.dp_bytes} B per column per step" if a.rows > 1 else ""
+    print(f"netns check: {a.rows} rows x {a.stages} stages{dp}, {a.microbatches} micro-batches, {a.schedule}, tbf {a.rate} "
           f"(burst {a.burst}) per access link, activation {shape} fp32, compute F={a.f_s}s B={a.b_s}s (sleep)")
     print(f"bulk transfer through two shaped links: {calib_bps / 1e6:.1f} Mbit/s payload "
           f"(nominal {rate_bps / 1e6:.0f})")
-    print(f"{'codec':8} {'bytes/msg':>10} {'measured s':>11} {'model@nominal':>14} {'model@calib':>12} {'meas/calib':>11}")
+    print(f"{'codec':8} {'bytes/msg':>10} {'measured s':>11} {'model@nominal':>14} {'model@calib':>12} "
+          f"{'(pipeline part)':>16} {'meas/calib':>11}")
     for r in rows:
         print(f"{r['codec']:8} {r['fwd_bytes']:>10} {r['measured_s']:>11.3f} {r['model_nominal_s']:>14.3f} "
-              f"{r['model_calibrated_s']:>12.3f} {r['measured_s'] / r['model_calibrated_s']:>11.3f}")
+              f"{r['model_calibrated_s']:>12.3f} {r['model_pipeline_s']:>16.3f} "
+              f"{r['measured_s'] / r['model_calibrated_s']:>11.3f}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(dict(args=vars(a), calib_bps=calib_bps, rows=rows), f, indent=1)
