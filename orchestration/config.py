@@ -58,7 +58,7 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = _f(30, "optimizer steps (each = one micro-batched pipeline pass per replica)")
+    steps: int = _f(60, "optimizer steps (each = one micro-batched pipeline pass per replica)")
     batch_size: int = _f(8, "sequences per replica per step (split into micro-batches)")
     microbatches: int = _f(4, "micro-batches per step (gradient accumulation through the pipeline)")
     schedule: str = _f("1f1b", "pipeline schedule: 1f1b or gpipe")

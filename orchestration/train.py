@@ -76,6 +76,9 @@ def prepare(cfg: Config, *, load_model: bool = True) -> Plan:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # one progress bar on screen: ours
+    from meshkern import _backend
+
+    _backend.load_all()  # load (or warn about) the extensions once here; forked ranks inherit it
 
     path = cfg.model.path or models.default_base_model(progress=True)
     if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
