@@ -197,7 +197,7 @@ def model_row(name: str, geom: str, cfg, hf_config, compute, link: LinkSpec, tfl
                 codec=f"{cfg.boundary.codec}" + (f" p={cfg.boundary.p}" if cfg.boundary.codec == "mask" else ""),
                 dp=f"{cfg.dp.mode}/{cfg.dp.compressor}" + ("" if blocking else f" H={cfg.dp.sync_every}"),
                 dp_ratio=sum(raw_payload) / max(sum(dp_payload), 1) * dp_every,
-                msg_bytes=msg, step_s=m.step_s, pipeline_s=m.pipeline_s, tokens_per_s=m.tokens_per_s,
+                schedule=cfg.train.schedule, msg_bytes=msg, step_s=m.step_s, pipeline_s=m.pipeline_s, tokens_per_s=m.tokens_per_s,
                 bytes_per_token=m.bytes_per_token, limiting=m.limiting, compute=compute, compute_source=tflops_note)
 
 
@@ -217,11 +217,14 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--measured", default="", help="small: a training run's metrics.jsonl (compute-time hook)")
     ap.add_argument("--powersgd-rank-1b", type=int, default=16,
                     help="1b: PowerSGD rank (16: ~64x on the 2048-wide matrices, the paper's ~64x)")
+    ap.add_argument("--schedule", choices=["", "1f1b", "gpipe"], default="",
+                    help="pipeline schedule for every row (empty: the preset's, i.e. the trainer's default)")
     ap.add_argument("--json", default="", help="also write all figures here")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     link = LinkSpec(a.bandwidth_bps, a.latency_s)
     rows = [r.strip() for r in a.rows.split(",") if r.strip()]
+    sched = ["--train.schedule", a.schedule] if a.schedule else []
     out = []
     if a.geometry in ("small", "both"):
         hf = small_config()
@@ -231,10 +234,10 @@ def main(argv=None) -> list[dict]:
         else:
             compute, src = measured_compute_cpu(hf, base), "measured here (1 CPU thread, random init)"
         for r in rows:
-            out.append(model_row(r, "small", preset_config(r, []), hf, compute, link, src))
+            out.append(model_row(r, "small", preset_config(r, sched), hf, compute, link, src))
     if a.geometry in ("1b", "both"):
         hf = llama_1b_config()
-        over = ["--mesh.rows", "4", "--mesh.stages", "2", "--data.seq_len", "2048", "--train.batch_size", "32",
+        over = sched + ["--mesh.rows", "4", "--mesh.stages", "2", "--data.seq_len", "2048", "--train.batch_size", "32",
                 "--train.microbatches", "8", "--model.dtype", "bfloat16", "--anchor.transport", "factored",
                 "--anchor.snapshot_every", "20"]
         for r in rows:
@@ -249,7 +252,8 @@ def main(argv=None) -> list[dict]:
                 compute, src = analytic_compute(st, hf, mbt, cfg.data.seq_len, a.tflops), f"analytic at {a.tflops:g} TFLOP/s"
             out.append(model_row(r, "1b", cfg, hf, compute, link, src))
     print(f"link model: every node an access link of {link.bandwidth_bps / 1e6:g} Mbit/s, latency {link.latency_s:g} s; "
-          f"bytes/token = all bytes sent on all links / fast-replica tokens")
+          f"bytes/token = all bytes sent on all links / fast-replica tokens; schedule "
+          f"{out[0]['schedule'] if out else '-'}")
     hdr = (f"{'':5} {'':7} {'':18} {'':11} {'':21}|{'bytes/token':^39}|\n"
            f"{'geom':5} {'row':7} {'mesh':18} {'codec':11} {'dp sync':21}|{'pp_fwd':>7} {'pp_bwd':>7} {'dp':>7} "
            f"{'anchor':>7} {'total':>7}|{'step s':>8} {'tok/s':>8}  limited by")
