@@ -10,7 +10,8 @@ orchestration.config, so the bench models exactly what ``--preset NAME`` runs):
     dp      dense boundaries; Streaming DiLoCo (every parameter synced once per H steps,
             overlapping compute) + PowerSGD on the exchanged pseudo-gradients
     m95     mask codec at p = 0.95 on every boundary + the dp row's DP sync
-    m95-ap  m95 + the anchor replica (last row): snapshots up, factored anchor momentum down
+    m95-ap  m95 + the anchor replica (last row): snapshots from replica 0 up, anchor
+            gradients (small: dense, the preset) or momentum factors (1b) down
 
 Every byte count is exact and comes from the code that sends it: boundary messages from
 ``orchestration.codecs.make_codec(...).wire_bytes`` and DP payloads from the preset's
@@ -148,25 +149,28 @@ def measured_compute_jsonl(path: str, stages: int) -> dict:
             for k, key in (("F", "fwd_s"), ("B", "bwd_s"))}
 
 
-def anchor_bytes(cfg, shapes_per_stage, dtype, fast_rows: int) -> tuple[list[float], list[float]]:
-    """Per fast node per step (amortized): (up, down) anchor traffic.
+def anchor_bytes(cfg, stages, dtype) -> tuple[list[float], list[float]]:
+    """Per step (amortized over ``anchor.snapshot_every``), per stage: (up, down) anchor
+    bytes of a fast node, as orchestration/anchor.py sends them (headers ignored).
 
-    Up: one parameter snapshot per ``anchor.snapshot_every`` fast steps, its stage's
-    parameters in ``dtype``, pulled in equal shares from the X fast nodes of the column.
-    Down: one anchor update per snapshot to every fast node: dense = the gradient of every
-    parameter; factored = (U, S, V) at rank ``train.spectral_rank`` of each 2-D weight in
-    fp32, 1-D tensors not sent (they have no spectral prior).
+    Up: replica 0 alone serves one snapshot of its stage's parameters, in ``dtype``, per
+    round. Down: per round, every fast node receives the anchor's result for the
+    parameters SpectralAdamW filters (2-D, not embedding / lm_head): dense = their
+    gradients in ``dtype``; factored = (U, S, V) at rank r = ``train.spectral_rank``,
+    r*(m+n+1) fp32 numbers per matrix. Assumes the anchor keeps up with one round per
+    ``snapshot_every`` fast steps.
     """
     a, r = cfg.anchor, cfg.train.spectral_rank
-    el = torch.empty((), dtype=dtype).element_size()
+    el = dtype.itemsize
     up, down = [], []
-    for shapes in shapes_per_stage:
-        params = sum(math.prod(s) for s in shapes)
-        up.append(params * el / a.snapshot_every / fast_rows)
+    for st in stages:
+        named = list(st.named_parameters())
+        up.append(sum(p.numel() for _, p in named) * el / a.snapshot_every)
+        mats = [p.shape for n, p in named if p.dim() == 2 and "embed" not in n and "lm_head" not in n]
         if a.transport == "factored":
-            d = sum((s[0] * min(r, *s) + min(r, *s) + s[1] * min(r, *s)) * 4 for s in shapes if len(s) == 2)
+            d = sum(min(r, m, n) * (m + n + 1) * 4 for m, n in mats)
         else:
-            d = params * el
+            d = sum(m * n for m, n in mats) * el
         down.append(d / a.snapshot_every)
     return up, down
 
@@ -188,11 +192,11 @@ def model_row(name: str, geom: str, cfg, hf_config, compute, link: LinkSpec, tfl
     dp_every = 1.0 if blocking else float(cfg.dp.sync_every)
     up = down = 0.0
     if cfg.anchor.enabled:
-        up, down = anchor_bytes(cfg, shapes, dtype, X)
+        up, down = anchor_bytes(cfg, stages, dtype)
     m = model_step(make_schedule(cfg.train.schedule, Y, cfg.train.microbatches), compute, msg, link,
                    replicas=X, tokens_per_replica=cfg.train.batch_size * cfg.data.seq_len,
                    dp_payload_bytes=dp_payload, dp_blocking=blocking, dp_every=dp_every,
-                   anchor_up_bytes=up, anchor_down_bytes=down)
+                   anchor_up_bytes=up, anchor_down_bytes=down, anchor_up_nodes=1)
     return dict(row=name, geometry=geom, mesh=f"{cfg.mesh.rows}x{Y}" + (" (+anchor row)" if cfg.anchor.enabled else ""),
                 codec=f"{cfg.boundary.codec}" + (f" p={cfg.boundary.p}" if cfg.boundary.codec == "mask" else ""),
                 dp=f"{cfg.dp.mode}/{cfg.dp.compressor}" + ("" if blocking else f" H={cfg.dp.sync_every}"),

@@ -284,7 +284,8 @@ def model_step(schedule, compute_times, message_bytes, link: LinkSpec = LinkSpec
                dp_payload_bytes: float | Sequence[float] = 0.0, dp_blocking: bool = False,
                dp_every: float = 1.0,
                anchor_up_bytes: float | Sequence[float] = 0.0,
-               anchor_down_bytes: float | Sequence[float] = 0.0) -> StepModel:
+               anchor_down_bytes: float | Sequence[float] = 0.0,
+               anchor_up_nodes: int | None = None) -> StepModel:
     """Model one step of an X x Y mesh (X = ``replicas`` fast rows), "node" topology.
 
     dp_payload_bytes: what one stage column all-reduces per sync (per stage, or one
@@ -293,9 +294,10 @@ def model_step(schedule, compute_times, message_bytes, link: LinkSpec = LinkSpec
     dp_blocking: True: a sync ends every step and the step waits for it (plain DP);
         False: it overlaps compute as background traffic, ``dp_every`` steps apart
         (Streaming DiLoCo: H / fragments-per-sync; its bytes per step are amortized).
-    anchor_up_bytes / anchor_down_bytes: per step (amortized), per stage, what each fast
+    anchor_up_bytes / anchor_down_bytes: per step (amortized), per stage, what a fast
         node sends to / receives from the anchor replica (snapshots up, anchor gradients
-        down); background. The anchor nodes' own links carry the mirror image (X times
+        down); background. ``anchor_up_nodes``: how many fast nodes per column send
+        ``anchor_up_bytes`` (default all X; 1 when one replica serves the snapshots). The anchor nodes' own links carry the mirror image (X times
         the gradient push on their uplink); if that saturates, the anchor falls further
         behind (more staleness) but the fast circuit does not wait, so it is not modeled
         into the step time.
@@ -325,7 +327,7 @@ def model_step(schedule, compute_times, message_bytes, link: LinkSpec = LinkSpec
         "pp_fwd": pp["F"] * X,
         "pp_bwd": pp["B"] * X,
         "dp": sum(ring_allreduce_bytes(b, X) for b in dp) * X / (1.0 if dp_blocking else dp_every),
-        "anchor": (sum(up_anc) + sum(down_anc)) * X,
+        "anchor": sum(up_anc) * (X if anchor_up_nodes is None else anchor_up_nodes) + sum(down_anc) * X,
     }
     tokens = X * tokens_per_replica
     per_tok = {k: v / tokens for k, v in axes.items()}

@@ -129,6 +129,9 @@ def test_model_step_background_fills_idle_link_time():
                    dp_every=2, anchor_down_bytes=[6 * ONE_S, 0], anchor_up_bytes=[0, ONE_S])
     assert m.step_s == pytest.approx(9.0) and "downlink of stage 0" in m.limiting
     assert m.bytes["anchor"] == pytest.approx(4 * 7 * ONE_S)
+    one = model_step(sched, ct, mb, L, replicas=4, tokens_per_replica=10, dp_payload_bytes=ONE_S * 8 / 3,
+                     dp_every=2, anchor_down_bytes=[6 * ONE_S, 0], anchor_up_bytes=[0, ONE_S], anchor_up_nodes=1)
+    assert one.bytes["anchor"] == pytest.approx(4 * 6 * ONE_S + ONE_S) and one.step_s == m.step_s
     assert m.bytes["dp"] == pytest.approx(4 * 2 * (ONE_S * 8 / 3 * 1.5) / 2)
 
 
