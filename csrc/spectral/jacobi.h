@@ -5,23 +5,46 @@
 #include <cstdint>
 #include <vector>
 
+#ifdef __CUDACC__
+#define MESHKERN_HD __host__ __device__
+#else
+#define MESHKERN_HD
+#endif
+
 namespace meshkern_spectral {
+
+template <typename T>
+MESHKERN_HD inline T mk_sqrt(T x) {
+#ifdef __CUDA_ARCH__
+  return sqrt(x);
+#else
+  return std::sqrt(x);
+#endif
+}
 
 // Rotation that zeroes a_pq in J^T A J, J = [[c, s], [-s, c]] on rows/cols (p, q)
 // (Golub & Van Loan, Algorithm 8.4.1 "sym.schur2"). Returns false if a_pq == 0.
+// Shared by the CPU kernel and the CUDA kernel (jacobi_cuda.cu).
 template <typename acc_t>
-inline bool jacobi_rotation(acc_t app, acc_t aqq, acc_t apq, acc_t& c, acc_t& s) {
+MESHKERN_HD inline bool jacobi_rotation(acc_t app, acc_t aqq, acc_t apq, acc_t& c, acc_t& s) {
   if (apq == acc_t(0)) {
     c = acc_t(1);
     s = acc_t(0);
     return false;
   }
   const acc_t theta = (aqq - app) / (acc_t(2) * apq);
-  const acc_t at = std::fabs(theta);
-  // 1/(|theta| + sqrt(1 + theta^2)); for huge |theta| the sqrt would overflow: t ~ 1/(2|theta|).
-  acc_t t = at > acc_t(1e150) ? acc_t(0.5) / at : acc_t(1) / (at + std::sqrt(acc_t(1) + theta * theta));
+  const acc_t at = theta < acc_t(0) ? -theta : theta;
+  // t = 1/(|theta| + sqrt(1 + theta^2)), written so that it cannot overflow: for
+  // |theta| >= 1 divide through by |theta| (t -> 0 as |theta| -> inf: no rotation).
+  acc_t t;
+  if (at >= acc_t(1)) {
+    const acc_t inv = acc_t(1) / at;
+    t = inv / (acc_t(1) + mk_sqrt(acc_t(1) + inv * inv));
+  } else {
+    t = acc_t(1) / (at + mk_sqrt(acc_t(1) + at * at));
+  }
   if (theta < acc_t(0)) t = -t;
-  c = acc_t(1) / std::sqrt(acc_t(1) + t * t);
+  c = acc_t(1) / mk_sqrt(acc_t(1) + t * t);
   s = t * c;
   return true;
 }
