@@ -1,0 +1,747 @@
+"""The slow anchor circuit (method.md sections 2-3): anchor ranks and the fast ranks' hook.
+
+With ``--anchor.enabled`` the last row of the mesh is the anchor replica. Its rank in
+stage column s ("anchor s") loops over rounds:
+
+    1. pull a parameter snapshot of stage s from fast replica 0 of column s
+       (replica 0 holds one; see "Snapshots" below), agreeing on its version with the
+       other anchor stages so the anchor's pipeline sees one consistent model;
+    2. run one unmasked forward/backward over ``anchor.microbatches`` micro-batches of
+       its own batches (its own sampler seed over the training rows), through its own
+       pipeline across the anchor row: orchestration.pipeline.PipelineExecutor with the
+       "dense" codec and the trainer's schedule, i.e. the very executor of the fast
+       circuit with dense boundaries;
+    3. ship the result to every fast replica of column s: ``transport=dense`` sends the
+       mean-loss gradient of every parameter that has a spectral prior (2-D, not
+       embedding / lm_head: the params SpectralAdamW filters; the others' anchor
+       gradients would be discarded); ``transport=factored`` folds the gradient into the
+       anchor's own meshkern.optim.AnchorMomentum and sends its top-r SVD factors
+       (U, S, V), r*(m+n+1) numbers per matrix instead of m*n, which the fast ranks use
+       as is (SpectralAdamW.observe_factored_prior).
+
+Why replica 0 and not the DiLoCo global state: Streaming DiLoCo syncs fragments on a
+staggered schedule, so its global copy is never one consistent model at one step;
+replica 0's stage parameters after fast step v are ("version v").
+
+Fast ranks never wait for the anchor. Each fast rank runs one daemon thread ("link")
+that does all anchor traffic of the rank with blocking gloo/NCCL point-to-point on a
+process group of its own (the column's fast ranks + anchor s, created here with a long
+timeout: a timed-out wait poisons a gloo context, so the fast circuit's groups never
+carry anchor traffic and never time out because of it). What the link receives goes to
+a queue; ``poll(step)``, called once per fast step by the trainer, only drains that
+queue (``Work.is_completed()`` cannot be polled instead: gloo's receive works report
+completion only inside ``wait()``). Consequences:
+
+    * an anchor that stalls: nothing arrives; the fast ranks keep stepping; once no
+      update was applied for more than ``anchor.max_staleness`` fast steps the prior is
+      switched off (plain masked AdamW: every SpectralAdamW group gets alpha = 1) and the
+      log says so once; a later fresh update switches it back on;
+    * an anchor that dies: the link sees the broken connection, the log says so once and
+      the fast circuit continues as plain masked AdamW. The launcher treats anchor ranks
+      as optional (orchestration.launch ``optional``), so their death stops nobody;
+    * a bad update (non-finite values, a wrong layout / shape / size, staleness over
+      ``anchor.max_staleness``) is rejected and counted, never applied.
+
+Wire protocol (per column; tensors only, nothing pickled). Every message is a fixed
+int64 header of HEADER_LEN words, then for SNAP/GRAD a flat payload of
+``header[NUMEL]`` elements of dtype ``header[DTYPE]``:
+
+    anchor -> replica 0   REQ(want)       "send me the snapshot with version >= want"
+    replica 0 -> anchor   SNAP(version)   + the stage's parameters, flat, in param dtype
+                          STOP            the fast circuit has finished
+    anchor -> every fast  GRAD(round, version, transport, layout hash) + payload
+
+The receiver checks magic, kind, transport, dtype, size and a hash of the payload's
+tensor shapes against what it expects before it uses a byte; a wrong-size payload is
+drained (up to 4x the expected size) and counted as rejected ("shape").
+
+Snapshots: replica 0 copies its stage parameters at every version that is a multiple
+of ``anchor.snapshot_every`` (and at its first step). Asynchronous mode keeps the
+newest and the anchor asks for ``want = last version + snapshot_every`` (so it never
+works twice on one snapshot and runs at most one round per snapshot_every fast
+steps); the anchor stages compare versions (all_gather over the anchor row) and the
+ones behind ask again until all agree.
+
+Deterministic delay mode (``anchor.delay`` = Delta > 0, the paper's delay ablation):
+replica 0 keeps every snapshot with version v = k * snapshot_every (v + Delta < steps),
+the anchor processes all of them in order, and every fast rank applies the update of
+snapshot v exactly at step v + Delta (staleness == Delta). To make that exact, fast
+ranks BLOCK in ``poll`` at step v + Delta until that update has arrived (experiments
+only; bounded by ``mesh.timeout_s``, after which the hook logs and falls back to the
+asynchronous rule for the rest of the run).
+
+Accounting (axis "anchor" of orchestration.metrics = anchor <-> fast traffic). The
+anchor ranks are not part of the fast circuit's per-step metrics all-reduce, so a fast
+rank's ``bytes_sent`` counts both directions of its own anchor link: what it sent
+(snapshots, STOP; replica 0 only) plus what the anchor delivered to it (REQ, GRAD
+headers and payloads). Summed over the fast ranks that is every anchor byte on a fast
+node's link, once. The anchor row's own pipeline traffic (dense activations between
+anchor stages) never touches a fast node; it is in the anchor ranks' returned records.
+
+Staleness: ``poll(step)`` runs after step ``step``'s backward and before its optimizer
+step, when the parameters are at version ``step``; an update computed on version v has
+staleness ``step - v``.
+
+Fault injection (tests, demos): ``MESHKERN_ANCHOR_FAULT="nan:1,shape:2,stall:3=30,die:4"``
+makes every anchor rank corrupt round 1's payload with a NaN, send round 2 with a wrong
+size and layout, sleep 30 s ("inf": forever) before sending round 3, and SIGKILL itself
+at the start of round 4. ``--run.fail_rank`` naming an anchor rank kills it at the first
+round whose snapshot version is >= ``--run.fail_step``.
+
+Not done: a restarted anchor process cannot rejoin a running mesh: torch.distributed's
+world is fixed at init, so a new process has no way into the fast ranks' process
+groups. An anchor that stalls and recovers does resume (see above); a mesh resumed
+from a checkpoint starts a fresh anchor row.
+"""
+from __future__ import annotations
+
+import math
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+# ---------------------------------------------------------------------------- the wire
+MAGIC = 0x4D4B414E  # "MKAN"
+HEADER_LEN = 16
+F_MAGIC, F_KIND, F_ROUND, F_VERSION, F_TRANSPORT, F_NUMEL, F_LAYOUT, F_DTYPE, F_MS = range(9)
+REQ, SNAP, GRAD, STOP = 1, 2, 3, 4
+TRANSPORTS = {"dense": 0, "factored": 1}
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
+TAG = 61  # one tag on a dedicated group: messages between two ranks arrive in send order
+HEADER_BYTES = HEADER_LEN * 8
+LINK_TIMEOUT = timedelta(days=7)  # see the module docstring: never time out an anchor wait
+DRAIN_FACTOR = 4  # a wrong-size payload up to this many times the expected size is drained
+
+
+def header(kind: int, *, round: int = 0, version: int = 0, transport: int = 0, numel: int = 0,
+           layout: int = 0, dtype: int = 0, ms: int = 0) -> torch.Tensor:
+    """The fixed int64[HEADER_LEN] header of one message."""
+    h = torch.zeros(HEADER_LEN, dtype=torch.int64)
+    h[F_MAGIC], h[F_KIND], h[F_ROUND], h[F_VERSION] = MAGIC, kind, round, version
+    h[F_TRANSPORT], h[F_NUMEL], h[F_LAYOUT], h[F_DTYPE], h[F_MS] = transport, numel, layout, dtype, ms
+    return h
+
+
+def layout_hash(shapes) -> int:
+    """FNV-1a (63 bits) over the tensor shapes of a payload: equal on both ends iff
+    they agree on every tensor's shape and order (Python's hash() is salted per process)."""
+    h = 0xCBF29CE484222325
+    for shape in shapes:
+        for d in (*shape, -1):
+            h ^= (int(d) & 0xFFFFFFFF)
+            h = (h * 0x100000001B3) & ((1 << 63) - 1)
+    return h
+
+
+class Rejected(ValueError):
+    """An anchor message that must not be applied; ``reason`` is the counter it goes to."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+def eligible_params(stage, groups) -> list[tuple[str, torch.nn.Parameter]]:
+    """(HF name, param) of the parameters with a spectral prior, in stage order:
+    2-D params of the groups whose ``spectral`` flag is true (SpectralAdamW's rule).
+    ``groups``: SpectralAdamW.param_groups or meshkern.optim.spectral_param_groups(stage)."""
+    ok = {id(p) for g in groups if g.get("spectral", True) for p in g["params"] if p.dim() == 2}
+    return [(stage.hf_name(n), p) for n, p in stage.named_parameters() if p.requires_grad and id(p) in ok]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What one GRAD payload holds: per eligible parameter [m, n], its gradient (dense)
+    or U[m, r], S[r], V[n, r] with r = min(rank, m, n) (factored), flat and in order."""
+
+    names: tuple
+    shapes: tuple
+    transport: str
+    rank: int
+    dtype: torch.dtype  # payload dtype: the parameters' dtype (dense) or float32 (factored)
+
+    @classmethod
+    def build(cls, named, transport: str, rank: int, param_dtype: torch.dtype) -> "Layout":
+        if transport not in TRANSPORTS:
+            raise ValueError(f"--anchor.transport must be dense or factored, got {transport!r}")
+        if param_dtype not in DTYPE_CODES:
+            raise TypeError(f"anchor payloads support {list(DTYPE_CODES)}, not {param_dtype}")
+        dtype = torch.float32 if transport == "factored" else param_dtype
+        return cls(tuple(n for n, _ in named), tuple(tuple(p.shape) for _, p in named), transport, int(rank), dtype)
+
+    def pieces(self) -> list[list[tuple[int, ...]]]:
+        """Per entry, the shapes of its tensors on the wire."""
+        if self.transport == "dense":
+            return [[s] for s in self.shapes]
+        out = []
+        for m, n in self.shapes:
+            r = min(self.rank, m, n)
+            out.append([(m, r), (r,), (n, r)])
+        return out
+
+    @property
+    def numel(self) -> int:
+        return sum(math.prod(s) for piece in self.pieces() for s in piece)
+
+    @property
+    def hash(self) -> int:
+        return layout_hash([s for piece in self.pieces() for s in piece])
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    def grad_header(self, round: int, version: int, ms: int = 0) -> torch.Tensor:
+        return header(GRAD, round=round, version=version, transport=TRANSPORTS[self.transport],
+                      numel=self.numel, layout=self.hash, dtype=DTYPE_CODES[self.dtype], ms=ms)
+
+    def check_header(self, h: torch.Tensor) -> None:
+        """Raises Rejected("protocol") for a message that is not a GRAD of this transport,
+        Rejected("shape") for a GRAD whose size, dtype or shapes differ from this layout."""
+        if h.numel() != HEADER_LEN or int(h[F_MAGIC]) != MAGIC or int(h[F_KIND]) != GRAD:
+            raise Rejected("protocol", f"not an anchor update header: {h.tolist()}")
+        if int(h[F_TRANSPORT]) != TRANSPORTS[self.transport]:
+            raise Rejected("shape", f"transport code {int(h[F_TRANSPORT])}, expected {self.transport}")
+        if int(h[F_DTYPE]) != DTYPE_CODES[self.dtype]:
+            raise Rejected("shape", f"payload dtype code {int(h[F_DTYPE])}, expected {self.dtype}")
+        if int(h[F_NUMEL]) != self.numel or int(h[F_LAYOUT]) != self.hash:
+            raise Rejected("shape", f"payload of {int(h[F_NUMEL])} elements / layout {int(h[F_LAYOUT]):x}, "
+                                    f"expected {self.numel} / {self.hash:x} ({len(self.shapes)} tensors)")
+
+    def encode(self, grads, momentum=None) -> torch.Tensor:
+        """The flat payload: gradients in this layout's order (None: zeros), or the
+        factors of ``momentum`` (a meshkern.optim.AnchorMomentum over ``shapes``) after
+        folding them in."""
+        grads = [torch.zeros(s, dtype=self.dtype) if g is None else g.detach() for g, s in zip(grads, self.shapes)]
+        if self.transport == "dense":
+            return torch.cat([g.reshape(-1).to(self.dtype) for g in grads])
+        if not momentum.update(grads):
+            raise ValueError("the anchor's own gradient is not finite; round skipped")
+        flat = []
+        for U, S, V in momentum.factors():
+            flat += [U.reshape(-1), S.reshape(-1), V.reshape(-1)]
+        return torch.cat(flat).to(torch.float32)
+
+    def decode(self, payload: torch.Tensor) -> list:
+        """Per entry a tensor (dense) or a (U, S, V) triple (factored), views of ``payload``.
+        Raises Rejected("shape") for a wrong size/dtype, Rejected("nonfinite") for NaN/Inf,
+        Rejected("negative") for negative singular values."""
+        if payload.dim() != 1 or payload.numel() != self.numel or payload.dtype != self.dtype:
+            raise Rejected("shape", f"payload {tuple(payload.shape)} {payload.dtype}, expected "
+                                    f"({self.numel},) {self.dtype}")
+        if not bool(torch.isfinite(payload).all()):
+            raise Rejected("nonfinite", "anchor update contains NaN/Inf")
+        out, o = [], 0
+        for piece in self.pieces():
+            ts = []
+            for s in piece:
+                k = math.prod(s)
+                ts.append(payload[o:o + k].view(s))
+                o += k
+            if self.transport == "factored" and bool((ts[1] < 0).any()):
+                raise Rejected("negative", "anchor factors have negative singular values")
+            out.append(ts[0] if self.transport == "dense" else tuple(ts))
+        return out
+
+
+def _send(tensors, dst: int, group) -> int:
+    works = [dist.isend(t, dst, group=group, tag=TAG) for t in tensors]
+    for w in works:
+        w.wait()
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _recv(numel: int, dtype, src: int, group) -> torch.Tensor:
+    t = torch.empty(numel, dtype=dtype)
+    dist.recv(t, src, group=group, tag=TAG)
+    return t
+
+
+def link_group(mesh):
+    """This rank's anchor-link process group: its column's fast ranks + anchor rank.
+
+    Every rank of the mesh creates all Y link groups here, in stage order (torch.distributed
+    needs every rank in every new_group call, in one global order; the hashed-name
+    ``use_local_synchronization`` variant does not work here because its names depend on
+    how many groups each rank is a member of). So the trainer must call
+    ``make_fast_hook`` / ``run_anchor_rank`` before creating any other group after
+    ``init_mesh``, on every rank alike.
+    """
+    mine = None
+    for s in range(mesh.layout.stages):
+        g = dist.new_group(mesh.layout.column_ranks(s), timeout=LINK_TIMEOUT)
+        if s == mesh.stage:
+            mine = g
+    return mine
+
+
+def check_config(cfg) -> None:
+    """Checks the anchor settings that need no process; ValueError names the flag."""
+    a = cfg.anchor
+    if not a.enabled:
+        return
+    if cfg.train.optimizer != "spectral":
+        raise ValueError("--anchor.enabled needs --train.optimizer spectral (SpectralAdamW consumes the anchor "
+                         f"updates), got {cfg.train.optimizer!r}")
+    if a.snapshot_every < 1 or a.microbatches < 1:
+        raise ValueError("--anchor.snapshot_every and --anchor.microbatches must be >= 1")
+    if a.max_staleness < 0 or a.delay < 0:
+        raise ValueError("--anchor.max_staleness and --anchor.delay must be >= 0")
+    if a.delay > a.max_staleness:
+        raise ValueError(f"--anchor.delay {a.delay} exceeds --anchor.max_staleness {a.max_staleness}: "
+                         "every update would be rejected")
+    if a.transport not in TRANSPORTS:
+        raise ValueError(f"--anchor.transport must be dense or factored, got {a.transport!r}")
+
+
+def parse_faults(spec: str) -> dict[str, dict[int, float]]:
+    """``"nan:1,stall:3=30"`` -> {"nan": {1: 0.0}, "stall": {3: 30.0}} (see module doc)."""
+    out: dict[str, dict[int, float]] = {}
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        try:
+            kind, rest = item.split(":", 1)
+            rnd, _, arg = rest.partition("=")
+            if kind not in ("nan", "shape", "stall", "die"):
+                raise ValueError
+            out.setdefault(kind, {})[int(rnd)] = float(arg) if arg else 0.0
+        except ValueError:
+            raise ValueError(f"MESHKERN_ANCHOR_FAULT: bad item {item!r}; use kind:round[=seconds] with kind "
+                             "nan, shape, stall or die") from None
+    return out
+
+
+def round_batch(cfg, plan, index: int) -> torch.Tensor:
+    """The anchor's batch of round ``index``: ``anchor.microbatches`` micro-batches of the
+    fast circuit's micro-batch size, drawn by its own seeded sampler over the training rows
+    (the same on every anchor stage)."""
+    from orchestration.train import BatchSampler
+
+    mb = cfg.train.batch_size // cfg.train.microbatches
+    n = mb * cfg.anchor.microbatches
+    rows = plan.train_rows
+    if len(rows) < n:
+        raise ValueError(f"the anchor needs {n} sequences per round, the training set has {len(rows)}")
+    return BatchSampler(rows, n, cfg.train.seed + 104_729)(index)
+
+
+# ============================================================================ anchor ranks
+def run_anchor_rank(ctx) -> dict:
+    """Runs anchor rank (anchor row, stage ``ctx.mesh.stage``) until the fast circuit
+    finishes or a link breaks; returns its record (rounds, losses, bytes, why it stopped)."""
+    from meshkern.optim import AnchorMomentum, spectral_param_groups
+    from orchestration.codecs import make_codec
+    from orchestration.launch import is_peer_error
+    from orchestration.pipeline import PipelineExecutor
+    from orchestration.schedule import make_schedule
+
+    try:  # Ctrl-C is for the fast circuit (it checkpoints); the anchor ends with it
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:
+        pass
+    cfg, mesh, stage, plan = ctx.cfg, ctx.mesh, ctx.stage, ctx.plan
+    check_config(cfg)
+    a, t = cfg.anchor, cfg.train
+    group = link_group(mesh)
+    fast = mesh.layout.dp_ranks(mesh.stage)
+    params = ctx.params
+    pdtype = params[0].dtype
+    named = eligible_params(stage, spectral_param_groups(stage))
+    layout = Layout.build(named, a.transport, t.spectral_rank, pdtype)
+    momentum = (AnchorMomentum([p for _, p in named], t.beta_anc, t.spectral_rank, seed=t.seed)
+                if a.transport == "factored" else None)
+    pipe = PipelineExecutor(stage, make_schedule(t.schedule, cfg.mesh.stages, a.microbatches)[mesh.stage],
+                            codec=make_codec("dense"), prev_rank=mesh.prev_rank, next_rank=mesh.next_rank,
+                            rank=mesh.rank, seed=t.seed, counter=ctx.counter, group=None)
+    faults = parse_faults(os.environ.get("MESHKERN_ANCHOR_FAULT", ""))
+    rec = {"rank": mesh.rank, "anchor": True, "rounds": 0, "versions": [], "losses": [], "round_s": [],
+           "bytes_to_fast": 0, "bytes_from_fast": 0, "stopped": ""}
+    want, k = 0, 0
+    try:
+        while True:
+            got = _pull_snapshot(mesh, group, fast[0], want, params, rec)
+            if got is None:
+                rec["stopped"] = "the fast circuit finished"
+                break
+            version = got
+            if mesh.rank == cfg.run.fail_rank and version >= cfg.run.fail_step >= 0:
+                os.kill(os.getpid(), signal.SIGKILL)  # fault injection: die like a crashed node
+            if k in faults.get("die", {}):
+                os.kill(os.getpid(), signal.SIGKILL)
+            t0 = time.perf_counter()
+            for p in params:
+                p.grad = None
+            stats = pipe.step(version, round_batch(cfg, plan, k), num_microbatches=a.microbatches)
+            payload = layout.encode([p.grad for _, p in named], momentum)
+            ms = int(1000 * (time.perf_counter() - t0))
+            hdr = layout.grad_header(k, version, ms)
+            if k in faults.get("nan", {}):
+                payload = payload.clone()
+                payload[payload.numel() // 2] = float("nan")
+            if k in faults.get("shape", {}):
+                payload = torch.cat([payload, torch.zeros(3, dtype=payload.dtype)])
+                hdr[F_NUMEL], hdr[F_LAYOUT] = payload.numel(), layout.hash ^ 1
+            if k in faults.get("stall", {}):
+                secs = faults["stall"][k]
+                end = time.monotonic() + secs
+                while math.isinf(secs) or time.monotonic() < end:
+                    time.sleep(0.5)
+            for dst in fast:
+                rec["bytes_to_fast"] += _send([hdr, payload], dst, group)
+            rec["rounds"] += 1
+            rec["versions"].append(version)
+            rec["round_s"].append(ms / 1000)
+            if mesh.is_last:
+                rec["losses"].append(stats.loss)
+            want = version + a.snapshot_every
+            k += 1
+    except Exception as e:  # a fast rank or anchor peer is gone: the run ended or broke
+        if not is_peer_error(e):
+            raise
+        rec["stopped"] = f"link closed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+    rec["bytes"] = ctx.counter.totals()
+    return rec
+
+
+def _pull_snapshot(mesh, group, src: int, want: int, params, rec) -> int | None:
+    """Loads the stage parameters of snapshot version >= ``want`` from ``src`` (fast
+    replica 0), the same version on every anchor stage; None when the fast circuit ended."""
+    target, version, payload, stop = want, None, None, False
+    numel = sum(p.numel() for p in params)
+    while True:
+        if not stop and (version is None or version < target):
+            rec["bytes_to_fast"] += _send([header(REQ, version=target)], src, group)
+            h = _recv(HEADER_LEN, torch.int64, src, group)
+            rec["bytes_from_fast"] += HEADER_BYTES
+            if int(h[F_MAGIC]) != MAGIC or int(h[F_KIND]) not in (SNAP, STOP):
+                raise RuntimeError(f"anchor protocol: expected SNAP/STOP from rank {src}, got header {h.tolist()}")
+            if int(h[F_KIND]) == STOP:
+                stop = True
+            else:
+                if int(h[F_NUMEL]) != numel or int(h[F_DTYPE]) != DTYPE_CODES[params[0].dtype]:
+                    raise RuntimeError(f"anchor protocol: snapshot of {int(h[F_NUMEL])} elements (dtype code "
+                                       f"{int(h[F_DTYPE])}) from rank {src}; this stage has {numel}")
+                payload = _recv(numel, params[0].dtype, src, group)
+                rec["bytes_from_fast"] += payload.numel() * payload.element_size()
+                version = int(h[F_VERSION])
+        mine = torch.tensor([1 if stop else 0, -1 if version is None else version], dtype=torch.int64)
+        if mesh.anchor is not None and mesh.layout.stages > 1:
+            everyone = [torch.zeros_like(mine) for _ in range(mesh.layout.stages)]
+            dist.all_gather(everyone, mine, group=mesh.anchor)
+        else:
+            everyone = [mine]
+        if any(int(e[0]) for e in everyone):
+            return None
+        versions = [int(e[1]) for e in everyone]
+        if min(versions) == max(versions):
+            break
+        target = max(versions)
+    o = 0
+    with torch.no_grad():
+        for p in params:
+            p.copy_(payload[o:o + p.numel()].view_as(p))
+            o += p.numel()
+    return version
+
+
+# ============================================================================ fast ranks
+@dataclass
+class Arrival:
+    """One anchor update as received by a fast rank's link thread."""
+
+    round: int
+    version: int
+    payload: torch.Tensor
+    round_ms: int
+    nbytes: int
+
+
+class FastHook:
+    """The fast rank's side of the anchor circuit (see the module docstring).
+
+    Trainer interface: ``poll(step)`` once per step after the backward, before the
+    optimizer step: returns ``(grads aligned with the optimizer's parameters, staleness)``
+    for ``optimizer.observe_anchor`` (dense transport) or None (nothing to apply; with
+    factored transport the hook hands the factors to ``observe_factored_prior`` itself);
+    ``after_step(step)`` after the optimizer step; ``bytes_sent`` (axis "anchor");
+    ``stats()`` (JSON-ready); ``close()``.
+    """
+
+    def __init__(self, ctx):
+        cfg, mesh = ctx.cfg, ctx.mesh
+        check_config(cfg)
+        opt = ctx.optimizer
+        if not (hasattr(opt, "observe_anchor") and hasattr(opt, "observe_factored_prior")):
+            raise ValueError("--anchor.enabled needs --train.optimizer spectral (an optimizer with observe_anchor)")
+        self.cfg, self.ctx, self.opt = cfg, ctx, opt
+        a = cfg.anchor
+        self.every, self.delay, self.max_stale = a.snapshot_every, a.delay, a.max_staleness
+        self.steps, self.timeout_s = cfg.train.steps, cfg.mesh.timeout_s
+        self.stage_index, self.row = mesh.stage, mesh.row
+        self.params = ctx.params
+        named = eligible_params(ctx.stage, opt.param_groups)
+        self.layout = Layout.build(named, a.transport, cfg.train.spectral_rank, self.params[0].dtype)
+        flat = [p for g in opt.param_groups for p in g["params"]]
+        where = {id(p): i for i, p in enumerate(flat)}
+        self.slots = [where[id(p)] for _, p in named]  # wire entry -> optimizer flat index
+        self.n_opt = len(flat)
+        self.alpha = cfg.train.alpha
+        self.serves = mesh.row == 0
+        self.anchor_rank = mesh.layout.rank_of(mesh.layout.rows - 1, mesh.stage)
+        self.group = link_group(mesh)
+        self.events: queue.Queue = queue.Queue()
+        self.cv = threading.Condition()
+        self.snapshots: dict[int, torch.Tensor] = {}
+        self.closing = False
+        self.pending: list[Arrival] = []
+        # counters (the link thread only adds to the *_bytes ones)
+        self.wire_bytes = 0
+        self.snapshot_bytes = 0
+        self.update_bytes = 0
+        self.base_bytes = None
+        self.c = {"arrivals": 0, "applied": 0, "rejected": 0, "rejected_stale": 0, "rejected_nonfinite": 0,
+                  "rejected_shape": 0, "rejected_optimizer": 0, "snapshots_sent": 0}
+        self.hist: dict[int, int] = {}
+        self.last_staleness = None
+        self.last_round_ms = None
+        self.start = None
+        self.steps_seen = 0
+        self.last_applied_step = None
+        self.link = "up"          # up | lost | finished
+        self.prior_on = True
+        self.stalled = False
+        self.degraded = False     # delay mode fell back to the asynchronous rule
+        self.blocked_s = 0.0
+        self.thread = threading.Thread(target=self._link, name=f"anchor-link-{mesh.stage}", daemon=True)
+        self.thread.start()
+
+    # ------------------------------------------------------------------ link thread
+    def _link(self) -> None:
+        try:
+            while True:
+                h = _recv(HEADER_LEN, torch.int64, self.anchor_rank, self.group)
+                self.wire_bytes += HEADER_BYTES
+                kind = int(h[F_KIND]) if int(h[F_MAGIC]) == MAGIC else -1
+                if kind == REQ and self.serves:
+                    if not self._serve(int(h[F_VERSION])):
+                        return
+                elif kind == GRAD:
+                    self._receive_update(h)
+                else:
+                    raise RuntimeError(f"anchor protocol: unexpected header {h.tolist()}")
+        except Exception as e:
+            if not self.closing:
+                self.events.put(("lost", f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"))
+
+    def _receive_update(self, h: torch.Tensor) -> None:
+        try:
+            self.layout.check_header(h)
+        except Rejected as r:
+            n, code = int(h[F_NUMEL]), int(h[F_DTYPE])
+            if r.reason != "shape" or code not in CODE_DTYPES or not 0 <= n <= DRAIN_FACTOR * self.layout.numel + 4096:
+                raise RuntimeError(f"anchor protocol: {r}") from None
+            junk = _recv(n, CODE_DTYPES[code], self.anchor_rank, self.group)  # drain: keep the stream aligned
+            self.wire_bytes += junk.numel() * junk.element_size()
+            self.events.put(("rejected", r.reason, str(r)))
+            return
+        payload = _recv(self.layout.numel, self.layout.dtype, self.anchor_rank, self.group)
+        nbytes = payload.numel() * payload.element_size()
+        self.wire_bytes += nbytes
+        self.update_bytes += nbytes + HEADER_BYTES
+        self.events.put(("update", Arrival(int(h[F_ROUND]), int(h[F_VERSION]), payload, int(h[F_MS]), nbytes)))
+
+    def _serve(self, want: int) -> bool:
+        """Answers a REQ: the snapshot with version >= want (the newest in asynchronous
+        mode, the oldest in delay mode), waiting until there is one; STOP when closing."""
+        with self.cv:
+            while not self.closing and not any(v >= want for v in self.snapshots):
+                self.cv.wait()
+            if self.closing:
+                snap = None
+            else:
+                pick = [v for v in self.snapshots if v >= want]
+                version = min(pick) if self.delay else max(pick)
+                snap = self.snapshots[version]
+                for v in [v for v in self.snapshots if v < version]:
+                    del self.snapshots[v]
+        if snap is None:
+            self.wire_bytes += _send([header(STOP)], self.anchor_rank, self.group)
+            return False
+        h = header(SNAP, version=version, numel=snap.numel(), dtype=DTYPE_CODES[snap.dtype])
+        n = _send([h, snap], self.anchor_rank, self.group)
+        self.wire_bytes += n
+        self.snapshot_bytes += n
+        self.c["snapshots_sent"] += 1
+        return True
+
+    # ------------------------------------------------------------------ main thread
+    def _store_snapshot(self, version: int) -> None:
+        if version + self.delay >= self.steps:
+            return  # its update would come after the last step
+        flat = torch.cat([p.detach().reshape(-1) for p in self.params])  # a fresh tensor, never mutated
+        with self.cv:
+            if not self.delay:
+                self.snapshots.clear()
+            self.snapshots[version] = flat
+            self.cv.notify_all()
+
+    def _log(self, msg: str) -> None:
+        if self.row == 0:  # one line per stage column, not one per replica
+            print(f"[anchor] stage {self.stage_index}: {msg}", file=sys.stderr, flush=True)
+
+    def _set_prior(self, on: bool, step: int, why: str) -> None:
+        if on == self.prior_on:
+            return
+        self.prior_on = on
+        for g in self.opt.param_groups:
+            g["alpha"] = self.alpha if on else 1.0
+        self._log(f"step {step}: {why}")
+
+    def _drain(self, block_s: float = 0.0) -> None:
+        """Moves what the link delivered into ``pending`` / the counters; waits up to
+        ``block_s`` for the first event if there is none."""
+        first = True
+        while True:
+            try:
+                ev = self.events.get(timeout=block_s) if (first and block_s > 0) else self.events.get_nowait()
+            except queue.Empty:
+                return
+            first = False
+            if ev[0] == "update":
+                self.c["arrivals"] += 1
+                self.pending.append(ev[1])
+            elif ev[0] == "rejected":
+                self.c["arrivals"] += 1
+                self._reject(ev[1])
+            elif ev[0] == "lost" and self.link == "up":
+                self.link = "lost"
+                self._log(f"lost the anchor ({ev[1]}); the fast circuit continues as plain masked AdamW")
+                self._set_prior(False, self.steps_seen + (self.start or 0), "anchor prior off (anchor lost)")
+
+    def _reject(self, reason: str) -> None:
+        self.c["rejected"] += 1
+        self.c[f"rejected_{reason}"] = self.c.get(f"rejected_{reason}", 0) + 1
+
+    def _due(self, step: int) -> int | None:
+        """Delay mode: the snapshot version whose update is due at ``step``, if any."""
+        v = step - self.delay
+        return v if v >= self.start and v % self.every == 0 else None
+
+    def poll(self, step: int):
+        if self.start is None:
+            self.start = step
+            self.base_bytes = self.ctx.counter.extra.get("anchor", 0)  # restored on resume
+            if self.serves and (not self.delay or step % self.every == 0):
+                self._store_snapshot(step)
+        self.steps_seen += 1
+        self._drain()
+        pick = None
+        if self.delay and not self.degraded:
+            due = self._due(step)
+            if due is not None:
+                t0 = time.perf_counter()
+                while self.link == "up" and not any(x.version == due for x in self.pending):
+                    if time.perf_counter() - t0 > self.timeout_s:
+                        self.degraded = True
+                        self._log(f"step {step}: the update of snapshot {due} did not arrive within "
+                                  f"{self.timeout_s:.0f} s; delay mode off, updates are applied when they arrive")
+                        break
+                    self._drain(block_s=0.5)
+                self.blocked_s += time.perf_counter() - t0
+            for x in list(self.pending):
+                if x.version + self.delay < step:  # late: can no longer apply exactly delay steps on
+                    self.pending.remove(x)
+                    self._reject("stale")
+                elif x.version == due:
+                    self.pending.remove(x)
+                    pick = x
+        if pick is None and (not self.delay or self.degraded):
+            while self.pending:
+                x = self.pending.pop(0)
+                if not 0 <= step - x.version <= self.max_stale:
+                    self._reject("stale")
+                    continue
+                pick = x
+                break
+        out = self._apply(pick, step) if pick is not None else None
+        self._watch(step)
+        return out
+
+    def _apply(self, x: Arrival, step: int):
+        staleness = step - x.version
+        try:
+            entries = self.layout.decode(x.payload)
+        except Rejected as r:
+            self._reject(r.reason)
+            return None
+        aligned = [None] * self.n_opt
+        for slot, e in zip(self.slots, entries):
+            aligned[slot] = e
+        self._applied(x, entries, staleness)
+        self.last_applied_step = step
+        if self.stalled:
+            self.stalled = False
+            self._log(f"step {step}: anchor updates resumed (staleness {staleness})")
+        self._set_prior(True, step, "fresh anchor update: anchor prior back on")
+        if self.layout.transport == "dense":
+            return aligned, staleness
+        if not self.opt.observe_factored_prior(aligned, staleness):
+            self._reject("optimizer")
+        return None
+
+    def _applied(self, x: Arrival, entries, staleness: int) -> None:
+        """Bookkeeping of one update handed to the optimizer (tests wrap this to inspect it)."""
+        self.c["applied"] += 1
+        self.hist[staleness] = self.hist.get(staleness, 0) + 1
+        self.last_staleness = staleness
+        self.last_round_ms = x.round_ms
+
+    def _watch(self, step: int) -> None:
+        """Stall detection: no update applied for more than max_staleness fast steps."""
+        since = step - (self.last_applied_step if self.last_applied_step is not None else self.start)
+        if self.link == "up" and not self.stalled and since > self.max_stale:
+            self.stalled = True
+            self._log(f"step {step}: no anchor update for {since} fast steps (anchor stalled or too slow); "
+                      "continuing as plain masked AdamW until one arrives")
+            self._set_prior(False, step, "anchor prior off (stale)")
+
+    def after_step(self, step: int) -> None:
+        v = step + 1  # the parameters now hold version step + 1
+        if self.serves and v % self.every == 0:
+            self._store_snapshot(v)
+
+    @property
+    def bytes_sent(self) -> int:
+        return (self.base_bytes or 0) + self.wire_bytes
+
+    def stats(self) -> dict:
+        n = sum(self.hist.values())
+        return {**self.c, "link": self.link, "stalled": self.stalled, "prior_on": self.prior_on,
+                "last_staleness": self.last_staleness,
+                "mean_staleness": (sum(s * c for s, c in self.hist.items()) / n) if n else None,
+                "staleness_hist": {str(s): c for s, c in sorted(self.hist.items())},
+                "arrival_rate": self.c["arrivals"] / max(1, self.steps_seen),
+                "snapshot_bytes": self.snapshot_bytes, "update_bytes": self.update_bytes,
+                "update_payload_bytes": self.layout.nbytes, "last_round_ms": self.last_round_ms,
+                "blocked_s": round(self.blocked_s, 4), "delay_mode": bool(self.delay) and not self.degraded}
+
+    def close(self) -> None:
+        """Stops serving snapshots (an anchor waiting for one gets STOP); the link thread
+        is a daemon and ends with the process or the broken connection."""
+        with self.cv:
+            self.closing = True
+            self.cv.notify_all()
+        self.thread.join(timeout=1.0)
+
+
+def make_fast_hook(ctx) -> FastHook:
+    """The trainer's per-step anchor hook of a fast rank (``ctx.optimizer`` must be SpectralAdamW)."""
+    return FastHook(ctx)
