@@ -111,4 +111,6 @@ def summary_rows(s: dict) -> list[tuple[str, str]]:
     if s.get("checkpoint"):
         rows.append(("checkpoint", s["checkpoint"]))
     rows.append(("metrics", s["metrics_path"]))
+    if s.get("links_path"):
+        rows.append(("bytes per link", s["links_path"]))
     return rows

@@ -429,6 +429,7 @@ def _run(rank: int, cfg: Config, plan: Plan, mesh) -> dict:
         bar.close()
     hook.close()
     elapsed = time.perf_counter() - t_start
+    links_path = write_link_bytes(plan, mesh, counter)
     out = {"rank": rank, "losses": [h["loss"] for h in history], "bytes": counter.totals(),
            "by_link": counter.by_link(), "interrupted": interrupted, "checkpoint": last_ckpt}
     if is_log:
@@ -436,12 +437,36 @@ def _run(rank: int, cfg: Config, plan: Plan, mesh) -> dict:
         s = summarize(cfg, plan, history, elapsed, steps_done, last_ckpt)
         s["eval_loss"] = held_out_loss(cfg, plan, last_ckpt)
         s["eval_loss_base"] = held_out_loss(cfg, plan, plan.model_path)
+        s["links_path"] = links_path
         out["summary"] = s
         if interrupted:
             print(f"interrupted: checkpoint saved at step {step + 1} in {last_ckpt}; continue with "
                   f"--checkpoint.resume {last_ckpt}", flush=True)
         print(format_table(summary_rows(s), title="meshkern run summary"), flush=True)
     return out
+
+
+def write_link_bytes(plan: Plan, mesh, counter: LinkCounter) -> str:
+    """Every fast rank writes the bytes it sent per (axis, src -> dst) link; rank 0 merges
+    them into RUN_DIR/link_bytes.json (files, not pickles over the network)."""
+    import json
+
+    d = os.path.join(plan.run_dir, "link_bytes")
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, f"rank_{mesh.rank:05d}.json"), "w") as f:
+        json.dump({"links": counter.by_link(), "totals": counter.totals()}, f)
+    dist.barrier(group=mesh.fast)
+    path = os.path.join(plan.run_dir, "link_bytes.json")
+    if mesh.rank == 0:
+        merged = {"links": {}, "per_rank": {}}
+        for r in mesh.layout.fast_ranks():
+            with open(os.path.join(d, f"rank_{r:05d}.json")) as f:
+                rec = json.load(f)
+            merged["links"].update(rec["links"])
+            merged["per_rank"][str(r)] = rec["totals"]
+        with open(path, "w") as f:
+            json.dump(merged, f, indent=1, sort_keys=True)
+    return path
 
 
 def held_out_loss(cfg: Config, plan: Plan, path: str):
