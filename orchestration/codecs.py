@@ -74,6 +74,21 @@ def kept_count(H: int, p: float) -> int:
     return kept_dims(int(H), _check_p(p))
 
 
+def _optional_width(what: str, value) -> int | None:
+    """An explicit per-token width (topk k, bottleneck rank): None or an int >= 1."""
+    if value is not None and int(value) < 1:
+        raise ValueError(f"{what} must be >= 1, got {value}")
+    return None if value is None else int(value)
+
+
+def _width(what: str, explicit: int | None, p: float, H: int) -> int:
+    """Values per token: ``explicit`` if given, else K = round((1-p)H); at most H."""
+    k = explicit if explicit is not None else kept_count(H, p)
+    if k > H:
+        raise ValueError(f"{what}={k} exceeds the hidden size H={H}")
+    return k
+
+
 def validate_wire(wire: Sequence[torch.Tensor], specs: Sequence[Spec], what: str) -> None:
     """Raise ValueError unless ``wire`` matches ``specs`` tensor by tensor (shape and
     dtype) and every floating-point wire tensor is finite: a peer's NaN/Inf or a
@@ -190,15 +205,10 @@ class TopKCodec(BoundaryCodec):
     name = "topk"
 
     def __init__(self, p: float = 0.95, k: int | None = None):
-        if k is not None and int(k) < 1:
-            raise ValueError(f"topk: k must be >= 1, got {k}")
-        self.p, self.k = _check_p(p), (None if k is None else int(k))
+        self.p, self.k = _check_p(p), _optional_width("topk: k", k)
 
     def _k(self, H: int) -> int:
-        k = self.k if self.k is not None else kept_count(H, self.p)
-        if k > H:
-            raise ValueError(f"topk: k={k} exceeds the hidden size H={H}")
-        return k
+        return _width("topk: k", self.k, self.p, H)
 
     @staticmethod
     def index_dtype(H: int) -> torch.dtype:
@@ -330,15 +340,10 @@ class BottleneckCodec(BoundaryCodec):
     name = "bottleneck"
 
     def __init__(self, p: float = 0.95, rank: int | None = None):
-        if rank is not None and int(rank) < 1:
-            raise ValueError(f"bottleneck: rank must be >= 1, got {rank}")
-        self.p, self.rank = _check_p(p), (None if rank is None else int(rank))
+        self.p, self.rank = _check_p(p), _optional_width("bottleneck: rank", rank)
 
     def _r(self, H: int) -> int:
-        r = self.rank if self.rank is not None else kept_count(H, self.p)
-        if r > H:
-            raise ValueError(f"bottleneck: rank {r} exceeds H={H}")
-        return r
+        return _width("bottleneck: rank", self.rank, self.p, H)
 
     def basis(self, key, H: int, dtype: torch.dtype, device) -> torch.Tensor:
         """The boundary's fixed basis P [H, r] (orthonormal columns) in ``dtype``."""

@@ -174,6 +174,10 @@ def test_bad_input_and_peer_garbage_raise():
         make_codec("dense", group_size=4)
     with pytest.raises(ValueError, match=r"\[0, 1\)"):
         make_codec("mask", p=1.0)
+    with pytest.raises(ValueError, match="k must be >= 1"):
+        make_codec("topk", k=0)
+    with pytest.raises(ValueError, match="exceeds the hidden size"):
+        make_codec("bottleneck", rank=H + 1).wire_specs((T, H), torch.float32, "fwd")
     codec = make_codec("mask", p=0.95)
     h = _h()
     wire, _ = codec.encode_fwd(h, KEY)
