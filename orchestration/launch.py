@@ -143,6 +143,7 @@ def run_local(fn, world_size: int, args: tuple = (), *, start_method: str = "for
         in_main = False
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     first_fail_at = None
+    required_done_at = None
     try:
         pending_conns = {c: r for r, c in enumerate(conns)}
         alive = {p.sentinel: r for r, p in enumerate(procs)}
@@ -152,6 +153,14 @@ def run_local(fn, world_size: int, args: tuple = (), *, start_method: str = "for
                 break
             if deadline is not None and now > deadline:
                 break
+            if optional and all(r in optional for r in pending_conns.values()):
+                # Every required rank reported: optional ones (e.g. a stalled anchor) get grace_s.
+                required_done_at = required_done_at or now
+                if now - required_done_at > grace_s:
+                    for r in sorted(set(pending_conns.values()) - set(results)):
+                        _lost(r, f"was still running {grace_s:g} s after the others finished: terminated",
+                              describe, results)
+                    break
             ready = wait(list(pending_conns) + list(alive), timeout=0.2)
             for obj in ready:
                 if obj in pending_conns:
