@@ -1,0 +1,243 @@
+"""Spectral-correction benchmarks: batched truncated SVD, fused projection, SpectralAdamW step.
+
+    python -m bench.spectral_bench                 # all three tables (several minutes on 2 cores)
+    python -m bench.spectral_bench --only svd      # or: proj, step, knobs
+    python -m bench.spectral_bench --quick         # small shapes, a smoke run
+
+Every ratio is measured in one run on this machine: medians of --repeats timings,
+torch.set_num_threads(--threads) (default 1, as the shared 2-core machine demands;
+printed in the header). The Triton kernels are not timed here: on CPU they only run in
+the interpreter, whose speed means nothing. CUDA is timed when a GPU is present
+(--device cuda).
+
+svd    rank-32 randomized SVD of 16x[1024,1024] and 8x[2048,2048] (harmonic spectrum
+       s_i = 1/(1+i) on the first 512 directions, a slowly decaying one) vs
+       torch.linalg.svd. The exact SVD is timed on the first --exact-batch matrices and
+       scaled to the whole batch (torch.linalg.svd loops over the batch on CPU), stated
+       in the row. Accuracy: max relative error of the top-32 values vs the known spectrum.
+knobs  error / time of oversample x power_iters (x orthonormalization) on 16x[512,512]
+       with spectra 1/(1+i) and (1+i)^-0.5.
+proj   the two-sided projection: fused op (cpp) vs the unfused chain of torch matmuls
+       vs the two unavoidable m*n*r GEMMs alone (the limit) vs one copy of G.
+step   SpectralAdamW.step vs torch.optim.AdamW.step (foreach=False, the CPU default) on
+       4 Llama-3.2-1B-shaped layers (hidden 2048, ffn 8192, 32 heads / 8 kv heads, fp32):
+       no prior (must be ~1x), prior present and no refresh due (goal <= 1.5x), and a
+       step that also refreshes every factor (one anchor arrival).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+from meshkern import spectral as sp
+from meshkern.optim import SpectralAdamW
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timeit(fn, repeats: int, device=torch.device("cpu"), warmup: int = 1) -> float:
+    """Median wall time of fn() over ``repeats`` runs, after ``warmup`` runs."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def known_spectrum_batch(B, m, n, s, seed=0, device="cpu"):
+    """M = Q1 diag(s) Q2^T with random orthonormal Q1[m,k], Q2[n,k], k = len(s)."""
+    g = torch.Generator().manual_seed(seed)
+    k = s.numel()
+    Q1 = torch.linalg.qr(torch.randn(B, m, k, generator=g)).Q
+    Q2 = torch.linalg.qr(torch.randn(B, n, k, generator=g)).Q
+    return ((Q1 * s.float()) @ Q2.mT).to(device)
+
+
+def harmonic(k):
+    return 1.0 / (1.0 + torch.arange(k, dtype=torch.float64))
+
+
+# --------------------------------------------------------------------------------- svd
+def bench_svd(shapes, rank, repeats, exact_batch, device, backend):
+    rows = []
+    for B, m in shapes:
+        s = harmonic(min(512, m))
+        M = known_spectrum_batch(B, m, m, s, device=device)
+        nb = min(exact_batch, B)
+        t_exact = timeit(lambda: torch.linalg.svd(M[:nb], full_matrices=False), max(1, repeats // 2), device,
+                         warmup=0) * B / nb
+        S_exact = torch.linalg.svdvals(M[:1])[0, :rank].double().cpu()
+        err_exact = ((S_exact - s[:rank]) / s[:rank]).abs().max().item()
+        rows.append((f"{B}x[{m},{m}]", "torch.linalg.svd" + (f" (timed on {nb}, x{B / nb:g})" if nb < B else ""),
+                     t_exact, 1.0, err_exact))
+        for ortho in ("qr", "cholqr2"):
+            for be in backend:
+                fn = lambda: sp.randomized_svd(M, rank, ortho=ortho, backend=be)  # noqa: E731
+                try:
+                    t = timeit(fn, repeats, device)
+                except RuntimeError as e:  # backend not available here
+                    print(f"  skip {be}: {e}")
+                    continue
+                _, S, _ = fn()
+                err = ((S.double().cpu() - s[:rank]) / s[:rank]).abs().max().item()
+                rows.append((f"{B}x[{m},{m}]", f"randomized r={rank} o=16 q=3 {ortho}, eigen={be}", t,
+                             t_exact / t, err))
+    print(f"\n## batched rank-{rank} SVD (goal: >= 10x faster than torch.linalg.svd at <= 1% error)")
+    print(f"{'batch':<16}{'method':<58}{'median s':>10}{'speedup':>9}{'max rel err top-r':>19}")
+    for r in rows:
+        print(f"{r[0]:<16}{r[1]:<58}{r[2]:>10.4f}{r[3]:>8.1f}x{r[4]:>19.2e}")
+    return rows
+
+
+def bench_knobs(B, m, rank, repeats, device):
+    print(f"\n## randomized SVD accuracy knobs: {B}x[{m},{m}], rank {rank}; max rel err of the top-{rank} "
+          f"singular values (time relative to o=16 q=3 qr)")
+    spectra = {"1/(1+i)": harmonic(m), "(1+i)^-0.5": harmonic(m).sqrt()}
+    mats = {k: known_spectrum_batch(B, m, m, s, seed=1, device=device) for k, s in spectra.items()}
+    base = timeit(lambda: sp.randomized_svd(mats["1/(1+i)"], rank), repeats, device)
+    print(f"{'oversample':>10}{'power_it':>9}{'ortho':>9}" + "".join(f"{k:>14}" for k in spectra) + f"{'rel time':>10}")
+    for o in (8, 16, 32):
+        for q in (1, 2, 3, 4):
+            for ortho in (("qr", "cholqr2") if (o, q) == (16, 3) else ("qr",)):
+                errs = []
+                for k, s in spectra.items():
+                    _, S, _ = sp.randomized_svd(mats[k], rank, oversample=o, power_iters=q, ortho=ortho)
+                    errs.append(((S.double().cpu() - s[:rank]) / s[:rank]).abs().max().item())
+                t = timeit(lambda: sp.randomized_svd(mats["1/(1+i)"], rank, oversample=o, power_iters=q,
+                                                     ortho=ortho), repeats, device)
+                print(f"{o:>10}{q:>9}{ortho:>9}" + "".join(f"{e:>14.2e}" for e in errs) + f"{t / base:>9.2f}x")
+
+
+# -------------------------------------------------------------------------------- proj
+def unfused_chain(G, U, S, V, tau, alpha):
+    d = S / (S + tau)
+    X = U.mT @ G @ V
+    Xf = d[:, :, None] * X * d[:, None, :]
+    return alpha * G + (1 - alpha) * (U @ Xf @ V.mT)
+
+
+def bench_proj(cases, rank, repeats, device, backends):
+    print(f"\n## two-sided projection, rank {rank} (time; ratio vs the fused op of the row's dtype)")
+    print(f"{'shape':<20}{'dtype':<10}{'variant':<44}{'median s':>10}{'vs fused':>10}")
+    out = []
+    for B, m, n in cases:
+        for dtype in (torch.float32, torch.bfloat16):
+            g = torch.Generator().manual_seed(0)
+            G = torch.randn(B, m, n, generator=g).to(device, dtype)
+            U = torch.linalg.qr(torch.randn(B, m, rank, generator=g)).Q.to(device)
+            V = torch.linalg.qr(torch.randn(B, n, rank, generator=g)).Q.to(device)
+            S = torch.rand(B, rank, generator=g).to(device) * 1e-2
+            W = torch.randn(B, m, rank, generator=g).to(device, dtype)
+            Ud, Vd, Sd = U.to(dtype), V.to(dtype), S.to(dtype)
+            variants = {}
+            for be in backends:
+                variants[f"fused meshkern.spectral.project ({be})"] = (
+                    lambda be=be: sp.project(G, U, S, V, 1e-3, 0.3, backend=be))
+            variants["unfused torch chain (same dtype)"] = lambda: unfused_chain(G, Ud, Sd, Vd, 1e-3, 0.3)
+            variants["limit: the two m*n*r GEMMs (G@V, W@V^T)"] = lambda: (torch.bmm(G, Vd), torch.bmm(W, Vd.mT))
+            variants["one copy of G"] = lambda: G.clone()
+            times = {}
+            for name, fn in variants.items():
+                try:
+                    times[name] = timeit(fn, repeats, device)
+                except RuntimeError as e:
+                    print(f"  skip {name}: {e}")
+            fused = next((t for k, t in times.items() if k.startswith("fused")), None)
+            for name, t in times.items():
+                ratio = f"{t / fused:>9.2f}x" if fused else ""
+                print(f"{f'{B}x[{m},{n}]':<20}{str(dtype).replace('torch.', ''):<10}{name:<44}{t:>10.4f}{ratio:>10}")
+                out.append((B, m, n, dtype, name, t))
+    return out
+
+
+# -------------------------------------------------------------------------------- step
+def llama_layer_shapes(hidden=2048, ffn=8192, heads=32, kv_heads=8, layers=4):
+    hd = hidden // heads
+    per = [(hidden, hidden), (kv_heads * hd, hidden), (kv_heads * hd, hidden), (hidden, hidden),
+           (ffn, hidden), (ffn, hidden), (hidden, ffn), (hidden,), (hidden,)]
+    return per * layers
+
+
+def bench_step(shapes, rank, repeats, device):
+    g = torch.Generator().manual_seed(0)
+    base = [torch.randn(s, generator=g) * 0.02 for s in shapes]
+    grads = [torch.randn(s, generator=g) * 1e-3 for s in shapes]
+    anchor = [torch.randn(s, generator=g) * 1e-3 for s in shapes]
+    nparams = sum(p.numel() for p in base)
+
+    def make(cls, **kw):
+        ps = [torch.nn.Parameter(b.clone().to(device)) for b in base]
+        for p, gr in zip(ps, grads):
+            p.grad = gr.to(device)
+        return ps, cls(ps, lr=1e-4, **kw)
+
+    rows = []
+    _, ref = make(torch.optim.AdamW, foreach=False)
+    t_ref = timeit(ref.step, repeats, device)
+    rows.append(("torch.optim.AdamW(foreach=False).step", t_ref))
+    del ref
+    _, opt = make(SpectralAdamW, foreach=False, rank=rank)
+    rows.append(("SpectralAdamW.step, no prior yet", timeit(opt.step, repeats, device)))
+    opt.observe_anchor(anchor, 20)
+    opt.step()  # refresh happens here
+    rows.append(("SpectralAdamW.step, prior present, no refresh due", timeit(opt.step, repeats, device)))
+
+    def refresh_step():
+        opt.observe_anchor(anchor, 20)
+        opt.step()
+    rows.append(("SpectralAdamW.step + refresh of every factor", timeit(refresh_step, max(1, repeats // 2), device,
+                                                                          warmup=0)))
+    print(f"\n## optimizer step, {len(shapes)} tensors, {nparams / 1e6:.1f}M params fp32, rank {rank} "
+          f"(goal: <= 1.5x AdamW when no refresh is due)")
+    print(f"{'variant':<56}{'median s':>10}{'vs AdamW':>10}")
+    for name, t in rows:
+        print(f"{name:<56}{t:>10.4f}{t / t_ref:>9.2f}x")
+    st = opt.anchor_stats()
+    print(f"anchor_stats after the run: mean_gain={st['mean_gain']:.3f} energy_kept={st['energy_kept']:.3f} "
+          f"refreshes={st['refreshes']}")
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", choices=["svd", "knobs", "proj", "step"], action="append")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--exact-batch", type=int, default=2, help="matrices timed for torch.linalg.svd (scaled)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--quick", action="store_true", help="small shapes (smoke run)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    which = set(args.only or ["svd", "knobs", "proj", "step"])
+    backends = ["cpp", "reference"] if device.type == "cpu" else ["cuda", "triton", "reference"]
+    print(f"# meshkern spectral bench: torch {torch.__version__}, threads={torch.get_num_threads()}, "
+          f"device={device}, repeats={args.repeats} (medians), OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, "
+          f"load avg {os.getloadavg()[0]:.1f}")
+    q = args.quick
+    if "svd" in which:
+        bench_svd([(4, 256)] if q else [(16, 1024), (8, 2048)], 32, args.repeats, args.exact_batch, device, backends)
+    if "knobs" in which:
+        bench_knobs(4 if q else 16, 256 if q else 512, 32, args.repeats, device)
+    if "proj" in which:
+        bench_proj([(2, 256, 256)] if q else [(16, 1024, 1024), (4, 2048, 8192)], 32, args.repeats, device,
+                   backends[:1])
+    if "step" in which:
+        shapes = llama_layer_shapes(hidden=256, ffn=1024, heads=4, kv_heads=2, layers=2) if q else llama_layer_shapes()
+        bench_step(shapes, 32, args.repeats, device)
+
+
+if __name__ == "__main__":
+    main()
