@@ -114,3 +114,170 @@ def compressor_worker(rank: int, world: int, port: int, outdir: str, steps: int)
         counters(name, comp)
     save(os.path.join(outdir, f"rank{rank}.safetensors"), res)
     dist.destroy_process_group()
+
+
+# ---- rank side of tests/test_diloco*.py ------------------------------------------------------
+def tiny_mlp(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+
+
+def mlp_batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(10_000 + 100 * step + rank)
+    x = torch.randn(16, 8, generator=g)
+    return x, torch.sin(x[:, :4]) + 0.1 * torch.randn(16, 4, generator=g)
+
+
+def diloco_equiv_worker(rank: int, world: int, port: int, outdir: str, steps: int) -> None:
+    """H=1, F=1, no overlap, no compression: AdamW inner steps + DiLoCo."""
+    import torch.distributed as dist
+
+    from meshkern.compress import NoCompression
+    from meshkern.diloco import StreamingDiLoCo
+
+    init(rank, world, port)
+    model = tiny_mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    dl = StreamingDiLoCo(model.named_parameters(), None, sync_every=1, num_fragments=1, overlap_steps=0,
+                         compressor=NoCompression())
+    for t in range(steps):
+        x, y = mlp_batch(rank, t)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        dl.step()
+    res = {k: v for k, v in model.state_dict().items()}
+    res["counters"] = torch.tensor([dl.bytes_sent, dl.bytes_received, dl.syncs_done])
+    save(os.path.join(outdir, f"rank{rank}.safetensors"), res)
+    dist.destroy_process_group()
+
+
+def llama_lm(seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=4, vocab_size=128, max_position_embeddings=64)
+    return LlamaForCausalLM(cfg)
+
+
+def markov_batch(seed: int, batch: int = 8, seq: int = 32) -> torch.Tensor:
+    """Sequences of a fixed sparse Markov chain over 128 tokens (each token has 4
+    possible successors): learnable structure with a known entropy floor of ln 4."""
+    table = torch.randint(0, 128, (128, 4), generator=torch.Generator().manual_seed(123))
+    g = torch.Generator().manual_seed(seed)
+    toks = torch.empty(batch, seq, dtype=torch.long)
+    toks[:, 0] = torch.randint(0, 128, (batch,), generator=g)
+    choice = torch.randint(0, 4, (batch, seq), generator=g)
+    for i in range(1, seq):
+        toks[:, i] = table[toks[:, i - 1], choice[:, i]]
+    return toks
+
+
+def llama_worker(rank: int, world: int, port: int, outdir: str, steps: int, diloco_kw: dict) -> None:
+    """Trains the tiny Llama twice on the same per-rank data: synchronous DP (gradient
+    all-reduce every step) and Streaming DiLoCo with PowerSGD; records eval losses."""
+    import torch.distributed as dist
+
+    from meshkern.compress import NoCompression, PowerSGD
+    from meshkern.diloco import StreamingDiLoCo
+
+    init(rank, world, port)
+    evals = [markov_batch(50_000 + i) for i in range(4)]
+
+    def eval_loss(model):
+        with torch.no_grad():
+            return sum(float(model(input_ids=b, labels=b).loss) for b in evals) / len(evals)
+
+    res = {}
+    for mode in ("sync", "diloco"):
+        model = llama_lm()
+        if mode == "sync":
+            res["initial"] = torch.tensor(eval_loss(model))
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        dl = None
+        if mode == "diloco":
+            kw = dict(diloco_kw)
+            r = kw.pop("rank", 4)
+            dl = StreamingDiLoCo(model.named_parameters(), None, compressor=PowerSGD(r) if r else NoCompression(),
+                                 **kw)
+        for t in range(steps):
+            b = markov_batch(1000 * t + rank)
+            model(input_ids=b, labels=b).loss.backward()
+            if mode == "sync":
+                for p in model.parameters():
+                    dist.all_reduce(p.grad)
+                    p.grad.div_(world)
+            opt.step()
+            opt.zero_grad()
+            if dl is not None:
+                dl.step()
+        if dl is not None:
+            dl.finish()
+            res["bytes"] = torch.tensor([dl.bytes_sent, dl.bytes_received, dl.syncs_done])
+            res["dense_bytes"] = torch.tensor(4 * sum(p.numel() for p in model.parameters()))
+        res[mode] = torch.tensor(eval_loss(model))
+        # replicas must agree after the final merge only up to the mix; record spread
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        res[f"{mode}.params"] = flat
+    save(os.path.join(outdir, f"rank{rank}.safetensors"), res)
+    dist.destroy_process_group()
+
+
+def dying_peer_worker(rank: int, world: int, port: int, outdir: str, how: str) -> None:
+    """Rank 1 dies (or hangs) between PowerSGD's P and Q all-reduces of a sync; rank 0
+    must raise SyncError within the timeout and keep its parameters unmerged."""
+    import time as _time
+
+    from meshkern.compress import PowerSGD, SyncError
+    from meshkern.diloco import StreamingDiLoCo
+
+    class FailingPowerSGD(PowerSGD):
+        def _all_reduce(self, flat, group, what):
+            out = super()._all_reduce(flat, group, what)
+            if self.calls >= 5 and rank == 1:  # 5th sync = fragment 0's, started at step 5
+                if how == "die":
+                    os._exit(7)
+                _time.sleep(8)  # > rank 0's 3 s timeout
+                os._exit(0)
+            return out
+
+    init(rank, world, port, timeout_s=30)
+    model = tiny_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    comp = FailingPowerSGD(2, min_compression_rate=0.0, timeout_s=3.0)
+    dl = StreamingDiLoCo(model.named_parameters(), None, sync_every=2, num_fragments=2, overlap_steps=1,
+                         compressor=comp, timeout_s=3.0)
+    res = {}
+    for t in range(6):
+        x, y = mlp_batch(rank, t)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        if rank == 0 and t == 4:
+            t0 = _time.monotonic()
+            try:
+                dl.step()  # starts the sync of step 5 in the background; merges nothing
+                x, y = mlp_batch(rank, t + 1)
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+                before = {k: v.clone() for k, v in model.state_dict().items()}
+                dl.step()  # step 6: the sync is due -> must raise
+                res["raised"] = torch.tensor(0)
+            except SyncError as e:
+                res["raised"] = torch.tensor(1)
+                res["elapsed"] = torch.tensor(_time.monotonic() - t0)
+                with open(os.path.join(outdir, "error.txt"), "w") as f:
+                    f.write(str(e))
+            for k, v in model.state_dict().items():
+                res[f"same.{k}"] = torch.tensor(int(torch.equal(v, before[k])))
+            try:
+                dl.step()
+                res["usable_after"] = torch.tensor(1)
+            except SyncError:
+                res["usable_after"] = torch.tensor(0)
+            save(os.path.join(outdir, "rank0.safetensors"), res)
+            os._exit(0)
+        dl.step()
+    os._exit(0)
