@@ -12,6 +12,8 @@ orchestration.config, so the bench models exactly what ``--preset NAME`` runs):
     m95     mask codec at p = 0.95 on every boundary + the dp row's DP sync
     m95-ap  m95 + the anchor replica (last row): snapshots from replica 0 up, anchor
             gradients (small: dense, the preset) or momentum factors (1b) down
+and, on the 1b geometry, every boundary codec (dense, mask, topk, bottleneck, int8,
+int4) in the m95 row's place: the paper's baselines at their per-direction ratios.
 
 Every byte count is exact and comes from the code that sends it: boundary messages from
 ``orchestration.codecs.make_codec(...).wire_bytes`` and DP payloads from the preset's
@@ -223,6 +225,8 @@ def main(argv=None) -> list[dict]:
                     help="1b: PowerSGD rank (16: ~64x on the 2048-wide matrices, the paper's ~64x)")
     ap.add_argument("--schedule", choices=["", "1f1b", "gpipe"], default="",
                     help="pipeline schedule for every row (empty: the preset's, i.e. the trainer's default)")
+    ap.add_argument("--no-codec-sweep", action="store_true",
+                    help="1b: skip the table of every boundary codec in the m95 row's place")
     ap.add_argument("--json", default="", help="also write all figures here")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -244,17 +248,24 @@ def main(argv=None) -> list[dict]:
         over = sched + ["--mesh.rows", "4", "--mesh.stages", "2", "--data.seq_len", "2048", "--train.batch_size", "32",
                 "--train.microbatches", "8", "--model.dtype", "bfloat16", "--anchor.transport", "factored",
                 "--anchor.snapshot_every", "20"]
+        psgd = ["--dp.compressor_options", json.dumps({"rank": a.powersgd_rank_1b})]
+        # compute times depend only on the geometry (same for every row): once
+        cfg0 = preset_config("dense", over)
+        if a.compute_1b:
+            f, b = a.compute_1b.split(":")
+            compute = {"F": [float(x) for x in f.split(",")], "B": [float(x) for x in b.split(",")]}
+            src = "measured (--compute-1b)"
+        else:
+            mbt = cfg0.train.batch_size // cfg0.train.microbatches * cfg0.data.seq_len
+            compute = analytic_compute(meta_stages(hf, cfg0.mesh.stages), hf, mbt, cfg0.data.seq_len, a.tflops)
+            src = f"analytic at {a.tflops:g} TFLOP/s"
         for r in rows:
-            cfg = preset_config(r, over + (["--dp.compressor_options", json.dumps({"rank": a.powersgd_rank_1b})]
-                                           if r != "dense" else []))
-            if a.compute_1b:
-                f, b = a.compute_1b.split(":")
-                compute, src = {"F": [float(x) for x in f.split(",")], "B": [float(x) for x in b.split(",")]}, "measured (--compute-1b)"
-            else:
-                st = meta_stages(hf, cfg.mesh.stages)
-                mbt = cfg.train.batch_size // cfg.train.microbatches * cfg.data.seq_len
-                compute, src = analytic_compute(st, hf, mbt, cfg.data.seq_len, a.tflops), f"analytic at {a.tflops:g} TFLOP/s"
+            cfg = preset_config(r, over + (psgd if r != "dense" else []))
             out.append(model_row(r, "1b", cfg, hf, compute, link, src))
+        if not a.no_codec_sweep:  # the paper's boundary baselines, each in the m95 row's place
+            for name in ("dense", "mask", "topk", "bottleneck", "int8", "int4"):
+                cfg = preset_config("m95", over + psgd + ["--boundary.codec", name])
+                out.append(dict(model_row(f"codec:{name}", "1b-codecs", cfg, hf, compute, link, src), codec_name=name))
     print(f"link model: every node an access link of {link.bandwidth_bps / 1e6:g} Mbit/s, latency {link.latency_s:g} s; "
           f"bytes/token = all bytes sent on all links / fast-replica tokens; schedule "
           f"{out[0]['schedule'] if out else '-'}")
@@ -298,6 +309,18 @@ def main(argv=None) -> list[dict]:
             tied = hf.vocab_size * hf.hidden_size * 2
             print(f"  not modeled: tied-embedding gradient sync (Llama-3.2-1B ties): {tied / 1e6:.0f} MB each way "
                   f"per replica per step = {link.wire_s(tied):.1f} s at this rate if done every step")
+    sweep = [r for r in out if r["geometry"] == "1b-codecs"]
+    if sweep:
+        dense = next(r for r in sweep if r["codec_name"] == "dense")["bytes_per_token"]
+        paper = {"mask": "20x/20x", "topk": "10x/10x", "bottleneck": "20x/20x", "int4": "4x/4x"}
+        print("\n[1b] boundary codecs in the m95 row's place (p=0.95 where it applies; DiLoCo+PowerSGD DP):")
+        print(f"{'codec':11} {'pp_fwd B/tok':>12} {'pp_bwd B/tok':>12} {'ratio fwd/bwd':>14} {'paper':>8} "
+              f"{'step s':>7} {'tok/s':>8}")
+        for r in sweep:
+            b = r["bytes_per_token"]
+            ratio = f"{dense['pp_fwd'] / b['pp_fwd']:.1f}x/{dense['pp_bwd'] / b['pp_bwd']:.1f}x"
+            print(f"{r['codec_name']:11} {b['pp_fwd']:>12.0f} {b['pp_bwd']:>12.0f} {ratio:>14} "
+                  f"{paper.get(r['codec_name'], ''):>8} {r['step_s']:>7.3f} {r['tokens_per_s']:>8.0f}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1, default=str)

@@ -154,3 +154,8 @@ def test_e2e_bench_1b_geometry_bytes_per_token():
     assert d["dp"] == pytest.approx(4 * 1.5 * 2 * params / tokens)
     assert m["dp"] < d["dp"] / 100  # PowerSGD rank 16 and one sync per H=10 steps
     assert out["m95"]["tokens_per_s"] > out["dense"]["tokens_per_s"]
+    # the codec sweep: per token per direction, values (+ int16 indices for topk forward)
+    sweep = {r["codec_name"]: r["bytes_per_token"] for r in out.values() if r["geometry"] == "1b-codecs"}
+    assert (sweep["topk"]["pp_fwd"], sweep["topk"]["pp_bwd"]) == (102 * 4, 102 * 2)
+    assert sweep["bottleneck"]["pp_fwd"] == 102 * 2
+    assert sweep["int4"]["pp_fwd"] == 2048 // 2 + 4 and sweep["int8"]["pp_bwd"] == 2048 + 4  # + fp32 scale
