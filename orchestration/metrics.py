@@ -108,6 +108,12 @@ def summary_rows(s: dict) -> list[tuple[str, str]]:
         rows.append((f"bytes/token {a}", f"{s['bytes_per_token'][a]:.1f}"))
     rows.append(("bytes/token PP (fwd+bwd)", f"{s['bytes_per_token_pp']:.1f}"))
     rows.append(("bytes/token total", f"{s['bytes_per_token_total']:.1f}"))
+    if s.get("anchor"):
+        a = s["anchor"]
+        ms = a.get("mean_staleness")
+        rows.append(("anchor updates (rank 0)", f"{a.get('applied', 0)} applied of {a.get('arrivals', 0)} arrived, "
+                     f"{a.get('rejected', 0)} rejected, mean staleness "
+                     f"{'n/a' if ms is None else f'{ms:.1f}'} steps, link {a.get('link', '?')}"))
     if s.get("checkpoint"):
         rows.append(("checkpoint", s["checkpoint"]))
     rows.append(("metrics", s["metrics_path"]))

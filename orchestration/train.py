@@ -100,9 +100,10 @@ def prepare(cfg: Config, *, load_model: bool = True) -> Plan:
         balanced_layers(n_layers, cfg.mesh.stages)  # raises: more stages than layers
     if cfg.anchor.enabled:
         try:
-            import orchestration.anchor  # noqa: F401
+            from orchestration import anchor
         except ImportError:
             raise ValueError("--anchor.enabled: the anchor circuit (orchestration/anchor.py) is not available") from None
+        anchor.check_config(cfg)
 
     source = cfg.data.source or DEFAULT_DATA
     if not source.startswith(("corpus:", "task:")) and not os.path.exists(source):
@@ -547,6 +548,10 @@ def summarize(cfg: Config, plan: Plan, history: list[dict], elapsed: float, step
         "modeled_limit": None if model is None else model.limiting,
         "checkpoint": last_ckpt, "metrics_path": os.path.join(plan.run_dir, "metrics.jsonl"),
     }
+    if cfg.anchor.enabled:  # rank 0's view of the anchor hook (orchestration.anchor stats)
+        s["anchor"] = {k[len("anchor_"):]: v for k, v in last.items()
+                       if k in ("anchor_arrivals", "anchor_applied", "anchor_rejected", "anchor_mean_staleness",
+                                "anchor_link", "anchor_prior_on")}
     return s
 
 
