@@ -1,0 +1,112 @@
+"""orchestration.experiments end to end at --quick scale with a tiny model: the trainer
+runs as a subprocess, results/table/plots are written, a second invocation skips the
+finished rows, and the table's numbers are the ones in the result files."""
+import glob
+import json
+import os
+import sysconfig
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from orchestration import experiments
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny Llama + offline BPE tokenizer (HF directory) and a small local text file."""
+    from orchestration.data import train_bpe
+
+    root = tmp_path_factory.mktemp("tiny_exp")
+    src = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "json", "*.py")))
+    text = "\n".join(open(f).read() for f in src)[:60_000]
+    (root / "data.txt").write_text(text)
+    tok = train_bpe([text], vocab_size=300)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=40, intermediate_size=64,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         max_position_embeddings=64, tie_word_embeddings=False))
+    model.save_pretrained(root / "model")
+    tok.save_pretrained(root / "model")
+    return root
+
+
+def _argv(tiny, out, rows="dense,m95"):
+    return ["--quick", "--rows", rows, "--seeds", "0", "--model", str(tiny / "model"),
+            "--data", str(tiny / "data.txt"), "--out", str(out / "res"), "--figures", str(out / "fig"),
+            "--work", str(out / "work"), "--trainer-args", "--mesh.timeout_s 30"]
+
+
+def test_quick_run_writes_results_table_plots_and_resumes(tiny, tmp_path, capsys):
+    assert experiments.main(_argv(tiny, tmp_path)) == 0
+    res = {}
+    for row in ("dense", "m95"):
+        r = json.loads((tmp_path / "res" / "runs" / f"{row}-s0.json").read_text())
+        assert r["complete"] and r["row"] == row and r["seed"] == 0
+        # one evaluation at step 0 (base) and at every checkpoint (every 2 of 4 steps)
+        assert [p["step"] for p in r["curve"]] == [0, 2, 4]
+        assert r["final_loss"] == r["curve"][-1]["loss"] and r["base_loss"] == r["curve"][0]["loss"]
+        assert all(p["loss"] > 0 and p["perplexity"] > 1 for p in r["curve"])
+        assert r["modeled_tokens_per_s"] > 0 and r["network_bound_tokens_per_s"] >= r["modeled_tokens_per_s"]
+        assert "0.5" in r["pruning"]  # main rows carry the pruning sweep
+        res[row] = r
+    # every row starts from the same base model and held-out rows
+    assert res["dense"]["base_loss"] == res["m95"]["base_loss"]
+    # dense boundaries send H fp32 values per token each way; mask p=0.95 sends K=round(0.05 H)
+    H = res["dense"]["hidden_size"]
+    assert res["dense"]["bytes_per_token"]["pp_fwd"] == pytest.approx(4 * H)
+    assert res["m95"]["bytes_per_token"]["pp_fwd"] == pytest.approx(4 * round(0.05 * H))
+    table = (tmp_path / "res" / "table.md").read_text()
+    assert "| dense |" in table and "| m95 |" in table
+    assert f"{res['m95']['final_loss']:.3f}" in table
+    for group_plot in ("main_loss_vs_tokens.png", "main_loss_vs_wallclock.png"):
+        png = tmp_path / "fig" / group_plot
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "res" / "summary.csv").read_text().count("\n") == 3
+    # checkpoints are removed after evaluation unless asked to keep them
+    assert not glob.glob(str(tmp_path / "work" / "*" / "checkpoints"))
+
+    # second invocation: both rows are finished, nothing trains again
+    capsys.readouterr()
+    mtime = os.path.getmtime(tmp_path / "res" / "runs" / "m95-s0.json")
+    assert experiments.main(_argv(tiny, tmp_path)) == 0
+    out = capsys.readouterr().out
+    assert out.count("finished, skipped") == 2 and "training" not in out
+    assert os.path.getmtime(tmp_path / "res" / "runs" / "m95-s0.json") == mtime
+
+
+def test_incomplete_result_is_rerun_and_failures_are_recorded(tiny, tmp_path, capsys):
+    runs = tmp_path / "res" / "runs"
+    runs.mkdir(parents=True)
+    (runs / "dense-s0.json").write_text('{"row": "dense", "seed": 0, "complete": false}')
+    # a trainer flag that fails validation makes the row fail, recorded as incomplete
+    argv = _argv(tiny, tmp_path, rows="dense")
+    argv[argv.index("--trainer-args") + 1] = "--train.lr -1"
+    assert experiments.main(argv) == 1
+    r = json.loads((runs / "dense-s0.json").read_text())
+    assert r["complete"] is False and "trainer exit" in r["status"]
+    assert "FAILED" in capsys.readouterr().out
+
+
+def test_row_selection_and_bad_flags():
+    assert [r.name for r in experiments.select_rows("main")] == ["dense", "dp", "m95", "m90-ap", "m95-ap"]
+    assert {r.group for r in experiments.select_rows("baselines")} == {"baseline"}
+    assert [r.name for r in experiments.select_rows("m95-ap,dense")] == ["dense", "m95-ap"]
+    with pytest.raises(ValueError, match="unknown row"):
+        experiments.select_rows("m96")
+    assert experiments.main(["--rows", "nope"]) == 2
+    assert experiments.main(["--seeds", "", "--model", "x"]) == 2
+
+
+def test_trainer_argv_adds_the_anchor_row_and_is_valid():
+    from orchestration.config import parse_args
+
+    s = experiments.Settings(model="m", data="corpus:python", **experiments.DEFAULT)
+    for row in experiments.ROWS:
+        cfg, _ = parse_args(experiments.trainer_argv(row, 3, s, "/tmp/w", "n"))
+        assert cfg.fast_rows == s.fast_rows and cfg.train.seed == 3 and cfg.train.steps == s.steps
+        assert cfg.anchor.enabled == row.preset.endswith("-ap")  # presets m90-ap / m95-ap carry the anchor
+        assert cfg.mesh.rows == s.fast_rows + int(cfg.anchor.enabled)
+    cfg, _ = parse_args(experiments.trainer_argv(experiments.ROW_BY_NAME["delay50"], 0, s, "/tmp/w", "n"))
+    assert cfg.anchor.delay == 50 and cfg.anchor.max_staleness >= 50 and cfg.mesh.rows == s.fast_rows + 1
