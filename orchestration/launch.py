@@ -201,6 +201,9 @@ def run_local(fn, world_size: int, args: tuple = (), *, start_method: str = "for
                             died[r] = code
                         first_fail_at = first_fail_at or time.monotonic()
     finally:
+        # Ranks still running without a word when the others failed: suspects of a stall.
+        silent = [r for r in range(world_size) if r not in results and r not in errors and r not in died
+                  and r not in optional and procs[r].is_alive()]
         for p in procs:
             if p.is_alive():
                 p.terminate()
@@ -215,7 +218,7 @@ def run_local(fn, world_size: int, args: tuple = (), *, start_method: str = "for
             signal.signal(signal.SIGINT, old)
 
     if died or errors:
-        raise _failure(died, errors, describe)
+        raise _failure(died, errors, describe, silent)
     if len(results) < world_size:
         missing = [r for r in range(world_size) if r not in results]
         silent = [r for r in missing if procs[r].exitcode == 0]
@@ -231,7 +234,7 @@ def _lost(r: int, how: str, describe, results: dict) -> None:
     results[r] = None
 
 
-def _failure(died: dict, errors: dict, describe) -> MeshFailure:
+def _failure(died: dict, errors: dict, describe, silent=()) -> MeshFailure:
     def how(code):
         if code is not None and code < 0:
             try:
@@ -244,6 +247,13 @@ def _failure(died: dict, errors: dict, describe) -> MeshFailure:
         r = min(died)
         msg = f"{describe(r)} died: {how(died[r])}"
         details = ""
+    elif silent and all(e["peer"] for e in errors.values()):
+        # Everyone who failed was waiting on a peer, and someone never failed nor finished.
+        r = min(silent)
+        w = min(errors)
+        msg = (f"{describe(r)} stalled: it neither finished nor failed while {describe(w)} gave up waiting "
+               f"({errors[w]['type']}: {errors[w]['message'][:200]})")
+        details = errors[w]["traceback"]
     else:
         primary = [r for r, e in errors.items() if not e["peer"]] or sorted(errors)
         r = min(primary)

@@ -99,3 +99,21 @@ def test_optional_rank_may_die_without_stopping_the_others(capsys):
     res = run_local(_optional_dies_worker, 3, timeout_s=60, optional={2})
     assert res == [0, 1, None]
     assert "rank 2 exited with code -9; the rest of the mesh continues" in capsys.readouterr().err
+
+
+def _stalls_worker(rank, world):
+    m = init_mesh(MeshLayout(1, 2), timeout_s=4)
+    t = torch.ones(2)
+    dist.all_reduce(t, group=m.pp)
+    if rank == 1:
+        time.sleep(120)  # alive but stuck: never joins the next collective
+    dist.all_reduce(t, group=m.pp)
+    return "done"
+
+
+def test_stalled_rank_is_named_after_the_timeout():
+    lay = MeshLayout(1, 2)
+    t0 = time.monotonic()
+    with pytest.raises(MeshFailure, match=r"rank 1 \(replica 0, stage 1\) stalled"):
+        run_local(_stalls_worker, 2, timeout_s=60, describe=lay.describe)
+    assert time.monotonic() - t0 < 30
