@@ -23,10 +23,15 @@ step   SpectralAdamW.step vs torch.optim.AdamW.step (foreach=False, the CPU defa
        4 Llama-3.2-1B-shaped layers (hidden 2048, ffn 8192, 32 heads / 8 kv heads, fp32):
        no prior (must be ~1x), prior present and no refresh due (goal <= 1.5x), and a
        step that also refreshes every factor (one anchor arrival).
+emb    an embedding / lm_head matrix [32000, 2048]: its refresh and per-step projection
+       next to its own AdamW step (why SpectralAdamW leaves them unfiltered by default).
+emb-quality  a small proxy training run (tiny Llama, noisy fast gradients, delayed clean
+       anchor gradients) comparing embeddings / lm_head filtered or not.
 """
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import time
@@ -210,9 +215,103 @@ def bench_step(shapes, rank, repeats, device):
     return rows
 
 
+def bench_embedding(vocab, hidden, rank, repeats, device):
+    """What filtering an embedding / lm_head [vocab, hidden] matrix costs, next to the
+    AdamW step of that same matrix (the basis of SpectralAdamW's default: unfiltered)."""
+    g = torch.Generator().manual_seed(0)
+    E = torch.randn(vocab, hidden, generator=g).to(device) * 1e-3
+    p = torch.nn.Parameter(torch.zeros(vocab, hidden, device=device))
+    p.grad = E.clone()
+    opt = torch.optim.AdamW([p], lr=1e-4, foreach=False)
+    t_adam = timeit(opt.step, repeats, device)
+    t_svd = timeit(lambda: sp.randomized_svd(E, rank), max(1, repeats // 2), device)
+    U, S, V = sp.randomized_svd(E, rank)
+    t_proj = timeit(lambda: sp.project(E, U, S, V, 1e-3, 0.3), repeats, device)
+    print(f"\n## embedding / lm_head [{vocab},{hidden}] fp32, rank {rank}")
+    print(f"{'variant':<44}{'median s':>10}{'vs its AdamW step':>19}")
+    for name, t in (("AdamW step of this matrix", t_adam), ("randomized SVD refresh", t_svd),
+                    ("projection (every step)", t_proj)):
+        print(f"{name:<44}{t:>10.4f}{t / t_adam:>18.2f}x")
+
+
+def bench_embedding_quality(steps=150, seed=0, noise=3.0, delay=20, every=10):
+    """A small proxy experiment for the embedding default (NOT the paper's setting): a
+    tiny Llama (hidden 64, 2 layers, vocab 256, untied) on a synthetic sparse-bigram
+    language. The fast node's gradient is the true mini-batch gradient plus Gaussian
+    noise of ``noise`` x its RMS per tensor (a stand-in for masked-boundary noise); the
+    anchor computes a clean gradient on its own batch at a parameter snapshot every
+    ``every`` steps, delivered ``delay`` steps later. Prints the final eval loss of plain
+    AdamW (clean and noisy gradients) and SpectralAdamW with embeddings / lm_head
+    unfiltered, embeddings filtered, both filtered."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from meshkern.optim import spectral_param_groups
+
+    V, T, Bsz = 256, 32, 8
+    g = torch.Generator().manual_seed(seed)
+    nxt = torch.randint(0, V, (V, 4), generator=g)  # each token has 4 likely successors
+
+    def batch(n, gen):
+        x = torch.empty(n, T, dtype=torch.long)
+        x[:, 0] = torch.randint(0, V, (n,), generator=gen)
+        for t in range(1, T):
+            x[:, t] = nxt[x[:, t - 1], torch.randint(0, 4, (n,), generator=gen)]
+        return x
+
+    eval_x = batch(64, torch.Generator().manual_seed(999))
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=V, max_position_embeddings=T, tie_word_embeddings=False)
+
+    def run(kind):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(cfg)
+        if kind.startswith("adamw"):
+            opt = torch.optim.AdamW(model.parameters(), lr=3e-3, foreach=False)
+            params = list(model.parameters())
+        else:
+            groups = spectral_param_groups(model, filter_embeddings=False)
+            if kind != "spectral, emb+head unfiltered":
+                # split the embedding group: embed_tokens / lm_head filtered as asked
+                emb = groups.pop()
+                names = {id(p): n for n, p in model.named_parameters()}
+                for p in emb["params"]:
+                    filt = "embed" in names[id(p)] or kind == "spectral, emb+head filtered"
+                    groups.append({"params": [p], "spectral": filt})
+            opt = SpectralAdamW(groups, lr=3e-3, rank=8, foreach=False)
+            params = [p for gr in opt.param_groups for p in gr["params"]]
+        data_g, noise_g, anc_g = (torch.Generator().manual_seed(seed + k) for k in (1, 2, 3))
+        pending = []
+        for step in range(steps):
+            if not kind.startswith("adamw") and step % every == 0:  # anchor snapshot + clean grad
+                snap = LlamaForCausalLM(cfg)
+                snap.load_state_dict(model.state_dict())
+                xa = batch(4 * Bsz, anc_g)
+                snap(input_ids=xa, labels=xa).loss.backward()
+                by_id = {id(p): q for p, q in zip(model.parameters(), snap.parameters())}
+                pending.append((step + delay, [by_id[id(p)].grad.clone() for p in params]))
+            while pending and pending[0][0] <= step:
+                opt.observe_anchor(pending.pop(0)[1], delay)
+            x = batch(Bsz, data_g)
+            model.zero_grad()
+            model(input_ids=x, labels=x).loss.backward()
+            if kind != "adamw, clean grads":
+                for p in params:
+                    rms = p.grad.pow(2).mean().sqrt()
+                    p.grad.add_(torch.randn(p.shape, generator=noise_g) * noise * rms)
+            opt.step()
+        with torch.no_grad():
+            return model(input_ids=eval_x, labels=eval_x).loss.item()
+
+    print(f"\n## embedding default, proxy quality run: tiny Llama, synthetic bigram data, {steps} steps, "
+          f"noise {noise}x RMS, anchor every {every} steps, delay {delay} (eval loss; uniform = {math.log(V):.2f})")
+    for kind in ("adamw, clean grads", "adamw, noisy grads", "spectral, emb+head unfiltered",
+                 "spectral, emb filtered", "spectral, emb+head filtered"):
+        print(f"{kind:<36}{run(kind):>10.4f}")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", choices=["svd", "knobs", "proj", "step"], action="append")
+    ap.add_argument("--only", choices=["svd", "knobs", "proj", "step", "emb", "emb-quality"], action="append")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--exact-batch", type=int, default=2, help="matrices timed for torch.linalg.svd (scaled)")
@@ -221,7 +320,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    which = set(args.only or ["svd", "knobs", "proj", "step"])
+    which = set(args.only or ["svd", "knobs", "proj", "step", "emb", "emb-quality"])
     backends = ["cpp", "reference"] if device.type == "cpu" else ["cuda", "triton", "reference"]
     print(f"# meshkern spectral bench: torch {torch.__version__}, threads={torch.get_num_threads()}, "
           f"device={device}, repeats={args.repeats} (medians), OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, "
@@ -237,6 +336,10 @@ def main(argv=None):
     if "step" in which:
         shapes = llama_layer_shapes(hidden=256, ffn=1024, heads=4, kv_heads=2, layers=2) if q else llama_layer_shapes()
         bench_step(shapes, 32, args.repeats, device)
+    if "emb" in which:
+        bench_embedding(1024 if q else 32000, 256 if q else 2048, 32, args.repeats, device)
+    if "emb-quality" in which:
+        bench_embedding_quality(steps=30 if q else 150)
 
 
 if __name__ == "__main__":
