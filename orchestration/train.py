@@ -350,6 +350,7 @@ def _run(rank: int, cfg: Config, plan: Plan, mesh) -> dict:
     t_start = time.perf_counter()
     t_last = t_start
     steps_done = 0
+    skipped = 0
     step = start
     interrupted = False
     for step in range(start, t.steps):
@@ -371,7 +372,12 @@ def _run(rank: int, cfg: Config, plan: Plan, mesh) -> dict:
         got = hook.poll(step)
         if got is not None:
             opt.observe_anchor(*got)
-        opt.step()
+        if math.isfinite(gnorm):
+            opt.step()
+        else:
+            # Non-finite gradient anywhere in this replica (the norm is all-reduced over its
+            # stages, so every stage agrees): skip the update rather than corrupt the weights.
+            skipped += 1
         opt.zero_grad(set_to_none=True)
         if diloco is not None:
             diloco.step()
@@ -385,8 +391,8 @@ def _run(rank: int, cfg: Config, plan: Plan, mesh) -> dict:
         vec = torch.zeros(4 + 3 * Y + len(AXES), dtype=torch.float64)
         vec[0] = float(stop["flag"])
         vec[1] = stats.loss if mesh.is_last else 0.0
-        vec[2] = gnorm / Y if mesh.is_first else 0.0
-        vec[3] = stats.wait_s / (n_fast * Y)
+        vec[2] = (gnorm if math.isfinite(gnorm) else 0.0) / Y if mesh.is_first else 0.0
+        vec[3] = float(skipped) / Y
         vec[4 + mesh.stage] = sum(stats.fwd_s) / len(stats.fwd_s) / n_fast
         vec[4 + Y + mesh.stage] = sum(stats.bwd_s) / len(stats.bwd_s) / n_fast
         tot = counter.totals()
@@ -398,7 +404,7 @@ def _run(rank: int, cfg: Config, plan: Plan, mesh) -> dict:
         now = time.perf_counter()
         rec = {"step": step + 1, "loss": vec[1].item() / n_fast, "lr": lr_at(step, cfg), "grad_norm": vec[2].item(),
                "tokens": (step + 1) * tokens_per_step, "step_s": now - t_last,
-               "tokens_per_s": tokens_per_step / max(now - t_last, 1e-9), "recv_wait_s": vec[3].item(),
+               "tokens_per_s": tokens_per_step / max(now - t_last, 1e-9), "skipped_steps": round(vec[3].item()),
                "fwd_s": vec[4:4 + Y].tolist(), "bwd_s": vec[4 + Y:4 + 2 * Y].tolist(),
                "bytes": {a: int(vec[4 + 2 * Y + i]) for i, a in enumerate(AXES)},
                "dp_bytes_by_stage": [int(v) for v in vec[4 + 2 * Y + len(AXES):].tolist()]}

@@ -184,3 +184,27 @@ def test_other_codecs_optimizers_and_compressors_train(tiny, tmp_path, extra):
     links = json.load(open(os.path.join(plan.run_dir, "link_bytes.json")))["links"]
     assert links["pp_fwd:0->1"] == links["pp_fwd:2->3"] == 3 * 2 * per_mb
     assert res[0]["bytes"]["dp"] > 0
+
+
+def test_tied_embeddings_stay_tied_across_stages(tiny, tmp_path):
+    """A tied checkpoint split over 2 stages: the last stage's lm_head copy gets the summed
+    gradient like stage 0's embedding, so the two copies remain equal after training."""
+    from orchestration.models import load_causal_lm
+
+    model, _ = load_causal_lm(tiny / "model")
+    model.config.tie_word_embeddings = True
+    model.lm_head.weight = model.model.embed_tokens.weight
+    tied_dir = tmp_path / "tied"
+    model.save_pretrained(tied_dir)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        if (tiny / "model" / f).exists():
+            (tied_dir / f).write_bytes((tiny / "model" / f).read_bytes())
+    cfg, plan, res = _run(_args(tiny, tmp_path, "--model.path", str(tied_dir), "--mesh.rows", "1",
+                                "--mesh.stages", "2", "--train.steps", "3", "--train.lr", "1e-2"))
+    last = ckpt.resolve("latest", plan.ckpt_dir)
+    s0 = ckpt.load_rank_state(last, 0)["stage"]["embed_tokens.weight"]
+    s1 = ckpt.load_rank_state(last, 1)["stage"]["lm_head.weight"]
+    assert not torch.equal(s0, model.model.embed_tokens.weight)  # it trained
+    torch.testing.assert_close(s0, s1, rtol=0, atol=0)
+    reloaded, _ = load_causal_lm(last)  # the HF export has one copy and ties it again
+    torch.testing.assert_close(reloaded.lm_head.weight, s0)
