@@ -52,8 +52,11 @@ def _philox_kernel(ctr_ptr, out_ptr, n, k0, k1, BLOCK: tl.constexpr):
 def _builtin_kernel(ctr_ptr, out_ptr, n, seed, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
-    c = [tl.load(ctr_ptr + 4 * i + q, mask=m, other=0).to(tl.uint32) for q in tl.static_range(4)]
-    w0, w1, w2, w3 = tl.philox(seed, c[0], c[1], c[2], c[3])
+    c0 = tl.load(ctr_ptr + 4 * i, mask=m, other=0).to(tl.uint32)
+    c1 = tl.load(ctr_ptr + 4 * i + 1, mask=m, other=0).to(tl.uint32)
+    c2 = tl.load(ctr_ptr + 4 * i + 2, mask=m, other=0).to(tl.uint32)
+    c3 = tl.load(ctr_ptr + 4 * i + 3, mask=m, other=0).to(tl.uint32)
+    w0, w1, w2, w3 = tl.philox(seed, c0, c1, c2, c3)
     tl.store(out_ptr + 4 * i, w0.to(tl.int64), mask=m)
     tl.store(out_ptr + 4 * i + 1, w1.to(tl.int64), mask=m)
     tl.store(out_ptr + 4 * i + 2, w2.to(tl.int64), mask=m)

@@ -16,25 +16,11 @@
 #include <cstring>
 #include <vector>
 
-#include "floyd.h"
+#include "mask_host.h"
 
 namespace meshkern {
 namespace mask {
 namespace {
-
-KeyWords key_words(int64_t k0, int64_t k1, int64_t step, int64_t tag) {
-  TORCH_CHECK(k0 >= 0 && k0 < (1ll << 32) && k1 >= 0 && k1 < (1ll << 32) && step >= 0 &&
-                  step < (1ll << 32) && tag >= 0 && tag < (1ll << 32),
-              "malformed key: every key word must be in [0, 2**32)");
-  return {static_cast<uint32_t>(k0), static_cast<uint32_t>(k1), static_cast<uint32_t>(step),
-          static_cast<uint32_t>(tag)};
-}
-
-void check_sizes(int64_t N, int64_t H, int64_t K) {
-  TORCH_CHECK(H >= 1 && H < (1ll << 31), "H=", H, " must be in [1, 2**31)");
-  TORCH_CHECK(K >= 1 && K <= H, "K=", K, " must be in [1, H=", H, "]");
-  TORCH_CHECK(N <= (1ll << 32), "N=", N, " token rows exceed the 2**32 row counter");
-}
 
 // Rows per parallel chunk: ~32K elements of work per chunk (ATen's GRAIN_SIZE idea).
 int64_t grain(int64_t H) { return std::max<int64_t>(1, 32768 / H); }
