@@ -7,7 +7,7 @@ stage column s ("anchor s") loops over rounds:
        (replica 0 holds one; see "Snapshots" below), agreeing on its version with the
        other anchor stages so the anchor's pipeline sees one consistent model;
     2. run one unmasked forward/backward over ``anchor.microbatches`` micro-batches of
-       its own batches (its own sampler seed over the training rows), through its own
+       its own batches (the anchor row's data shard, its own sampler), through its own
        pipeline across the anchor row: orchestration.pipeline.PipelineExecutor with the
        "dense" codec and the trainer's schedule, i.e. the very executor of the fast
        circuit with dense boundaries;
@@ -36,8 +36,9 @@ completion only inside ``wait()``). Consequences:
       update was applied for more than ``anchor.max_staleness`` fast steps the prior is
       switched off (plain masked AdamW: every SpectralAdamW group gets alpha = 1) and the
       log says so once; a later fresh update switches it back on;
-    * an anchor that dies: the link sees the broken connection, the log says so once and
-      the fast circuit continues as plain masked AdamW. The launcher treats anchor ranks
+    * an anchor that dies: the link sees the broken connection, the log says so once;
+      updates received completely before the break are still applied, then the fast
+      circuit continues as plain masked AdamW. The launcher treats anchor ranks
       as optional (orchestration.launch ``optional``), so their death stops nobody;
     * a bad update (non-finite values, a wrong layout / shape / size, staleness over
       ``anchor.max_staleness``) is rejected and counted, never applied.
@@ -321,15 +322,15 @@ def parse_faults(spec: str) -> dict[str, dict[int, float]]:
 
 def round_batch(cfg, plan, index: int) -> torch.Tensor:
     """The anchor's batch of round ``index``: ``anchor.microbatches`` micro-batches of the
-    fast circuit's micro-batch size, drawn by its own seeded sampler over the training rows
-    (the same on every anchor stage)."""
-    from orchestration.train import BatchSampler
+    fast circuit's micro-batch size, from the anchor row's own data shard
+    (orchestration.train.data_shard) by its own seeded sampler; the same on every anchor stage."""
+    from orchestration.train import BatchSampler, data_shard
 
     mb = cfg.train.batch_size // cfg.train.microbatches
     n = mb * cfg.anchor.microbatches
-    rows = plan.train_rows
+    rows = data_shard(cfg, plan, cfg.mesh.rows - 1)
     if len(rows) < n:
-        raise ValueError(f"the anchor needs {n} sequences per round, the training set has {len(rows)}")
+        raise ValueError(f"the anchor needs {n} sequences per round, its data shard has {len(rows)}")
     return BatchSampler(rows, n, cfg.train.seed + 104_729)(index)
 
 
@@ -502,6 +503,7 @@ class FastHook:
         self.snapshots: dict[int, torch.Tensor] = {}
         self.closing = False
         self.pending: list[Arrival] = []
+        self.refused: set[int] = set()  # versions whose update the link thread refused
         # counters (the link thread only adds to the *_bytes ones)
         self.wire_bytes = 0
         self.snapshot_bytes = 0
@@ -550,7 +552,7 @@ class FastHook:
                 raise RuntimeError(f"anchor protocol: {r}") from None
             junk = _recv(n, CODE_DTYPES[code], self.anchor_rank, self.group)  # drain: keep the stream aligned
             self.wire_bytes += junk.numel() * junk.element_size()
-            self.events.put(("rejected", r.reason, str(r)))
+            self.events.put(("rejected", r.reason, int(h[F_VERSION])))
             return
         payload = _recv(self.layout.numel, self.layout.dtype, self.anchor_rank, self.group)
         nbytes = payload.numel() * payload.element_size()
@@ -605,7 +607,7 @@ class FastHook:
             g["alpha"] = self.alpha if on else 1.0
         self._log(f"step {step}: {why}")
 
-    def _drain(self, block_s: float = 0.0) -> None:
+    def _drain(self, step: int, block_s: float = 0.0) -> None:
         """Moves what the link delivered into ``pending`` / the counters; waits up to
         ``block_s`` for the first event if there is none."""
         first = True
@@ -618,13 +620,14 @@ class FastHook:
             if ev[0] == "update":
                 self.c["arrivals"] += 1
                 self.pending.append(ev[1])
-            elif ev[0] == "rejected":
+            elif ev[0] == "rejected":  # refused by the link thread (wrong size / layout)
                 self.c["arrivals"] += 1
+                self.refused.add(ev[2])
                 self._reject(ev[1])
             elif ev[0] == "lost" and self.link == "up":
                 self.link = "lost"
-                self._log(f"lost the anchor ({ev[1]}); the fast circuit continues as plain masked AdamW")
-                self._set_prior(False, self.steps_seen + (self.start or 0), "anchor prior off (anchor lost)")
+                self._log(f"step {step}: lost the anchor ({ev[1]}); the fast circuit continues as plain masked "
+                          "AdamW (after the updates already received)")
 
     def _reject(self, reason: str) -> None:
         self.c["rejected"] += 1
@@ -642,19 +645,20 @@ class FastHook:
             if self.serves and (not self.delay or step % self.every == 0):
                 self._store_snapshot(step)
         self.steps_seen += 1
-        self._drain()
+        self._drain(step)
         pick = None
         if self.delay and not self.degraded:
             due = self._due(step)
             if due is not None:
                 t0 = time.perf_counter()
-                while self.link == "up" and not any(x.version == due for x in self.pending):
+                while (self.link == "up" and due not in self.refused
+                       and not any(x.version == due for x in self.pending)):
                     if time.perf_counter() - t0 > self.timeout_s:
                         self.degraded = True
                         self._log(f"step {step}: the update of snapshot {due} did not arrive within "
                                   f"{self.timeout_s:.0f} s; delay mode off, updates are applied when they arrive")
                         break
-                    self._drain(block_s=0.5)
+                    self._drain(step, block_s=0.5)
                 self.blocked_s += time.perf_counter() - t0
             for x in list(self.pending):
                 if x.version + self.delay < step:  # late: can no longer apply exactly delay steps on
@@ -672,6 +676,8 @@ class FastHook:
                 pick = x
                 break
         out = self._apply(pick, step) if pick is not None else None
+        if self.link != "up" and not self.pending:
+            self._set_prior(False, step, "anchor prior off (anchor lost)")
         self._watch(step)
         return out
 
@@ -690,7 +696,8 @@ class FastHook:
         if self.stalled:
             self.stalled = False
             self._log(f"step {step}: anchor updates resumed (staleness {staleness})")
-        self._set_prior(True, step, "fresh anchor update: anchor prior back on")
+        if self.link == "up":
+            self._set_prior(True, step, "fresh anchor update: anchor prior back on")
         if self.layout.transport == "dense":
             return aligned, staleness
         if not self.opt.observe_factored_prior(aligned, staleness):
