@@ -32,6 +32,7 @@ import os
 import shutil
 
 import torch
+import torch.distributed as dist
 
 LATEST = "latest"
 _COPY = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -129,3 +130,26 @@ def load_rank_state(path: str, rank: int) -> dict:
     if not os.path.isfile(f):
         raise ValueError(f"checkpoint {path} has no state for rank {rank}")
     return torch.load(f, weights_only=True, map_location="cpu")
+
+
+def save_checkpoint(cfg, plan, mesh, stage, opt, diloco, allreduce, counter, step: int) -> str:
+    """Every fast rank writes its part; rank 0 publishes the checkpoint atomically."""
+    root = plan.ckpt_dir
+    tmp = step_dir(root, step) + ".tmp"
+    os.makedirs(tmp, exist_ok=True)
+    dist.barrier(group=mesh.fast)  # the directory exists before anyone writes (rank 0 may have removed an old one)
+    if mesh.row == 0:
+        write_stage_shard(tmp, stage, cfg.mesh.stages)
+    write_rank_state(tmp, mesh.rank, {
+        "step": step, "stage": stage.state_dict(), "optimizer": opt.state_dict(),
+        "diloco": None if diloco is None else diloco.state_dict(),
+        "compressor": None if allreduce is None else allreduce.state_dict(),
+        "counter": counter.state_dict()})
+    dist.barrier(group=mesh.fast)
+    final = step_dir(root, step)
+    if mesh.rank == 0:
+        meta = {"step": step, "rows": cfg.mesh.rows, "stages": cfg.mesh.stages, "anchor": cfg.anchor.enabled,
+                "model_path": plan.model_path, "config": cfg.to_dict()}
+        finalize(root, tmp, step, meta, plan.model_path, cfg.mesh.stages, cfg.checkpoint.keep)
+    dist.barrier(group=mesh.fast)
+    return final

@@ -11,6 +11,9 @@ import json
 import os
 from collections import defaultdict
 
+import torch
+import torch.distributed as dist
+
 AXES = ("pp_fwd", "pp_bwd", "dp", "anchor")
 
 
@@ -120,3 +123,96 @@ def summary_rows(s: dict) -> list[tuple[str, str]]:
     if s.get("links_path"):
         rows.append(("bytes per link", s["links_path"]))
     return rows
+
+
+# ------------------------------------------------------------ end-of-run records
+def write_link_bytes(plan, mesh, counter: LinkCounter) -> str:
+    """Every fast rank writes the bytes it sent per (axis, src -> dst) link; rank 0 merges
+    them into RUN_DIR/link_bytes.json (files, not pickles over the network)."""
+
+    d = os.path.join(plan.run_dir, "link_bytes")
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, f"rank_{mesh.rank:05d}.json"), "w") as f:
+        json.dump({"links": counter.by_link(), "totals": counter.totals()}, f)
+    dist.barrier(group=mesh.fast)
+    path = os.path.join(plan.run_dir, "link_bytes.json")
+    if mesh.rank == 0:
+        merged = {"links": {}, "per_rank": {}}
+        for r in mesh.layout.fast_ranks():
+            with open(os.path.join(d, f"rank_{r:05d}.json")) as f:
+                rec = json.load(f)
+            merged["links"].update(rec["links"])
+            merged["per_rank"][str(r)] = rec["totals"]
+        with open(path, "w") as f:
+            json.dump(merged, f, indent=1, sort_keys=True)
+    return path
+
+
+def held_out_loss(cfg, plan, path: str):
+    """Mean next-token loss of the exported checkpoint on up to --run.eval_sequences held-out rows."""
+    if plan.eval_rows is None or not path or cfg.run.eval_sequences == 0:
+        return None
+    from orchestration.evaluate import eval_loss
+    from orchestration.models import load_causal_lm
+
+    model, _ = load_causal_lm(path, dtype=getattr(torch, cfg.model.dtype))
+    return eval_loss(model, plan.eval_rows[:cfg.run.eval_sequences])["loss"]
+
+
+def summarize(cfg, plan, history: list[dict], elapsed: float, steps_done: int, last_ckpt: str) -> dict:
+    """The run's summary (rank 0): what ``summary_rows`` prints and what run_rank returns."""
+    last = history[-1]
+    t = cfg.train
+    tokens_run = steps_done * cfg.fast_rows * t.batch_size * cfg.data.seq_len
+    bpt = last["bytes_per_token"]
+    model = modeled_step(cfg, plan, history)
+    s = {
+        "mesh": f"{cfg.mesh.rows}x{cfg.mesh.stages} ({cfg.fast_rows} fast replicas"
+                + (" + anchor" if cfg.anchor.enabled else "") + f" x {cfg.mesh.stages} stages)",
+        "model": f"{plan.arch} ({plan.num_layers} layers, H={plan.hidden_size}) from {plan.model_path}",
+        "codec": cfg.boundary.codec + (f" p={cfg.boundary.p}" if cfg.boundary.codec in ("mask", "topk", "bottleneck") else ""),
+        "dp": cfg.dp.mode + ("" if cfg.dp.mode == "none" else f" + {cfg.dp.compressor}"),
+        "steps": last["step"], "tokens": last["tokens"],
+        "loss_first": history[0]["loss"], "loss_last": last["loss"],
+        "tokens_per_s": tokens_run / max(elapsed, 1e-9),
+        "bytes_per_token": bpt, "bytes_per_token_pp": bpt["pp_fwd"] + bpt["pp_bwd"],
+        "bytes_per_token_total": sum(bpt.values()),
+        "bandwidth_bps": cfg.run.bandwidth_bps,
+        "modeled_tokens_per_s": None if model is None else model.tokens_per_s,
+        "modeled_limit": None if model is None else model.limiting,
+        "checkpoint": last_ckpt, "metrics_path": os.path.join(plan.run_dir, "metrics.jsonl"),
+    }
+    if cfg.anchor.enabled:  # rank 0's view of the anchor hook (orchestration.anchor stats)
+        s["anchor"] = {k[len("anchor_"):]: v for k, v in last.items()
+                       if k in ("anchor_arrivals", "anchor_applied", "anchor_rejected", "anchor_mean_staleness",
+                                "anchor_link", "anchor_prior_on")}
+    return s
+
+
+def modeled_step(cfg, plan, history: list[dict]):
+    """The link model's step (orchestration.linkmodel.model_step) at --run.bandwidth_bps and
+    --run.latency_s, replaying this run's schedule with its measured per-stage compute times
+    (median over steps, the first step excluded as warm-up) and its exact byte counts."""
+    from orchestration import linkmodel
+    from orchestration.codecs import make_codec
+    from orchestration.schedule import make_schedule
+
+    t, Y, X = cfg.train, cfg.mesh.stages, cfg.fast_rows
+    hist = history[1:] or history
+    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    compute = {"F": [med([h["fwd_s"][s] for h in hist]) for s in range(Y)],
+               "B": [med([h["bwd_s"][s] for h in hist]) for s in range(Y)]}
+    codec = make_codec(cfg.boundary.codec, p=cfg.boundary.p, rescale=cfg.boundary.rescale, **cfg.boundary.options)
+    shape = (t.batch_size // t.microbatches, cfg.data.seq_len, plan.hidden_size)
+    dtype = getattr(torch, cfg.model.dtype)
+    msg = {"F": codec.wire_bytes(shape, dtype, "fwd"), "B": codec.wire_bytes(shape, dtype, "bwd")}
+    # Measured DP bytes each node sent per step (ring all-reduce), back to the payload.
+    n = history[-1]["step"]  # counters are cumulative since step 0 (restored on resume)
+    ring = 2.0 * (X - 1) / X if X > 1 else 1.0
+    dp_payload = [history[-1]["dp_bytes_by_stage"][s] / n / X / ring for s in range(Y)]
+    anchor = history[-1]["bytes"]["anchor"] / n / max(1, X * Y)
+    return linkmodel.model_step(make_schedule(t.schedule, Y, t.microbatches), compute, msg,
+                                linkmodel.LinkSpec(cfg.run.bandwidth_bps, cfg.run.latency_s),
+                                replicas=X, tokens_per_replica=t.batch_size * cfg.data.seq_len,
+                                dp_payload_bytes=dp_payload, dp_blocking=cfg.dp.mode == "allreduce",
+                                anchor_up_bytes=anchor)

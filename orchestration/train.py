@@ -43,7 +43,8 @@ from orchestration import checkpoint as ckpt
 from orchestration.config import Config, parse_args, to_yaml
 from orchestration.launch import MeshFailure, run_local
 from orchestration.mesh import MeshLayout, init_mesh, destroy_mesh
-from orchestration.metrics import AXES, JsonlWriter, LinkCounter, format_table, summary_rows
+from orchestration.metrics import (AXES, JsonlWriter, LinkCounter, format_table, held_out_loss,  # noqa: F401
+                                   modeled_step, summarize, summary_rows, write_link_bytes)
 
 DEFAULT_DATA = "corpus:python"  # domain B of orchestration.corpora: the base model never saw it
 
@@ -428,7 +429,7 @@ def _run(rank: int, cfg: Config, plan: Plan, mesh) -> dict:
             if diloco is not None:
                 diloco.finish()
                 counter.set_total("dp", diloco.bytes_sent)  # in-flight syncs are now counted too
-            last_ckpt = save(cfg, plan, mesh, stage, opt, diloco, allreduce, counter, step + 1)
+            last_ckpt = ckpt.save_checkpoint(cfg, plan, mesh, stage, opt, diloco, allreduce, counter, step + 1)
         if stopping:
             interrupted = True
             break
@@ -453,40 +454,6 @@ def _run(rank: int, cfg: Config, plan: Plan, mesh) -> dict:
     return out
 
 
-def write_link_bytes(plan: Plan, mesh, counter: LinkCounter) -> str:
-    """Every fast rank writes the bytes it sent per (axis, src -> dst) link; rank 0 merges
-    them into RUN_DIR/link_bytes.json (files, not pickles over the network)."""
-    import json
-
-    d = os.path.join(plan.run_dir, "link_bytes")
-    os.makedirs(d, exist_ok=True)
-    with open(os.path.join(d, f"rank_{mesh.rank:05d}.json"), "w") as f:
-        json.dump({"links": counter.by_link(), "totals": counter.totals()}, f)
-    dist.barrier(group=mesh.fast)
-    path = os.path.join(plan.run_dir, "link_bytes.json")
-    if mesh.rank == 0:
-        merged = {"links": {}, "per_rank": {}}
-        for r in mesh.layout.fast_ranks():
-            with open(os.path.join(d, f"rank_{r:05d}.json")) as f:
-                rec = json.load(f)
-            merged["links"].update(rec["links"])
-            merged["per_rank"][str(r)] = rec["totals"]
-        with open(path, "w") as f:
-            json.dump(merged, f, indent=1, sort_keys=True)
-    return path
-
-
-def held_out_loss(cfg: Config, plan: Plan, path: str):
-    """Mean next-token loss of the exported checkpoint on up to --run.eval_sequences held-out rows."""
-    if plan.eval_rows is None or not path or cfg.run.eval_sequences == 0:
-        return None
-    from orchestration.evaluate import eval_loss
-    from orchestration.models import load_causal_lm
-
-    model, _ = load_causal_lm(path, dtype=getattr(torch, cfg.model.dtype))
-    return eval_loss(model, plan.eval_rows[:cfg.run.eval_sequences])["loss"]
-
-
 def _tied_across(plan: Plan, cfg: Config) -> bool:
     from transformers import AutoConfig
 
@@ -507,87 +474,6 @@ def _clip(params, max_norm: float, pp_group) -> float:
             if p.grad is not None:
                 p.grad.mul_(coef)
     return norm
-
-
-def save(cfg: Config, plan: Plan, mesh, stage, opt, diloco, allreduce, counter, step: int) -> str:
-    """Every fast rank writes its part; rank 0 publishes the checkpoint atomically."""
-    root = plan.ckpt_dir
-    tmp = ckpt.step_dir(root, step) + ".tmp"
-    os.makedirs(tmp, exist_ok=True)
-    dist.barrier(group=mesh.fast)  # the directory exists before anyone writes (rank 0 may have removed an old one)
-    if mesh.row == 0:
-        ckpt.write_stage_shard(tmp, stage, cfg.mesh.stages)
-    ckpt.write_rank_state(tmp, mesh.rank, {
-        "step": step, "stage": stage.state_dict(), "optimizer": opt.state_dict(),
-        "diloco": None if diloco is None else diloco.state_dict(),
-        "compressor": None if allreduce is None else allreduce.state_dict(),
-        "counter": counter.state_dict()})
-    dist.barrier(group=mesh.fast)
-    final = ckpt.step_dir(root, step)
-    if mesh.rank == 0:
-        meta = {"step": step, "rows": cfg.mesh.rows, "stages": cfg.mesh.stages, "anchor": cfg.anchor.enabled,
-                "model_path": plan.model_path, "config": cfg.to_dict()}
-        ckpt.finalize(root, tmp, step, meta, plan.model_path, cfg.mesh.stages, cfg.checkpoint.keep)
-    dist.barrier(group=mesh.fast)
-    return final
-
-
-def summarize(cfg: Config, plan: Plan, history: list[dict], elapsed: float, steps_done: int, last_ckpt: str) -> dict:
-    last = history[-1]
-    t = cfg.train
-    tokens_run = steps_done * cfg.fast_rows * t.batch_size * cfg.data.seq_len
-    bpt = last["bytes_per_token"]
-    model = modeled_step(cfg, plan, history)
-    s = {
-        "mesh": f"{cfg.mesh.rows}x{cfg.mesh.stages} ({cfg.fast_rows} fast replicas"
-                + (" + anchor" if cfg.anchor.enabled else "") + f" x {cfg.mesh.stages} stages)",
-        "model": f"{plan.arch} ({plan.num_layers} layers, H={plan.hidden_size}) from {plan.model_path}",
-        "codec": cfg.boundary.codec + (f" p={cfg.boundary.p}" if cfg.boundary.codec in ("mask", "topk", "bottleneck") else ""),
-        "dp": cfg.dp.mode + ("" if cfg.dp.mode == "none" else f" + {cfg.dp.compressor}"),
-        "steps": last["step"], "tokens": last["tokens"],
-        "loss_first": history[0]["loss"], "loss_last": last["loss"],
-        "tokens_per_s": tokens_run / max(elapsed, 1e-9),
-        "bytes_per_token": bpt, "bytes_per_token_pp": bpt["pp_fwd"] + bpt["pp_bwd"],
-        "bytes_per_token_total": sum(bpt.values()),
-        "bandwidth_bps": cfg.run.bandwidth_bps,
-        "modeled_tokens_per_s": None if model is None else model.tokens_per_s,
-        "modeled_limit": None if model is None else model.limiting,
-        "checkpoint": last_ckpt, "metrics_path": os.path.join(plan.run_dir, "metrics.jsonl"),
-    }
-    if cfg.anchor.enabled:  # rank 0's view of the anchor hook (orchestration.anchor stats)
-        s["anchor"] = {k[len("anchor_"):]: v for k, v in last.items()
-                       if k in ("anchor_arrivals", "anchor_applied", "anchor_rejected", "anchor_mean_staleness",
-                                "anchor_link", "anchor_prior_on")}
-    return s
-
-
-def modeled_step(cfg: Config, plan: Plan, history: list[dict]):
-    """The link model's step (orchestration.linkmodel.model_step) at --run.bandwidth_bps and
-    --run.latency_s, replaying this run's schedule with its measured per-stage compute times
-    (median over steps, the first step excluded as warm-up) and its exact byte counts."""
-    from orchestration import linkmodel
-    from orchestration.codecs import make_codec
-    from orchestration.schedule import make_schedule
-
-    t, Y, X = cfg.train, cfg.mesh.stages, cfg.fast_rows
-    hist = history[1:] or history
-    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
-    compute = {"F": [med([h["fwd_s"][s] for h in hist]) for s in range(Y)],
-               "B": [med([h["bwd_s"][s] for h in hist]) for s in range(Y)]}
-    codec = make_codec(cfg.boundary.codec, p=cfg.boundary.p, rescale=cfg.boundary.rescale, **cfg.boundary.options)
-    shape = (t.batch_size // t.microbatches, cfg.data.seq_len, plan.hidden_size)
-    dtype = getattr(torch, cfg.model.dtype)
-    msg = {"F": codec.wire_bytes(shape, dtype, "fwd"), "B": codec.wire_bytes(shape, dtype, "bwd")}
-    # Measured DP bytes each node sent per step (ring all-reduce), back to the payload.
-    n = history[-1]["step"]  # counters are cumulative since step 0 (restored on resume)
-    ring = 2.0 * (X - 1) / X if X > 1 else 1.0
-    dp_payload = [history[-1]["dp_bytes_by_stage"][s] / n / X / ring for s in range(Y)]
-    anchor = history[-1]["bytes"]["anchor"] / n / max(1, X * Y)
-    return linkmodel.model_step(make_schedule(t.schedule, Y, t.microbatches), compute, msg,
-                                linkmodel.LinkSpec(cfg.run.bandwidth_bps, cfg.run.latency_s),
-                                replicas=X, tokens_per_replica=t.batch_size * cfg.data.seq_len,
-                                dp_payload_bytes=dp_payload, dp_blocking=cfg.dp.mode == "allreduce",
-                                anchor_up_bytes=anchor)
 
 
 # ============================================================== entry point
