@@ -24,8 +24,8 @@ staggered schedule, so its global copy is never one consistent model at one step
 replica 0's stage parameters after fast step v are ("version v").
 
 Fast ranks never wait for the anchor. Each fast rank runs one daemon thread ("link")
-that does all anchor traffic of the rank with blocking gloo/NCCL point-to-point on a
-process group of its own (the column's fast ranks + anchor s, created here with a long
+that does all anchor traffic of the rank with blocking point-to-point on a gloo process
+group of its own (the column's fast ranks + anchor s, CPU tensors, created here with a long
 timeout: a timed-out wait poisons a gloo context, so the fast circuit's groups never
 carry anchor traffic and never time out because of it). What the link receives goes to
 a queue; ``poll(step)``, called once per fast step by the trainer, only drains that
@@ -224,13 +224,13 @@ class Layout:
         folding them in."""
         grads = [torch.zeros(s, dtype=self.dtype) if g is None else g.detach() for g, s in zip(grads, self.shapes)]
         if self.transport == "dense":
-            return torch.cat([g.reshape(-1).to(self.dtype) for g in grads])
+            return torch.cat([g.reshape(-1).to("cpu", self.dtype) for g in grads])
         if not momentum.update(grads):
             raise ValueError("the anchor's own gradient is not finite; round skipped")
         flat = []
         for U, S, V in momentum.factors():
             flat += [U.reshape(-1), S.reshape(-1), V.reshape(-1)]
-        return torch.cat(flat).to(torch.float32)
+        return torch.cat(flat).to("cpu", torch.float32)
 
     def decode(self, payload: torch.Tensor) -> list:
         """Per entry a tensor (dense) or a (U, S, V) triple (factored), views of ``payload``.
@@ -267,22 +267,25 @@ def _recv(numel: int, dtype, src: int, group) -> torch.Tensor:
     return t
 
 
-def link_group(mesh):
-    """This rank's anchor-link process group: its column's fast ranks + anchor rank.
+def link_groups(mesh):
+    """(this rank's anchor-link group: its column's fast ranks + anchor rank, the anchor
+    row's group), both gloo on CPU tensors whatever the trainer's backend (the link
+    thread's messages are small headers and CPU copies; NCCL would need device buffers).
 
-    Every rank of the mesh creates all Y link groups here, in stage order (torch.distributed
-    needs every rank in every new_group call, in one global order; the hashed-name
-    ``use_local_synchronization`` variant does not work here because its names depend on
-    how many groups each rank is a member of). So the trainer must call
+    Every rank of the mesh creates all Y link groups and the row group here, in one order
+    (torch.distributed needs every rank in every new_group call, in one global order; the
+    hashed-name ``use_local_synchronization`` variant does not work here because its
+    names depend on how many groups each rank is a member of). So the trainer must call
     ``make_fast_hook`` / ``run_anchor_rank`` before creating any other group after
     ``init_mesh``, on every rank alike.
     """
-    mine = None
-    for s in range(mesh.layout.stages):
-        g = dist.new_group(mesh.layout.column_ranks(s), timeout=LINK_TIMEOUT)
+    lay, mine = mesh.layout, None
+    for s in range(lay.stages):
+        g = dist.new_group(lay.column_ranks(s), timeout=LINK_TIMEOUT, backend="gloo")
         if s == mesh.stage:
             mine = g
-    return mine
+    row = dist.new_group(lay.pp_ranks(lay.rows - 1), timeout=LINK_TIMEOUT, backend="gloo")
+    return mine, row
 
 
 def check_config(cfg) -> None:
@@ -351,7 +354,7 @@ def run_anchor_rank(ctx) -> dict:
     cfg, mesh, stage, plan = ctx.cfg, ctx.mesh, ctx.stage, ctx.plan
     check_config(cfg)
     a, t = cfg.anchor, cfg.train
-    group = link_group(mesh)
+    group, row_group = link_groups(mesh)
     fast = mesh.layout.dp_ranks(mesh.stage)
     params = ctx.params
     pdtype = params[0].dtype
@@ -368,7 +371,7 @@ def run_anchor_rank(ctx) -> dict:
     want, k = 0, 0
     try:
         while True:
-            got = _pull_snapshot(mesh, group, fast[0], want, params, rec)
+            got = _pull_snapshot(mesh, group, row_group, fast[0], want, params, rec)
             if got is None:
                 rec["stopped"] = "the fast circuit finished"
                 break
@@ -412,7 +415,7 @@ def run_anchor_rank(ctx) -> dict:
     return rec
 
 
-def _pull_snapshot(mesh, group, src: int, want: int, params, rec) -> int | None:
+def _pull_snapshot(mesh, group, row_group, src: int, want: int, params, rec) -> int | None:
     """Loads the stage parameters of snapshot version >= ``want`` from ``src`` (fast
     replica 0), the same version on every anchor stage; None when the fast circuit ended."""
     target, version, payload, stop = want, None, None, False
@@ -434,9 +437,9 @@ def _pull_snapshot(mesh, group, src: int, want: int, params, rec) -> int | None:
                 rec["bytes_from_fast"] += payload.numel() * payload.element_size()
                 version = int(h[F_VERSION])
         mine = torch.tensor([1 if stop else 0, -1 if version is None else version], dtype=torch.int64)
-        if mesh.anchor is not None and mesh.layout.stages > 1:
+        if mesh.layout.stages > 1:
             everyone = [torch.zeros_like(mine) for _ in range(mesh.layout.stages)]
-            dist.all_gather(everyone, mine, group=mesh.anchor)
+            dist.all_gather(everyone, mine, group=row_group)
         else:
             everyone = [mine]
         if any(int(e[0]) for e in everyone):
@@ -497,7 +500,7 @@ class FastHook:
         self.alpha = cfg.train.alpha
         self.serves = mesh.row == 0
         self.anchor_rank = mesh.layout.rank_of(mesh.layout.rows - 1, mesh.stage)
-        self.group = link_group(mesh)
+        self.group, _ = link_groups(mesh)
         self.events: queue.Queue = queue.Queue()
         self.cv = threading.Condition()
         self.snapshots: dict[int, torch.Tensor] = {}
@@ -588,7 +591,7 @@ class FastHook:
     def _store_snapshot(self, version: int) -> None:
         if version + self.delay >= self.steps:
             return  # its update would come after the last step
-        flat = torch.cat([p.detach().reshape(-1) for p in self.params])  # a fresh tensor, never mutated
+        flat = torch.cat([p.detach().reshape(-1) for p in self.params]).cpu()  # fresh, never mutated
         with self.cv:
             if not self.delay:
                 self.snapshots.clear()
