@@ -344,8 +344,6 @@ def _run(rank: int, cfg: Config, plan: Plan, mesh) -> dict:
         from tqdm import tqdm
 
         bar = tqdm(total=t.steps, initial=start, desc="train", unit="step", dynamic_ncols=True, file=sys.stdout)
-    tokens_per_step = n_fast * t.batch_size * cfg.data.seq_len
-    Y = cfg.mesh.stages
     history: list[dict] = []
     last_ckpt = plan.resume_from
     t_start = time.perf_counter()
@@ -388,31 +386,12 @@ def _run(rank: int, cfg: Config, plan: Plan, mesh) -> dict:
         counter.set_total("anchor", hook.bytes_sent)
         hook.after_step(step)
 
-        # One small all-reduce over the fast ranks: stop flag, loss, times, bytes.
-        vec = torch.zeros(4 + 3 * Y + len(AXES), dtype=torch.float64)
-        vec[0] = float(stop["flag"])
-        vec[1] = stats.loss if mesh.is_last else 0.0
-        vec[2] = (gnorm if math.isfinite(gnorm) else 0.0) / Y if mesh.is_first else 0.0
-        vec[3] = float(skipped) / Y
-        vec[4 + mesh.stage] = sum(stats.fwd_s) / len(stats.fwd_s) / n_fast
-        vec[4 + Y + mesh.stage] = sum(stats.bwd_s) / len(stats.bwd_s) / n_fast
-        tot = counter.totals()
-        for i, a in enumerate(AXES):
-            vec[4 + 2 * Y + i] = tot[a]
-        vec[4 + 2 * Y + len(AXES) + mesh.stage] = tot["dp"]
-        dist.all_reduce(vec, group=mesh.fast)
-        steps_done += 1
         now = time.perf_counter()
-        rec = {"step": step + 1, "loss": vec[1].item() / n_fast, "lr": lr_at(step, cfg), "grad_norm": vec[2].item(),
-               "tokens": (step + 1) * tokens_per_step, "step_s": now - t_last,
-               "tokens_per_s": tokens_per_step / max(now - t_last, 1e-9), "skipped_steps": round(vec[3].item()),
-               "fwd_s": vec[4:4 + Y].tolist(), "bwd_s": vec[4 + Y:4 + 2 * Y].tolist(),
-               "bytes": {a: int(vec[4 + 2 * Y + i]) for i, a in enumerate(AXES)},
-               "dp_bytes_by_stage": [int(v) for v in vec[4 + 2 * Y + len(AXES):].tolist()]}
-        rec["bytes_per_token"] = {a: rec["bytes"][a] / rec["tokens"] for a in AXES}
+        rec, stopping = reduce_step_metrics(cfg, mesh, step, stats, gnorm, skipped, counter, stop["flag"], now - t_last)
         rec.update({f"anchor_{k}": v for k, v in hook.stats().items()})
         if hasattr(opt, "anchor_stats") and cfg.anchor.enabled:
             rec["anchor_optim"] = {k: v for k, v in opt.anchor_stats().items() if isinstance(v, (int, float, type(None)))}
+        steps_done += 1
         t_last = now
         history.append(rec)
         if is_log:
@@ -423,7 +402,6 @@ def _run(rank: int, cfg: Config, plan: Plan, mesh) -> dict:
                 bar.set_postfix_str(f"loss {rec['loss']:.3f} | {rec['tokens_per_s']:.0f} tok/s | "
                                     f"B/tok PP {bpt['pp_fwd'] + bpt['pp_bwd']:.0f} DP {bpt['dp']:.0f}", refresh=False)
                 bar.update(1)
-        stopping = vec[0].item() > 0
         due = cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0
         if due or stopping or step + 1 == t.steps:
             if diloco is not None:
@@ -452,6 +430,35 @@ def _run(rank: int, cfg: Config, plan: Plan, mesh) -> dict:
                   f"--checkpoint.resume {last_ckpt}", flush=True)
         print(format_table(summary_rows(s), title="meshkern run summary"), flush=True)
     return out
+
+
+def reduce_step_metrics(cfg: Config, mesh, step: int, stats, gnorm: float, skipped: int, counter: LinkCounter,
+                        stop: bool, step_s: float) -> tuple[dict, bool]:
+    """One small SUM all-reduce over the fast ranks (the anchor never joins it) of
+    [stop flag, loss, grad norm, skipped steps, per-stage F and B compute seconds, bytes
+    per axis, DP bytes per stage]; returns (the step's metrics record, stop requested)."""
+    Y, X, t = cfg.mesh.stages, cfg.fast_rows, cfg.train
+    vec = torch.zeros(4 + 3 * Y + len(AXES), dtype=torch.float64)
+    vec[0] = float(stop)
+    vec[1] = stats.loss if mesh.is_last else 0.0
+    vec[2] = (gnorm if math.isfinite(gnorm) else 0.0) / Y if mesh.is_first else 0.0
+    vec[3] = float(skipped) / Y
+    vec[4 + mesh.stage] = sum(stats.fwd_s) / len(stats.fwd_s) / X
+    vec[4 + Y + mesh.stage] = sum(stats.bwd_s) / len(stats.bwd_s) / X
+    tot = counter.totals()
+    for i, a in enumerate(AXES):
+        vec[4 + 2 * Y + i] = tot[a]
+    vec[4 + 2 * Y + len(AXES) + mesh.stage] = tot["dp"]
+    dist.all_reduce(vec, group=mesh.fast)
+    tokens_per_step = X * t.batch_size * cfg.data.seq_len
+    rec = {"step": step + 1, "loss": vec[1].item() / X, "lr": lr_at(step, cfg), "grad_norm": vec[2].item(),
+           "tokens": (step + 1) * tokens_per_step, "step_s": step_s,
+           "tokens_per_s": tokens_per_step / max(step_s, 1e-9), "skipped_steps": round(vec[3].item()),
+           "fwd_s": vec[4:4 + Y].tolist(), "bwd_s": vec[4 + Y:4 + 2 * Y].tolist(),
+           "bytes": {a: int(vec[4 + 2 * Y + i]) for i, a in enumerate(AXES)},
+           "dp_bytes_by_stage": [int(v) for v in vec[4 + 2 * Y + len(AXES):].tolist()]}
+    rec["bytes_per_token"] = {a: rec["bytes"][a] / rec["tokens"] for a in AXES}
+    return rec, vec[0].item() > 0
 
 
 def _tied_across(plan: Plan, cfg: Config) -> bool:
