@@ -51,7 +51,7 @@ def write_stage_shard(tmp: str, stage, num_stages: int) -> dict[str, str]:
     """Writes this stage's weights (HF names) as one safetensors shard; returns name -> file."""
     from safetensors.torch import save_file
 
-    sd = {k: v.detach().contiguous().clone() for k, v in stage.hf_state_dict().items()}
+    sd = {k: v.detach().cpu().contiguous().clone() for k, v in stage.hf_state_dict().items()}
     if getattr(stage, "tied_lm_head", False):
         sd.pop("lm_head.weight", None)  # the copy of the tied embedding: stage 0 holds it
     fname = shard_name(stage.index, num_stages)

@@ -17,6 +17,7 @@ Point-to-point transfers use global ranks on the default group.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -93,6 +94,7 @@ class Mesh:
     fast: object = None
     anchor: object = None
     groups: dict = field(default_factory=dict)
+    device: torch.device = torch.device("cpu")  # where this rank computes (cuda:LOCAL_RANK with NCCL)
 
     @property
     def is_anchor(self) -> bool:
@@ -147,6 +149,9 @@ def init_mesh(layout: MeshLayout, *, backend: str = "auto", timeout_s: float = 6
         raise ValueError(f"WORLD_SIZE={world} but the mesh {layout.rows}x{layout.stages} needs {layout.world_size} ranks")
     row, stage = layout.coords(rank)
     m = Mesh(layout, rank, row, stage)
+    if dist.get_backend() == "nccl":  # NCCL moves CUDA tensors only: one GPU per local rank
+        m.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(m.device)
     tmo = timedelta(seconds=timeout_s)
     # Same order on every rank: rows, dp columns, full columns, fast, anchor.
     for r in range(layout.rows):

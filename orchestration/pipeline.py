@@ -65,6 +65,7 @@ class PipelineExecutor:
         self.prev_rank, self.next_rank, self.rank = prev_rank, next_rank, rank
         self.seed, self.counter, self.group = seed, counter, group
         self.index = stage.index
+        self.device = next(stage.parameters()).device  # wire buffers live where the stage computes
         self.is_first, self.is_last = stage.is_first, stage.is_last
         if self.is_first != (prev_rank is None) or self.is_last != (next_rank is None):
             raise ValueError(f"stage {self.index} (first={self.is_first}, last={self.is_last}) does not match "
@@ -77,7 +78,7 @@ class PipelineExecutor:
             self.counter.add(axis, self.rank, dst, t.numel() * t.element_size())
 
     def _recv(self, shape, dtype, direction: str, src: int, stats: StepStats) -> list[torch.Tensor]:
-        bufs = [torch.empty(s, dtype=d) for s, d in self.codec.wire_specs(shape, dtype, direction)]
+        bufs = [torch.empty(s, dtype=d, device=self.device) for s, d in self.codec.wire_specs(shape, dtype, direction)]
         t0 = time.perf_counter()
         for b in bufs:
             dist.recv(b, src, group=self.group)
@@ -93,7 +94,8 @@ class PipelineExecutor:
         it is split into ``num_microbatches`` equal micro-batches. The loss is the
         unsplit model's mean next-token loss over the whole batch.
         """
-        labels = input_ids if labels is None else labels
+        input_ids = input_ids.to(self.device)
+        labels = input_ids if labels is None else labels.to(self.device)
         M = num_microbatches or (1 + max(a.microbatch for a in self.actions))
         if input_ids.shape[0] % M:
             raise ValueError(f"batch of {input_ids.shape[0]} sequences does not split into {M} micro-batches")

@@ -276,7 +276,7 @@ def _run(rank: int, cfg: Config, plan: Plan, mesh) -> dict:
     stage = stages[mesh.stage]
     del stages, model
     plan.model = None
-    stage.train()
+    stage.to(mesh.device).train()
     params = [p for p in stage.parameters() if p.requires_grad]
     ctx = RankContext(cfg, plan, mesh, stage, params)
 
@@ -438,7 +438,7 @@ def reduce_step_metrics(cfg: Config, mesh, step: int, stats, gnorm: float, skipp
     [stop flag, loss, grad norm, skipped steps, per-stage F and B compute seconds, bytes
     per axis, DP bytes per stage]; returns (the step's metrics record, stop requested)."""
     Y, X, t = cfg.mesh.stages, cfg.fast_rows, cfg.train
-    vec = torch.zeros(4 + 3 * Y + len(AXES), dtype=torch.float64)
+    vec = torch.zeros(4 + 3 * Y + len(AXES), dtype=torch.float64)  # filled on CPU, reduced on mesh.device
     vec[0] = float(stop)
     vec[1] = stats.loss if mesh.is_last else 0.0
     vec[2] = (gnorm if math.isfinite(gnorm) else 0.0) / Y if mesh.is_first else 0.0
@@ -449,7 +449,9 @@ def reduce_step_metrics(cfg: Config, mesh, step: int, stats, gnorm: float, skipp
     for i, a in enumerate(AXES):
         vec[4 + 2 * Y + i] = tot[a]
     vec[4 + 2 * Y + len(AXES) + mesh.stage] = tot["dp"]
+    vec = vec.to(mesh.device)
     dist.all_reduce(vec, group=mesh.fast)
+    vec = vec.cpu()
     tokens_per_step = X * t.batch_size * cfg.data.seq_len
     rec = {"step": step + 1, "loss": vec[1].item() / X, "lr": lr_at(step, cfg), "grad_norm": vec[2].item(),
            "tokens": (step + 1) * tokens_per_step, "step_s": step_s,
@@ -469,7 +471,7 @@ def _tied_across(plan: Plan, cfg: Config) -> bool:
 
 def _clip(params, max_norm: float, pp_group) -> float:
     """Global L2 norm of the replica's gradient (all stages) and clipping to ``max_norm``."""
-    sq = torch.zeros(1, dtype=torch.float64)
+    sq = torch.zeros(1, dtype=torch.float64, device=params[0].device)
     for p in params:
         if p.grad is not None:
             sq += p.grad.detach().double().pow(2).sum()
