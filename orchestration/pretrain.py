@@ -11,6 +11,10 @@ tokenizer and ``meshkern_pretrain.json`` (settings, losses, wall time, corpus
 fingerprints, held-out loss on ``prose`` and on ``python``). The output directory is
 written atomically (built next to it, then renamed).
 
+``--init-from PATH --corpus python`` instead continues training an existing checkpoint
+(with its own tokenizer) on another domain: a single-process dense adaptation
+reference, without any mesh.
+
 Deterministic: the same seed, settings, thread count and installed corpus files give
 bit-identical weights.
 """
@@ -51,7 +55,8 @@ class PretrainConfig:
     seed: int = 0
     threads: int = 2
     vocab_size: int = 2048
-    corpus: str = "prose"
+    corpus: str = "prose"          # training domain (orchestration.corpora) or any data source
+    init_from: str | None = None   # continue from this checkpoint (and its tokenizer)
     tokenizer_corpora: tuple[str, ...] = ("prose", "python")
     eval_corpora: tuple[str, ...] = ("prose", "python")
     eval_fraction: float = 0.02
@@ -77,13 +82,21 @@ def lr_at(step: int, cfg: PretrainConfig) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
 
 
-def _corpus_datasets(cfg: PretrainConfig, tokenizer):
+def _texts(name: str, cfg: PretrainConfig) -> list[str]:
+    """An embedded domain by name (bounded by max_corpus_bytes), else any data source."""
     from orchestration import corpora, data
+
+    if name in corpora.DOMAINS:
+        return corpora.load_corpus(name, max_bytes=cfg.max_corpus_bytes)
+    return data.load_texts(name)
+
+
+def _corpus_datasets(cfg: PretrainConfig, tokenizer):
+    from orchestration import data
 
     out = {}
     for name in dict.fromkeys((cfg.corpus,) + tuple(cfg.eval_corpora)):
-        docs = corpora.load_corpus(name, max_bytes=cfg.max_corpus_bytes)
-        ds = data.build_token_dataset(docs, tokenizer, cfg.seq_len)
+        ds = data.build_token_dataset(_texts(name, cfg), tokenizer, cfg.seq_len)
         out[name] = ds.split(cfg.eval_fraction, seed=cfg.seed)
     return out
 
@@ -106,15 +119,23 @@ def pretrain(out_dir: str | os.PathLike, cfg: PretrainConfig | None = None, *,
     torch.set_num_threads(cfg.threads)
     t0 = time.perf_counter()
     try:
-        tok_docs = [d for name in cfg.tokenizer_corpora
-                    for d in corpora.load_corpus(name, max_bytes=cfg.max_corpus_bytes)]
-        tokenizer = data.train_bpe(tok_docs, cfg.vocab_size)
+        torch.manual_seed(cfg.seed)
+        if cfg.init_from:
+            model, tok_path = models.load_causal_lm(cfg.init_from)
+            if tok_path is None:
+                raise ValueError(f"--init-from {cfg.init_from}: the checkpoint holds no tokenizer")
+            tokenizer = data.load_tokenizer(tok_path)
+        else:
+            tok_docs = [d for name in cfg.tokenizer_corpora for d in _texts(name, cfg)]
+            tokenizer = data.train_bpe(tok_docs, cfg.vocab_size)
+            model = LlamaForCausalLM(models.default_config(vocab_size=len(tokenizer),
+                                                           max_position_embeddings=max(1024, cfg.seq_len)))
         sets = _corpus_datasets(cfg, tokenizer)
         train_set = sets[cfg.corpus][0]
-
-        torch.manual_seed(cfg.seed)
-        model = LlamaForCausalLM(models.default_config(vocab_size=len(tokenizer),
-                                                       max_position_embeddings=max(1024, cfg.seq_len)))
+        initial = None
+        if cfg.init_from:  # where adaptation starts from, on the same held-out rows
+            initial = {name: evaluate.eval_loss(model, ev, batch_size=16, max_batches=cfg.eval_batches)
+                       for name, (_, ev) in sets.items()}
         model.train()
         decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
         no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
@@ -152,11 +173,12 @@ def pretrain(out_dir: str | os.PathLike, cfg: PretrainConfig | None = None, *,
             "final_train_loss": sum(tail) / len(tail),   # mean of the last 20 steps
             "train_loss_curve": losses[:: max(1, len(losses) // 50)],
             "held_out": held_out,
+            "held_out_initial": initial,
             "train_tokens": cfg.steps * cfg.batch_size * cfg.seq_len,
             "train_seconds": train_s,
             "wall_seconds": time.perf_counter() - t0,
             "corpus_fingerprints": {n: corpora.corpus_fingerprint(n, max_bytes=cfg.max_corpus_bytes)
-                                    for n in sets},
+                                    for n in sets if n in corpora.DOMAINS},
             "torch_threads": cfg.threads,
         }
         _write_atomically(out, model, tokenizer, meta, overwrite)
@@ -203,14 +225,21 @@ def main(argv=None):
     ap.add_argument("--vocab-size", type=int, default=d.vocab_size, help=f"BPE vocabulary (default {d.vocab_size})")
     ap.add_argument("--max-corpus-bytes", type=int, default=d.max_corpus_bytes,
                     help=f"text per corpus domain (default {d.max_corpus_bytes})")
+    ap.add_argument("--corpus", default=d.corpus, help=f"training text: an embedded domain "
+                    f"(prose, python) or any data source (path, task:<name>) (default {d.corpus})")
+    ap.add_argument("--init-from", default=None, help="continue training this checkpoint with its own "
+                    "tokenizer instead of training a BPE and a fresh model")
     ap.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     a = ap.parse_args(argv)
     cfg = PretrainConfig(steps=a.steps, seq_len=a.seq_len, batch_size=a.batch_size, lr=a.lr,
                          warmup_steps=a.warmup_steps, seed=a.seed, threads=a.threads,
-                         vocab_size=a.vocab_size, max_corpus_bytes=a.max_corpus_bytes)
+                         vocab_size=a.vocab_size, max_corpus_bytes=a.max_corpus_bytes,
+                         corpus=a.corpus, init_from=a.init_from)
     meta = pretrain(a.out, cfg, progress=not a.no_progress, overwrite=a.overwrite)
     ho = "  ".join(f"{k}: loss {v['loss']:.3f} ppl {v['perplexity']:.1f}" for k, v in meta["held_out"].items())
+    if meta["held_out_initial"]:
+        ho += "\n  before: " + "  ".join(f"{k}: loss {v['loss']:.3f}" for k, v in meta["held_out_initial"].items())
     print(f"saved {a.out}  ({meta['parameters'] / 1e6:.2f}M params, {meta['train_tokens']} tokens, "
           f"train {meta['train_seconds']:.0f}s, wall {meta['wall_seconds']:.0f}s)\n"
           f"final train loss {meta['final_train_loss']:.3f}   held-out  {ho}")

@@ -91,3 +91,16 @@ def test_cli_runs(tmp_path, capsys):
                    "--threads", "1", "--vocab-size", "300", "--max-corpus-bytes", "20000", "--no-progress"])
     assert models.is_complete_checkpoint(tmp_path / "cli")
     assert "final train loss" in capsys.readouterr().out
+
+
+def test_init_from_continues_a_checkpoint_on_another_source(tiny_run, tmp_path):
+    out, meta = tiny_run
+    cfg = pretrain.PretrainConfig(**{**TINY, "init_from": str(out), "corpus": "task:add",
+                                     "eval_corpora": ("python",), "lr": 1e-2})
+    adapted = pretrain.pretrain(tmp_path / "adapted", cfg, progress=False)
+    assert adapted["held_out_initial"]["python"] == pytest.approx(meta["held_out"]["python"])
+    assert set(adapted["held_out"]) == {"task:add", "python"}
+    assert adapted["held_out"]["task:add"]["loss"] < adapted["held_out_initial"]["task:add"]["loss"]
+    assert (tmp_path / "adapted" / "tokenizer.json").read_text() == (out / "tokenizer.json").read_text()
+    with pytest.raises(FileNotFoundError):
+        pretrain.pretrain(tmp_path / "x", pretrain.PretrainConfig(**{**TINY, "init_from": str(tmp_path / "none")}))
