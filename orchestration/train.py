@@ -129,6 +129,13 @@ def prepare(cfg: Config, *, load_model: bool = True) -> Plan:
     name = cfg.run.name or f"{cfg.preset or 'default'}-{stamp}"
     run_dir = os.path.join(cfg.run.out_dir, name)
     ckpt_dir = cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints")
+    r = cfg.checkpoint.resume
+    if r and r != "latest" and not cfg.run.name and not cfg.checkpoint.dir:
+        # Resuming from RUN_DIR/checkpoints/step_N: continue that run (same metrics file and
+        # checkpoint directory) instead of starting a new run directory.
+        ckpt_dir = os.path.dirname(os.path.abspath(r))
+        if os.path.basename(ckpt_dir) == "checkpoints":
+            run_dir = os.path.dirname(ckpt_dir)
     resume_from = ""
     if cfg.checkpoint.resume:
         resume_from = ckpt.resolve(cfg.checkpoint.resume, ckpt_dir)
