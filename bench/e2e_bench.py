@@ -7,8 +7,9 @@
 Rows are the trainer's presets (orchestration/presets/*.yaml, read through
 orchestration.config, so the bench models exactly what ``--preset NAME`` runs):
     dense   dense boundaries; plain gradient all-reduce every step (blocks the step)
-    dp      dense boundaries; Streaming DiLoCo (every parameter synced once per H steps,
-            overlapping compute) + PowerSGD on the exchanged pseudo-gradients
+    dp      dense boundaries; Streaming DiLoCo (every parameter synced once per H steps
+            in F staggered fragments, each sync overlapping ``dp.overlap_steps`` steps of
+            compute) + PowerSGD on the exchanged pseudo-gradients
     m95     mask codec at p = 0.95 on every boundary + the dp row's DP sync
     m95-ap  m95 + the anchor replica (last row): snapshots from replica 0 up, anchor
             gradients (small: dense, the preset) or momentum factors (1b) down
@@ -198,10 +199,12 @@ def model_row(name: str, geom: str, cfg, hf_config, compute, link: LinkSpec, tfl
     m = model_step(make_schedule(cfg.train.schedule, Y, cfg.train.microbatches), compute, msg, link,
                    replicas=X, tokens_per_replica=cfg.train.batch_size * cfg.data.seq_len,
                    dp_payload_bytes=dp_payload, dp_blocking=blocking, dp_every=dp_every,
+                   dp_fragments=cfg.dp.fragments, dp_overlap_steps=cfg.dp.overlap_steps,
                    anchor_up_bytes=up, anchor_down_bytes=down, anchor_up_nodes=1)
     return dict(row=name, geometry=geom, mesh=f"{cfg.mesh.rows}x{Y}" + (" (+anchor row)" if cfg.anchor.enabled else ""),
                 codec=f"{cfg.boundary.codec}" + (f" p={cfg.boundary.p}" if cfg.boundary.codec == "mask" else ""),
-                dp=f"{cfg.dp.mode}/{cfg.dp.compressor}" + ("" if blocking else f" H={cfg.dp.sync_every}"),
+                dp=f"{cfg.dp.mode}/{cfg.dp.compressor}" + ("" if blocking else
+                                                            f" H={cfg.dp.sync_every} F={cfg.dp.fragments}"),
                 dp_ratio=sum(raw_payload) / max(sum(dp_payload), 1) * dp_every,
                 schedule=cfg.train.schedule, msg_bytes=msg, step_s=m.step_s, pipeline_s=m.pipeline_s, tokens_per_s=m.tokens_per_s,
                 bytes_per_token=m.bytes_per_token, limiting=m.limiting, compute=compute, compute_source=tflops_note)
@@ -269,8 +272,8 @@ def main(argv=None) -> list[dict]:
     print(f"link model: every node an access link of {link.bandwidth_bps / 1e6:g} Mbit/s, latency {link.latency_s:g} s; "
           f"bytes/token = all bytes sent on all links / fast-replica tokens; schedule "
           f"{out[0]['schedule'] if out else '-'}")
-    hdr = (f"{'':5} {'':7} {'':18} {'':11} {'':21}|{'bytes/token':^39}|\n"
-           f"{'geom':5} {'row':7} {'mesh':18} {'codec':11} {'dp sync':21}|{'pp_fwd':>7} {'pp_bwd':>7} {'dp':>7} "
+    hdr = (f"{'':5} {'':7} {'':18} {'':11} {'':26}|{'bytes/token':^39}|\n"
+           f"{'geom':5} {'row':7} {'mesh':18} {'codec':11} {'dp sync':26}|{'pp_fwd':>7} {'pp_bwd':>7} {'dp':>7} "
            f"{'anchor':>7} {'total':>7}|{'step s':>8} {'tok/s':>8}  limited by")
     for geom in ("small", "1b"):
         rs = [r for r in out if r["geometry"] == geom]
@@ -281,7 +284,7 @@ def main(argv=None) -> list[dict]:
         print(hdr)
         for r in rs:
             b = r["bytes_per_token"]
-            print(f"{geom:5} {r['row']:7} {r['mesh']:18} {r['codec']:11} {r['dp']:21}|{b['pp_fwd']:>7.0f} "
+            print(f"{geom:5} {r['row']:7} {r['mesh']:18} {r['codec']:11} {r['dp']:26}|{b['pp_fwd']:>7.0f} "
                   f"{b['pp_bwd']:>7.0f} {b['dp']:>7.1f} {b['anchor']:>7.1f} {b['total']:>7.0f}|{r['step_s']:>8.3f} "
                   f"{r['tokens_per_s']:>8.0f}  {r['limiting']}")
         by = {r["row"]: r for r in rs}

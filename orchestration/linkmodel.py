@@ -282,23 +282,34 @@ class StepModel:
 def model_step(schedule, compute_times, message_bytes, link: LinkSpec = LinkSpec(), *,
                replicas: int, tokens_per_replica: int,
                dp_payload_bytes: float | Sequence[float] = 0.0, dp_blocking: bool = False,
-               dp_every: float = 1.0,
+               dp_every: float = 1.0, dp_fragments: int = 1, dp_overlap_steps: float | None = None,
                anchor_up_bytes: float | Sequence[float] = 0.0,
                anchor_down_bytes: float | Sequence[float] = 0.0,
                anchor_up_nodes: int | None = None) -> StepModel:
     """Model one step of an X x Y mesh (X = ``replicas`` fast rows), "node" topology.
 
-    dp_payload_bytes: what one stage column all-reduces per sync (per stage, or one
-        number for all), e.g. its gradient bytes (plain DP) or its compressed
-        pseudo-gradient (DiLoCo + PowerSGD); ring all-reduce among the X fast nodes.
-    dp_blocking: True: a sync ends every step and the step waits for it (plain DP);
-        False: it overlaps compute as background traffic, ``dp_every`` steps apart
-        (Streaming DiLoCo: H / fragments-per-sync; its bytes per step are amortized).
+    dp_payload_bytes: what one stage column all-reduces to sync all its parameters once
+        (per stage, or one number for all), e.g. its gradient bytes (plain DP) or its
+        compressed pseudo-gradient (DiLoCo + PowerSGD); ring all-reduce among the X fast
+        nodes.
+    dp_blocking: True: a sync ends every step and the step waits for it (plain DP).
+        False: Streaming DiLoCo. Every parameter is synced once per ``dp_every`` (H)
+        steps, in ``dp_fragments`` (F) staggered fragments, i.e. one sync of 1/F of the
+        payload every P = H/F steps, which must finish within ``dp_overlap_steps`` (w)
+        steps of compute (None: anywhere within the P steps; 0: the step that starts it
+        waits for it, a blocking all-reduce every P steps). Background traffic: on each
+        link, a sync's wire time b must fit into the idle time of its w steps, else the
+        steps stall: average step = pipeline + (max(0, b + w*a - w*idle) +
+        max(0, (P-w)*(a - idle))) / P, with idle = pipeline - the link's pipeline busy
+        time and a the anchor's wire time per step. (With w = P this is
+        max(pipeline, busy + b/P + a).) Syncs are assumed not to overlap each other
+        (w <= P), as the trainer's one sync thread runs them in turn.
     anchor_up_bytes / anchor_down_bytes: per step (amortized), per stage, what a fast
         node sends to / receives from the anchor replica (snapshots up, anchor gradients
-        down); background. ``anchor_up_nodes``: how many fast nodes per column send
-        ``anchor_up_bytes`` (default all X; 1 when one replica serves the snapshots). The anchor nodes' own links carry the mirror image (X times
-        the gradient push on their uplink); if that saturates, the anchor falls further
+        down); background, as above. ``anchor_up_nodes``: how many fast nodes per column
+        send ``anchor_up_bytes`` (default all X; 1 when one replica serves the
+        snapshots). The anchor nodes' own links carry the mirror image (X times the
+        gradient push on their uplink); if that saturates, the anchor falls further
         behind (more staleness) but the fast circuit does not wait, so it is not modeled
         into the step time.
     """
@@ -307,21 +318,27 @@ def model_step(schedule, compute_times, message_bytes, link: LinkSpec = LinkSpec
     dp = _per(dp_payload_bytes, S, "dp_payload_bytes")
     up_anc, down_anc = _per(anchor_up_bytes, S, "anchor_up_bytes"), _per(anchor_down_bytes, S, "anchor_down_bytes")
     X = replicas
-    if X < 1 or tokens_per_replica < 1 or dp_every <= 0:
-        raise ValueError("replicas and tokens_per_replica must be >= 1 and dp_every > 0")
-    step, limiting = tl.step_s, "pipeline"
-    if dp_blocking:
-        dp_s = max(ring_allreduce_s(b, X, link) for b in dp)
-        step += dp_s
-        if dp_s > 0:
-            limiting = "dp (blocking)"
-    else:
-        for s in range(S):
-            dp_bg = link.wire_s(ring_allreduce_bytes(dp[s], X)) / dp_every
-            for direction, anc in (("up", up_anc[s]), ("down", down_anc[s])):
-                need = tl.busy_s.get((direction, s), 0.0) + dp_bg + link.wire_s(anc)
-                if need > step:
-                    step, limiting = need, f"{direction}link of stage {s} (pipeline busy + background)"
+    if X < 1 or tokens_per_replica < 1 or dp_every <= 0 or dp_fragments < 1:
+        raise ValueError("replicas, tokens_per_replica and dp_fragments must be >= 1 and dp_every > 0")
+    period = dp_every / dp_fragments
+    window = period if dp_overlap_steps is None else min(float(dp_overlap_steps), period)
+    if window < 0:
+        raise ValueError(f"dp_overlap_steps must be >= 0, got {dp_overlap_steps}")
+    blocking = dp_blocking or window == 0
+    dp_s = 0.0  # blocking DP: the links carry only DP for this long after the pipeline
+    if blocking:
+        per_step, frac = (1.0, 1.0) if dp_blocking else (1.0 / period, 1.0 / dp_fragments)
+        dp_s = max(ring_allreduce_s(b * frac, X, link) for b in dp) * per_step
+    step, limiting = tl.step_s + dp_s, ("dp (blocking)" if dp_s > 0 else "pipeline")
+    for s in range(S):  # background: overlapped DP bursts and anchor traffic
+        burst = 0.0 if blocking else link.wire_s(ring_allreduce_bytes(dp[s], X) / dp_fragments)
+        w = window if not blocking else period
+        for direction, anc in (("up", up_anc[s]), ("down", down_anc[s])):
+            idle, a = tl.step_s - tl.busy_s.get((direction, s), 0.0), link.wire_s(anc)
+            stall = max(0.0, burst + w * (a - idle)) + max(0.0, (period - w) * (a - idle))
+            need = tl.step_s + dp_s + stall / period
+            if need > step + 1e-12:
+                step, limiting = need, f"{direction}link of stage {s} (pipeline busy + background)"
     pp = tl.bytes_by_kind()
     axes = {
         "pp_fwd": pp["F"] * X,

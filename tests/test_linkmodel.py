@@ -159,3 +159,22 @@ def test_e2e_bench_1b_geometry_bytes_per_token():
     assert (sweep["topk"]["pp_fwd"], sweep["topk"]["pp_bwd"]) == (102 * 4, 102 * 2)
     assert sweep["bottleneck"]["pp_fwd"] == 102 * 2
     assert sweep["int4"]["pp_fwd"] == 2048 // 2 + 4 and sweep["int8"]["pp_bwd"] == 2048 + 4  # + fp32 scale
+
+
+def test_model_step_diloco_fragments_must_fit_their_overlap_window():
+    # pipeline 8 s, each link busy 1 s -> 7 s idle per step. 2 replicas (ring bytes =
+    # payload), 20 s of DP wire per full sync, H = 10, F = 2: a 10 s burst every 5 steps.
+    sched = make_schedule("gpipe", 2, 1)
+    ct, mb = {"F": 1.0, "B": 2.0}, {"F": ONE_S, "B": ONE_S}
+    kw = dict(replicas=2, tokens_per_replica=10, dp_payload_bytes=20 * ONE_S, dp_every=10)
+    assert model_step(sched, ct, mb, L, dp_fragments=2, **kw).step_s == pytest.approx(8.0)  # spread over 5 steps
+    # must finish within 1 step: 10 s > 7 s idle -> 3 s stall once per 5 steps
+    assert model_step(sched, ct, mb, L, dp_fragments=2, dp_overlap_steps=1, **kw).step_s == pytest.approx(8.6)
+    # one fragment, 1 step: 20 - 7 = 13 s stall per 10 steps
+    assert model_step(sched, ct, mb, L, dp_overlap_steps=1, **kw).step_s == pytest.approx(9.3)
+    # no overlap: each 10 s fragment sync blocks its step, once per 5 steps
+    assert model_step(sched, ct, mb, L, dp_fragments=2, dp_overlap_steps=0, **kw).step_s == pytest.approx(8.0 + 2.0)
+    # anchor traffic eating the idle time: 6 s/step on stage 0's downlink leaves 1 s idle;
+    # window 2 of period 5: stall = (10 + 2*(6-7)) + 0 = 8 s per 5 steps
+    m = model_step(sched, ct, mb, L, dp_fragments=2, dp_overlap_steps=2, anchor_down_bytes=[6 * ONE_S, 0], **kw)
+    assert m.step_s == pytest.approx(8.0 + 8.0 / 5) and "downlink of stage 0" in m.limiting
