@@ -101,14 +101,22 @@ def read_jsonl(path: str | os.PathLike, text_field: str = "text") -> list[str]:
     return docs
 
 
+def _datasets(what: str):
+    try:
+        import datasets
+    except ImportError:
+        raise ImportError(f"reading {what} needs the Hugging Face `datasets` package "
+                          "(pip install 'meshkern[data]')") from None
+    return datasets
+
+
 def _is_saved_dataset(path: Path) -> bool:
     return path.is_dir() and ((path / "dataset_info.json").exists() or (path / "state.json").exists()
                               or (path / "dataset_dict.json").exists())
 
 
 def _texts_from_hf(ds, text_field: str, split: str | None, where: str) -> list[str]:
-    import datasets
-
+    datasets = _datasets(where)
     if isinstance(ds, (datasets.DatasetDict, dict)):
         if split is None:
             split = "train" if "train" in ds else sorted(ds)[0]
@@ -170,7 +178,7 @@ def _texts_from_path(path: Path, text_field, split, on_decode_error, cache_dir) 
     if not path.exists():
         raise FileNotFoundError(f"text source {str(path)!r} does not exist")
     if _is_saved_dataset(path):
-        import datasets
+        datasets = _datasets(f"{path} (saved with save_to_disk)")
         return _texts_from_hf(datasets.load_from_disk(str(path)), text_field, split, str(path))
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file()
@@ -182,7 +190,7 @@ def _texts_from_path(path: Path, text_field, split, on_decode_error, cache_dir) 
     if path.suffix == ".jsonl" or path.name.endswith(".jsonl.gz"):
         return read_jsonl(path, text_field)
     if path.suffix in _DATASETS_SUFFIXES:
-        import datasets
+        datasets = _datasets(f"a {path.suffix} file")
         ds = datasets.load_dataset(_DATASETS_SUFFIXES[path.suffix], data_files=str(path),
                                    split=split or "train", cache_dir=cache_dir)
         return _texts_from_hf(ds, text_field, None, str(path))
