@@ -92,7 +92,9 @@ round whose snapshot version is >= ``--run.fail_step``.
 Not done: a restarted anchor process cannot rejoin a running mesh: torch.distributed's
 world is fixed at init, so a new process has no way into the fast ranks' process
 groups. An anchor that stalls and recovers does resume (see above); a mesh resumed
-from a checkpoint starts a fresh anchor row.
+from a checkpoint starts a fresh anchor row (the fast ranks' SpectralAdamW state is in
+the checkpoint; the anchor's own AnchorMomentum of factored transport is not, it restarts
+from zero).
 """
 from __future__ import annotations
 
@@ -219,14 +221,16 @@ class Layout:
                                     f"expected {self.numel} / {self.hash:x} ({len(self.shapes)} tensors)")
 
     def encode(self, grads, momentum=None) -> torch.Tensor:
-        """The flat payload: gradients in this layout's order (None: zeros), or the
+        """The flat CPU payload: gradients in this layout's order (None: zeros), or the
         factors of ``momentum`` (a meshkern.optim.AnchorMomentum over ``shapes``) after
-        folding them in."""
+        folding them in. A non-finite gradient goes out non-finite (all NaN when factored,
+        the momentum unchanged), so every fast rank rejects and counts it; in delay mode
+        that also ends their wait for it."""
         grads = [torch.zeros(s, dtype=self.dtype) if g is None else g.detach() for g, s in zip(grads, self.shapes)]
         if self.transport == "dense":
             return torch.cat([g.reshape(-1).to("cpu", self.dtype) for g in grads])
-        if not momentum.update(grads):
-            raise ValueError("the anchor's own gradient is not finite; round skipped")
+        if not momentum.update(grads):  # non-finite: momentum kept; receivers reject and count it
+            return torch.full((self.numel,), float("nan"), dtype=torch.float32)
         flat = []
         for U, S, V in momentum.factors():
             flat += [U.reshape(-1), S.reshape(-1), V.reshape(-1)]

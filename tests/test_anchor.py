@@ -135,6 +135,24 @@ def test_bad_payloads_are_rejected():
         fact.decode(p)
 
 
+def test_nonfinite_anchor_gradient_is_sent_as_a_rejectable_update():
+    from meshkern.optim import AnchorMomentum
+
+    named = _named([(6, 4), (3, 5)])
+    fact = A.Layout.build(named, "factored", 3, torch.float32)
+    mom = AnchorMomentum([p for _, p in named], 0.9, 3)
+    good = [torch.randn(p.shape) for _, p in named]
+    fact.encode(good, mom)
+    before = [m.clone() for m in mom.m]
+    bad = [good[0], good[1].clone().fill_(float("inf"))]
+    with pytest.warns(RuntimeWarning, match="rejected anchor gradients"):
+        payload = fact.encode(bad, mom)
+    with pytest.raises(A.Rejected) as e:
+        fact.decode(payload)
+    assert e.value.reason == "nonfinite"
+    assert all(torch.equal(x, y) for x, y in zip(before, mom.m))  # the anchor's momentum is untouched
+
+
 def test_layout_hash_depends_on_shapes_and_order():
     assert A.layout_hash([(4, 6), (3,)]) == A.layout_hash([(4, 6), (3,)])
     assert A.layout_hash([(4, 6), (3,)]) != A.layout_hash([(6, 4), (3,)])
