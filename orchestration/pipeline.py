@@ -26,6 +26,9 @@ between two ranks are matched in order (one direction carries only activations, 
 other only gradients, and both ends follow the schedule's micro-batch order), so no
 tags are needed. Sends are asynchronous and completed at the end of the step; receives
 block, bounded by the process group's timeout (a dead peer is an error, not a hang).
+A received tensor holding NaN/Inf is never decoded into the model: it is replaced by
+NaN, which makes the replica's gradient norm non-finite, and the trainer then skips
+that step's update on every stage of the replica (counted as ``skipped_steps``).
 """
 from __future__ import annotations
 
@@ -48,6 +51,12 @@ class StepStats:
     fwd_s: list = field(default_factory=list)   # compute seconds per F action (recv waits excluded)
     bwd_s: list = field(default_factory=list)   # compute seconds per B action
     wait_s: float = 0.0                  # seconds blocked in recv
+    rejected: int = 0                    # received wire tensors with NaN/Inf (see _poisoned)
+
+
+def _garbage(wire) -> bool:
+    """True if a received floating-point wire tensor holds NaN/Inf (a peer's garbage)."""
+    return any(t.is_floating_point() and not bool(torch.isfinite(t).all()) for t in wire)
 
 
 class PipelineExecutor:
@@ -85,6 +94,13 @@ class PipelineExecutor:
         stats.wait_s += time.perf_counter() - t0
         return bufs
 
+    def _poisoned(self, shape, dtype, stats: StepStats) -> torch.Tensor:
+        """Stand-in for a received tensor holding NaN/Inf: all NaN, so the replica's gradient
+        norm (all-reduced over its stages) is non-finite and every stage skips this step's
+        update together; the weights never see the garbage and the mesh keeps running."""
+        stats.rejected += 1
+        return torch.full(tuple(shape), float("nan"), dtype=dtype, device=self.device)
+
     # ------------------------------------------------------------------ one step
     def step(self, step: int, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
              num_microbatches: int | None = None) -> StepStats:
@@ -120,7 +136,8 @@ class PipelineExecutor:
                     wire = self._recv(shape, dtype, "fwd", self.prev_rank, stats)
                     key = MaskKey(self.seed, self.index - 1, step, m)
                     t0 = time.perf_counter()
-                    x = self.codec.decode_fwd(wire, key, shape, dtype).detach().requires_grad_(True)
+                    x = (self._poisoned(shape, dtype, stats) if _garbage(wire)
+                         else self.codec.decode_fwd(wire, key, shape, dtype)).detach().requires_grad_(True)
                     fwd_wire[m], inputs[m] = wire, x
                     stats.fwd_s.append(time.perf_counter() - t0)
                 t0 = time.perf_counter()
@@ -148,7 +165,9 @@ class PipelineExecutor:
                     wire_b = self._recv(shape, dtype, "bwd", self.next_rank, stats)
                     key = MaskKey(self.seed, self.index, step, m)
                     t0 = time.perf_counter()
-                    g = self.codec.decode_bwd(wire_b, key, ctxs.pop(m))
+                    ctx = ctxs.pop(m)
+                    g = (self._poisoned(outputs[m].shape, dtype, stats) if _garbage(wire_b)
+                         else self.codec.decode_bwd(wire_b, key, ctx))
                     outputs.pop(m).backward(g)
                 if not self.is_first:
                     x = inputs.pop(m)

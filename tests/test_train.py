@@ -208,3 +208,26 @@ def test_tied_embeddings_stay_tied_across_stages(tiny, tmp_path):
     torch.testing.assert_close(s0, s1, rtol=0, atol=0)
     reloaded, _ = load_causal_lm(last)  # the HF export has one copy and ties it again
     torch.testing.assert_close(reloaded.lm_head.weight, s0)
+
+
+def test_garbage_activations_from_a_peer_skip_the_step_not_corrupt_weights(tiny, tmp_path, monkeypatch):
+    """A peer delivers NaN activations at step 1 (forked ranks inherit the patched codec):
+    every stage of the replica skips that update, the weights stay finite, training goes on."""
+    from orchestration import codecs
+    from orchestration.metrics import read_jsonl
+
+    real = codecs.DenseCodec.decode_fwd
+
+    def poisoned(self, wire, key, shape, dtype):
+        h = real(self, wire, key, shape, dtype)
+        return h * float("nan") if key.step == 1 else h
+
+    monkeypatch.setattr(codecs.DenseCodec, "decode_fwd", poisoned)
+    cfg, plan, res = _run(_args(tiny, tmp_path, "--mesh.rows", "1", "--mesh.stages", "2", "--train.steps", "3",
+                                "--boundary.codec", "dense"))
+    recs = read_jsonl(os.path.join(plan.run_dir, "metrics.jsonl"))
+    assert [r["skipped_steps"] for r in recs] == [0, 1, 1]
+    assert recs[1]["loss"] != recs[1]["loss"] and recs[2]["loss"] == recs[2]["loss"]  # NaN, then finite again
+    last = ckpt.resolve("latest", plan.ckpt_dir)
+    for r in (0, 1):
+        assert all(torch.isfinite(v).all() for v in ckpt.load_rank_state(last, r)["stage"].values())
