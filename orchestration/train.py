@@ -98,7 +98,10 @@ def prepare(cfg: Config, *, load_model: bool = True) -> Plan:
         if sum(lps) != n_layers:
             raise ValueError(f"--mesh.layers_per_stage {lps} sums to {sum(lps)}, the model has {n_layers} decoder layers")
     else:
-        balanced_layers(n_layers, cfg.mesh.stages)  # raises: more stages than layers
+        try:
+            balanced_layers(n_layers, cfg.mesh.stages)
+        except ValueError as e:  # more stages than layers
+            raise ValueError(f"--mesh.stages {cfg.mesh.stages}: {e}") from None
     if cfg.anchor.enabled:
         try:
             from orchestration import anchor
