@@ -11,13 +11,20 @@ Each fuses a memory-bound elementwise pass into the thin matmul next to it, so t
 (compression is not part of any autograd graph; no autograd is registered).
 
 Backends (``backend=``, see meshkern._backend): "reference" is the pure-torch
-definition below; "cpp" runs ``torch.ops.meshkern_C.powersgd_*`` from
-csrc/dp/powersgd.cpp (OpenMP over rows). CUDA tensors use the reference (cuBLAS bmm +
-one elementwise kernel): no CUDA/Triton kernel is written for these yet. Results are
-deterministic for a given backend and thread count; backends agree to fp32 rounding
-(summation order of the r-term dot products differs).
+definition below. ``powersgd_ef_project`` has a C++ kernel (csrc/dp/powersgd.cpp,
+``torch.ops.meshkern_C.powersgd_ef_project``, rows over OpenMP, AVX2 clone picked at
+run time); "auto" uses it only where it was measured faster than torch's add_ + bmm:
+fp32 and r in {1, 2, 4, 8, 16, 32} (1.1-2.5x on one thread for Llama-3.2-1B layer
+shapes, see bench/dp_bench.py); other dtypes/ranks run the reference (the generic C++
+loop lost to MKL's bmm), forcing backend="cpp" still runs it. ``powersgd_reconstruct``
+runs the reference on every backend: its C++ kernel measured 0.75-1.0x of torch and was
+removed. CUDA tensors use the reference (cuBLAS); no CUDA/Triton kernels yet. Results
+are deterministic for a given backend and thread count; backends agree to fp32
+rounding (different summation order).
 """
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import Tensor
@@ -37,12 +44,20 @@ def _check(grad_or_p: Tensor, err: Tensor, q: Tensor, name: str) -> None:
         raise ValueError(f"{name}: tensors are on different devices")
 
 
-def _kernel_backend(device: torch.device, backend: str) -> str:
-    """The backend that runs these ops: cpp on CPU when built, else the reference."""
-    name = _backend.resolve("dp", device, None if backend == "auto" else backend)
+#: ranks with a compile-time-specialized fp32 kernel (the only ones "auto" sends to C++)
+FAST_RANKS = (1, 2, 4, 8, 16, 32)
+
+
+def _kernel_backend(device: torch.device, backend: str, fast: bool = True) -> str:
+    """The backend that runs these ops: cpp on CPU when built and ``fast`` (measured to
+    beat torch), else the reference; a forced backend is honoured or refused."""
+    forced = backend != "auto"
+    name = _backend.resolve("dp", device, backend if forced else None)
     if name in ("cuda", "triton"):  # no CUDA/Triton kernel for these ops: cuBLAS reference
-        if backend != "auto":
-            raise RuntimeError(f"meshkern.powersgd ops have no {name} kernel; use 'reference' or 'auto'")
+        if forced:
+            raise RuntimeError(f"meshkern.powersgd ops have no {name} kernel; use 'reference', 'cpp' or 'auto'")
+        return "reference"
+    if name == "cpp" and not fast and not forced and os.environ.get(_backend.ENV_VAR, "auto") == "auto":
         return "reference"
     return name
 
@@ -60,7 +75,8 @@ def powersgd_ef_project(grad: Tensor, err: Tensor, q: Tensor, backend: str = "au
     if grad.shape != err.shape or q.shape[:2] != (err.shape[0], err.shape[2]):
         raise ValueError(f"powersgd_ef_project: shapes grad {tuple(grad.shape)}, err {tuple(err.shape)}, "
                          f"q {tuple(q.shape)} do not fit [B,n,m], [B,n,m], [B,m,r]")
-    if _kernel_backend(err.device, backend) == "cpp" and err.is_contiguous():
+    fast = err.dtype == torch.float32 and q.shape[2] in FAST_RANKS
+    if _kernel_backend(err.device, backend, fast) == "cpp" and err.is_contiguous():
         return torch.ops.meshkern_C.powersgd_ef_project(grad.contiguous(), err, q.contiguous())
     return ef_project_reference(grad, err, q)
 
@@ -85,8 +101,7 @@ def powersgd_reconstruct(p: Tensor, q: Tensor, err: Tensor, backend: str = "auto
             or q.shape[1] != err.shape[2] or p.shape[2] != q.shape[2]:
         raise ValueError(f"powersgd_reconstruct: shapes p {tuple(p.shape)}, q {tuple(q.shape)}, "
                          f"err {tuple(err.shape)} do not fit [B,n,r], [B,m,r], [B,n,m]")
-    if _kernel_backend(err.device, backend) == "cpp" and err.is_contiguous():
-        return torch.ops.meshkern_C.powersgd_reconstruct(p.contiguous(), q.contiguous(), err)
+    _kernel_backend(err.device, backend)  # validates a forced backend; all run the reference
     return reconstruct_reference(p, q, err)
 
 
