@@ -3,9 +3,9 @@ base model that the trainer adapts by default.
 
 - :func:`default_config` is the small Llama the embedded default uses. Sizes were
   chosen by timing forward+backward+AdamW on 2 CPU cores (see ``pretrain.py``): hidden
-  192 / 4 layers / 6 heads / vocab 2048 runs ~6k tokens/s, so the default pretraining
-  (~0.6M tokens) takes about 1.5 minutes and a 3x2 mesh of one-thread processes still
-  trains in minutes. Embeddings are untied so the first and last pipeline stages own
+  192 / 4 layers / 6 heads / vocab 2048 runs ~6-8k tokens/s, so the default pretraining
+  (0.82M tokens, ~205 CPU-seconds) takes about 2 minutes and a 3x2 mesh of one-thread
+  processes still trains in minutes (hidden 256 was ~2-3x slower per token). Embeddings are untied so the first and last pipeline stages own
   disjoint parameters.
 - :func:`load_causal_lm` loads a local checkpoint (never the hub).
 - :func:`default_base_model` returns the path of the pretrained base model, building
@@ -91,8 +91,8 @@ def load_causal_lm(path: str | os.PathLike, *, dtype: torch.dtype = torch.float3
 
 def default_base_model(cache_dir: str | os.PathLike | None = None, progress: bool = True) -> str:
     """Path of the default base model (small Llama pretrained on the ``prose`` corpus),
-    building it with ``orchestration.pretrain`` defaults on first use (~1.5 min on 2
-    cores). The build writes into a temporary directory and renames it into place, so
+    building it with ``orchestration.pretrain`` defaults on first use (~2 min on 2
+    idle cores; much longer on a busy machine). The build writes into a temporary directory and renames it into place, so
     an interrupted build never leaves a half checkpoint; a lock file serializes
     concurrent callers (the others wait and reuse the result).
     """
