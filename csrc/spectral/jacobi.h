@@ -49,41 +49,57 @@ MESHKERN_HD inline bool jacobi_rotation(acc_t app, acc_t aqq, acc_t apq, acc_t& 
   return true;
 }
 
+// (x, y) <- (c x - s y, s x + c y): one rotation of a row or column pair.
+template <typename T>
+MESHKERN_HD inline void rotate_pair(T& x, T& y, T c, T s) {
+  const T a = x, b = y;
+  x = c * a - s * b;
+  y = s * a + c * b;
+}
+
 // A (k*k, row-major, symmetric, overwritten by its rotated form) -> w = diag, V (k*k,
-// columns are eigenvectors). Cyclic row-by-row sweeps in double; stops early once the
-// off-diagonal mass is below eps * ||A||_F.
+// ROWS are the eigenvectors, i.e. V^T of A = V diag(w) V^T). Cyclic row-by-row sweeps in double. A pair is skipped (its
+// a_pq set to 0) once |a_pq| <= rel_tol * sqrt(|a_pp a_qq|) or |a_pq| <= abs_floor,
+// the classic threshold that keeps the eigenvalues to relative accuracy ~rel_tol
+// (Demmel & Veselic 1992); the solve ends after the first sweep without a rotation or
+// after max_sweeps. rel_tol: 1e-9 for fp32 outputs, 1e-15 for fp64 (callers' choice).
 inline void jacobi_eig(std::vector<double>& A, std::vector<double>& V, std::vector<double>& w, int64_t k,
-                       int64_t max_sweeps) {
+                       int64_t max_sweeps, double rel_tol) {
   V.assign(k * k, 0.0);
   for (int64_t i = 0; i < k; ++i) V[i * k + i] = 1.0;
   double fro = 0.0;
   for (double x : A) fro += x * x;
-  const double tol = 1e-30 * fro;  // (1e-15 ||A||_F)^2: double precision floor
+  const double abs_floor = 1e-300 + rel_tol * 1e-3 * std::sqrt(fro);  // entries this small are noise
   for (int64_t sweep = 0; sweep < max_sweeps; ++sweep) {
-    double off = 0.0;
-    for (int64_t p = 0; p < k; ++p)
-      for (int64_t q = p + 1; q < k; ++q) off += A[p * k + q] * A[p * k + q];
-    if (off <= tol) break;
+    bool rotated = false;
     for (int64_t p = 0; p < k - 1; ++p) {
       for (int64_t q = p + 1; q < k; ++q) {
+        const double apq = A[p * k + q];
+        const double scale = std::sqrt(std::fabs(A[p * k + p] * A[q * k + q]));
+        if (std::fabs(apq) <= rel_tol * scale || std::fabs(apq) <= abs_floor) {
+          A[p * k + q] = A[q * k + p] = 0.0;
+          continue;
+        }
         double c, s;
-        if (!jacobi_rotation<double>(A[p * k + p], A[q * k + q], A[p * k + q], c, s)) continue;
-        for (int64_t r = 0; r < k; ++r) {  // columns p, q of A and V
-          const double arp = A[r * k + p], arq = A[r * k + q];
-          A[r * k + p] = c * arp - s * arq;
-          A[r * k + q] = s * arp + c * arq;
-          const double vrp = V[r * k + p], vrq = V[r * k + q];
-          V[r * k + p] = c * vrp - s * vrq;
-          V[r * k + q] = s * vrp + c * vrq;
+        jacobi_rotation<double>(A[p * k + p], A[q * k + q], apq, c, s);
+        rotated = true;
+        // J^T A J touching contiguous memory only: rotate rows p, q (for r != p, q the new
+        // column entries equal the new row entries by symmetry), then the 2x2 block in
+        // closed form (G&VL 8.4: a_pp - t a_pq, a_qq + t a_pq, a_pq -> 0, t = s / c).
+        const double app = A[p * k + p], aqq = A[q * k + q], t = s / c;
+        for (int64_t r = 0; r < k; ++r) rotate_pair(A[p * k + r], A[q * k + r], c, s);
+        for (int64_t r = 0; r < k; ++r) {
+          A[r * k + p] = A[p * k + r];
+          A[r * k + q] = A[q * k + r];
         }
-        for (int64_t r = 0; r < k; ++r) {  // rows p, q of A
-          const double apr = A[p * k + r], aqr = A[q * k + r];
-          A[p * k + r] = c * apr - s * aqr;
-          A[q * k + r] = s * apr + c * aqr;
-        }
+        A[p * k + p] = app - t * apq;
+        A[q * k + q] = aqq + t * apq;
         A[p * k + q] = A[q * k + p] = 0.0;  // exact zero by construction of the rotation
+        // V is kept transposed (row i = eigenvector i) so this update is contiguous too.
+        for (int64_t r = 0; r < k; ++r) rotate_pair(V[p * k + r], V[q * k + r], c, s);
       }
     }
+    if (!rotated) break;
   }
   w.resize(k);
   for (int64_t i = 0; i < k; ++i) w[i] = A[i * k + i];

@@ -60,21 +60,14 @@ __global__ void jacobi_kernel(const T* __restrict__ A, T* __restrict__ w, T* __r
       for (int e = threadIdx.x; e < half * k; e += blockDim.x) {  // rows p, q of J^T A
         const int t = e / k, j = e % k, p = pp[t], q = qq[t];
         if (q >= k) continue;
-        const T c = cs[t], s = sn[t], apj = a[p * k + j], aqj = a[q * k + j];
-        a[p * k + j] = c * apj - s * aqj;
-        a[q * k + j] = s * apj + c * aqj;
+        meshkern_spectral::rotate_pair(a[p * k + j], a[q * k + j], cs[t], sn[t]);
       }
       __syncthreads();
       for (int e = threadIdx.x; e < half * k; e += blockDim.x) {  // columns p, q of (J^T A) J and W J
         const int t = e / k, i = e % k, p = pp[t], q = qq[t];
         if (q >= k) continue;
-        const T c = cs[t], s = sn[t];
-        const T aip = a[i * k + p], aiq = a[i * k + q];
-        a[i * k + p] = c * aip - s * aiq;
-        a[i * k + q] = s * aip + c * aiq;
-        const T vip = v[i * k + p], viq = v[i * k + q];
-        v[i * k + p] = c * vip - s * viq;
-        v[i * k + q] = s * vip + c * viq;
+        meshkern_spectral::rotate_pair(a[i * k + p], a[i * k + q], cs[t], sn[t]);
+        meshkern_spectral::rotate_pair(v[i * k + p], v[i * k + q], cs[t], sn[t]);
       }
       __syncthreads();
     }
