@@ -81,7 +81,19 @@ def _send(conn, msg) -> None:
     conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
 
 
+def _die_with_parent() -> None:
+    """Linux: SIGTERM this rank if the launcher dies (no orphaned ranks after a kill -9)."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+        except OSError:
+            pass
+
+
 def _child(fn, rank, world_size, port, threads, conn, args):
+    _die_with_parent()
     set_rank_env(rank, world_size, port, threads)
     try:
         out = fn(rank, world_size, *args)
