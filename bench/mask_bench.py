@@ -117,14 +117,15 @@ def bench_config(T: int, H: int, p: float, dtype: torch.dtype, device: torch.dev
     return rows
 
 
+HEADER = (f"{'T':>5} {'H':>5} {'p':>5} {'K':>4} {'dtype':>8} {'backend':>9} {'op':>8} {'ms':>9} {'x ref':>7} "
+          f"{'limit ms':>9} {'/ limit':>8}")
+
+
 def print_rows(rows: list[dict]) -> None:
-    head = f"{'T':>5} {'H':>5} {'p':>5} {'K':>4} {'dtype':>8} {'backend':>9} {'op':>8} {'ms':>9} {'x ref':>7} {'limit ms':>9} {'/ limit':>8}"
-    print(head)
-    print("-" * len(head))
     for r in rows:
         xref = f"{r['x_ref']:7.1f}" if r["x_ref"] is not None else "      -"
         print(f"{r['T']:>5} {r['H']:>5} {r['p']:>5} {r['K']:>4} {r['dtype']:>8} {r['backend']:>9} {r['op']:>8} "
-              f"{r['ms']:9.3f} {xref} {r['limit_ms']:9.3f} {r['over_limit']:8.2f}")
+              f"{r['ms']:9.3f} {xref} {r['limit_ms']:9.3f} {r['over_limit']:8.2f}", flush=True)
 
 
 def check_targets(rows: list[dict]) -> list[str]:
@@ -170,12 +171,15 @@ def main(argv=None) -> int:
     dtypes = [getattr(torch, d) for d in args.dtypes.split(",")]
     print(f"meshkern mask bench: device={device.type} threads={torch.get_num_threads()} clock={clock_name} repeats={repeats} "
           f"(reference {args.ref_repeats}) backends={backends_for(device)} torch={torch.__version__}")
+    print(HEADER)
+    print("-" * len(HEADER))
     rows = []
     for T, H in shapes:
         for p in ps:
             for dtype in dtypes:
-                rows += bench_config(T, H, p, dtype, device, repeats, args.ref_repeats, not args.no_reference, clock)
-    print_rows(rows)
+                new = bench_config(T, H, p, dtype, device, repeats, args.ref_repeats, not args.no_reference, clock)
+                print_rows(new)  # as they come: a run cut short still shows its rows
+                rows += new
     for line in check_targets(rows):
         print(line)
     if args.json:

@@ -115,7 +115,7 @@ def _check_float(x: Tensor, what: str) -> None:
 
 
 def _rows(x: Tensor) -> int:
-    n = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    n = x.shape[:-1].numel()
     if n > _MAX_ROWS:
         raise ValueError(f"{n} token rows exceed the mask's 2**32 row counter")
     return n
@@ -181,7 +181,7 @@ def _pack_op(h: Tensor, seed_lo: int, seed_hi: int, boundary: int, step: int, mi
         return _ref.pack(h, words, K, _scale(H, K, rescale))
     if name == "triton":
         return fn(h, words, K, _scale(H, K, rescale))
-    out = fn(h.reshape(-1, H), *words, K, H / K, rescale)
+    out = fn(h.reshape(h.shape[:-1].numel(), H), *words, K, H / K, rescale)
     return out.reshape(*h.shape[:-1], K)
 
 
@@ -204,7 +204,7 @@ def _unpack_op(v: Tensor, seed_lo: int, seed_hi: int, boundary: int, step: int, 
         return _ref.unpack(v, words, H, _scale(H, K, rescale))
     if name == "triton":
         return fn(v, words, H, _scale(H, K, rescale))
-    out = fn(v.reshape(-1, K), *words, H, H / K, rescale)
+    out = fn(v.reshape(v.shape[:-1].numel(), K), *words, H, H / K, rescale)
     return out.reshape(*v.shape[:-1], H)
 
 

@@ -98,8 +98,8 @@ def kept_bitmap(key_words: tuple[int, int, int, int], N: int, H: int, K: int) ->
     rows = torch.arange(N, dtype=torch.int64)[:, None]
     blocks = torch.arange((K + 1) // 2, dtype=torch.int64)[None, :]
     w0, w1, w2, w3 = philox4x32_10(blocks, rows, step, tag, k0, k1)
-    hi = torch.stack((w0, w2), dim=2).reshape(N, -1)[:, :K]  # draw d -> block d//2, pair d%2
-    lo = torch.stack((w1, w3), dim=2).reshape(N, -1)[:, :K]
+    hi = torch.stack((w0, w2), dim=2).reshape(N, 2 * blocks.shape[1])[:, :K]  # draw d -> block d//2, pair d%2
+    lo = torch.stack((w1, w3), dim=2).reshape(N, 2 * blocks.shape[1])[:, :K]
     j = torch.arange(H - K, H, dtype=torch.int64)
     t = draw_below(hi, lo, j + 1)  # [N, K], t[:, d] uniform on [0, j[d]]
     kept = torch.zeros(N, H, dtype=torch.bool)
@@ -127,7 +127,7 @@ def _scaled(x: torch.Tensor, scale: float | None) -> torch.Tensor:
 def pack(h: torch.Tensor, key_words, K: int, scale: float | None) -> torch.Tensor:
     """[..., H] -> [..., K]: the kept values of every row (times ``scale`` if given)."""
     H = h.shape[-1]
-    flat = h.reshape(-1, H)
+    flat = h.reshape(h.shape[:-1].numel(), H)
     idx = indices(key_words, flat.shape[0], H, K).to(h.device)
     return _scaled(flat.gather(1, idx), scale).reshape(*h.shape[:-1], K)
 
@@ -135,7 +135,7 @@ def pack(h: torch.Tensor, key_words, K: int, scale: float | None) -> torch.Tenso
 def unpack(v: torch.Tensor, key_words, H: int, scale: float | None) -> torch.Tensor:
     """[..., K] -> [..., H]: values placed at the kept dims (times ``scale``), zeros elsewhere."""
     K = v.shape[-1]
-    flat = v.reshape(-1, K)
+    flat = v.reshape(v.shape[:-1].numel(), K)
     idx = indices(key_words, flat.shape[0], H, K).to(v.device)
     out = torch.zeros(flat.shape[0], H, dtype=v.dtype, device=v.device)
     out.scatter_(1, idx, _scaled(flat, scale))

@@ -232,3 +232,10 @@ def test_bad_inputs_are_named():
 
 def test_public_api_is_reexported():
     assert meshkern.pack is pack and meshkern.unpack is unpack and meshkern.MaskKey is MaskKey
+
+
+@pytest.mark.parametrize("backend", cpu_backends())
+def test_empty_inputs(backend):
+    assert pack(torch.empty(0, 40), KEY, 0.75, backend=backend).shape == (0, 10)
+    assert unpack(torch.empty(2, 0, 10), KEY, 40, 0.75, backend=backend).shape == (2, 0, 40)
+    assert mask_indices(KEY, 0, 40, 0.75, backend=backend).shape == (0, 10)
