@@ -1,4 +1,6 @@
 """Embedded corpora: two real domains, bounded, deterministic; the roff stripper."""
+import re
+
 import pytest
 
 from orchestration import corpora, data
@@ -56,3 +58,24 @@ def test_roff_to_text():
     assert corpora.roff_to_text(src) == (
         "\nNAME\ngzip - compress files\n\nDESCRIPTION\nThe gzip command reduces the size of files."
         "\n\nSecond 'paragraph'.\nline one\nline two")
+
+
+def test_prose_without_system_docs_falls_back_to_python_topics(monkeypatch):
+    """A slim image has no /usr/share/doc, man pages or Vim: prose is still there."""
+    bare = corpora.Domain("prose", "test", (corpora._pydoc_topics, lambda: [], lambda: []))
+    monkeypatch.setitem(corpora.DOMAINS, "prose", bare)
+    corpora._corpus_documents.cache_clear()
+    try:
+        docs = corpora.corpus_documents("prose", max_bytes=SMALL)
+        assert docs and all(k.startswith("pydoc/") for k, _ in docs)
+    finally:
+        corpora._corpus_documents.cache_clear()
+
+
+def test_man_page_families_are_capped():
+    pages = [d.key for d in corpora._man_pages()]
+    fams = {}
+    for k in pages:
+        f = re.split(r"[_.\-]", k.rsplit("/", 1)[1], maxsplit=1)[0]
+        fams[f] = fams.get(f, 0) + 1
+    assert not fams or max(fams.values()) <= corpora.MAN_PAGES_PER_FAMILY
