@@ -210,7 +210,7 @@ def bench_step(shapes, rank, repeats, device):
     for name, t in rows:
         print(f"{name:<56}{t:>10.4f}{t / t_ref:>9.2f}x")
     st = opt.anchor_stats()
-    print(f"anchor_stats after the run: mean_gain={st['mean_gain']:.3f} energy_kept={st['energy_kept']:.3f} "
+    print(f"anchor_stats after the run: mean_gain={st['mean_gain']:.3f} energy_kept={st['energy_kept']:.2e} "
           f"refreshes={st['refreshes']}")
     return rows
 
