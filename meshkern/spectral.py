@@ -111,8 +111,22 @@ def project_reference(G: Tensor, U: Tensor, S: Tensor, V: Tensor, tau: float, al
 
 
 # ------------------------------------------------------------------ backend dispatch
+def _jacobi_k_limit(which: str, dtype: torch.dtype) -> int:
+    """Largest k the one-block / one-program kernels hold (CUDA: 2 k^2 values in 48 KiB of
+    shared memory; Triton: a [128, 128] register tile)."""
+    if which == "cuda":
+        return 78 if dtype == torch.float32 else 55
+    return MAX_JACOBI_K if which == "triton" else 1 << 62
+
+
 def _sym_eig_backend(A: Tensor, sweeps: int, backend: str) -> tuple[Tensor, Tensor]:
     which = _backend.resolve(GROUP, A.device, backend)
+    k = A.shape[-1]
+    if k > _jacobi_k_limit(which, A.dtype):
+        if backend != "auto":
+            raise ValueError(f"the {which} Jacobi kernel holds k <= {_jacobi_k_limit(which, A.dtype)} "
+                             f"({A.dtype}), got k={k}; use backend='reference' (torch.linalg.eigh)")
+        which = "reference"  # auto: torch.linalg.eigh (cuSOLVER / LAPACK) for big problems
     if which == "reference":
         return sym_eig_reference(A)
     if which in ("cpp", "cuda"):

@@ -70,6 +70,9 @@ def test_sym_eig_bad_input():
         sp.sym_eig(torch.zeros(2, 3, 3, dtype=torch.int32))
     with pytest.raises(ValueError, match="sweeps"):
         sp.sym_eig(torch.zeros(2, 3, 3), sweeps=0)
+    if _backend.why_unavailable("triton", "spectral", torch.device("cpu")) is None:
+        with pytest.raises(ValueError, match="k <= 128"):
+            sp.sym_eig(torch.zeros(1, 130, 130), backend="triton")
 
 
 # ------------------------------------------------------------------ randomized SVD
