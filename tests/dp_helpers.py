@@ -7,6 +7,7 @@ OMP_WAIT_POLICY=PASSIVE (inherited from tests/conftest.py's environment).
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
@@ -281,3 +282,20 @@ def dying_peer_worker(rank: int, world: int, port: int, outdir: str, how: str) -
             os._exit(0)
         dl.step()
     os._exit(0)
+
+
+@contextlib.contextmanager
+def world1_group(store_dir: str):
+    """A 1-rank gloo group in this process (FileStore in ``store_dir``, no port); left
+    alone if a default group already exists."""
+    import torch.distributed as dist
+
+    created = not dist.is_initialized()
+    if created:
+        store = dist.FileStore(os.path.join(store_dir, "store"), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=30))
+    try:
+        yield
+    finally:
+        if created:
+            dist.destroy_process_group()

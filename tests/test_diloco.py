@@ -8,13 +8,11 @@
 - a peer that dies or hangs mid-sync: SyncError within the timeout, nothing merged;
 - checkpoint/resume reproduces an uninterrupted run; non-finite averages are skipped.
 """
-import datetime
 import io
 import os
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import dp_helpers as H
 from meshkern.compress import NoCompression, PowerSGD, SparseLoCo, SyncError
@@ -23,15 +21,8 @@ from meshkern.diloco import StreamingDiLoCo
 
 @pytest.fixture(scope="module")
 def world1(tmp_path_factory):
-    """A 1-rank gloo group in this process (FileStore, no port)."""
-    created = not dist.is_initialized()
-    if created:
-        store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1,
-                                timeout=datetime.timedelta(seconds=30))
-    yield None
-    if created:
-        dist.destroy_process_group()
+    with H.world1_group(str(tmp_path_factory.mktemp("pg"))):
+        yield
 
 
 def _updates(step, shapes):

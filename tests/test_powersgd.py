@@ -1,13 +1,12 @@
 """PowerSGD pieces in one process: orthogonalization and compress rule vs torch's hook
 helpers, the fused ops (opcheck, cpp vs reference), and the compressor on a 1-rank
 group (bytes, state, dtypes, bad input). Multi-rank math: tests/test_compress_dist.py."""
-import datetime
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _orthogonalize, _should_compress
 
+import dp_helpers as H
 from meshkern import _backend
 from meshkern.compress import PowerSGD, orthogonalize, should_compress
 from meshkern.compress.powersgd_ops import (ef_project_reference, powersgd_ef_project, powersgd_reconstruct,
@@ -19,13 +18,8 @@ BACKENDS = ["reference"] + (["cpp"] if HAS_CPP else [])
 
 @pytest.fixture(scope="module")
 def world1(tmp_path_factory):
-    created = not dist.is_initialized()
-    if created:
-        store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=30))
-    yield
-    if created:
-        dist.destroy_process_group()
+    with H.world1_group(str(tmp_path_factory.mktemp("pg"))):
+        yield
 
 
 @pytest.mark.parametrize("r", [1, 2, 3, 8])
