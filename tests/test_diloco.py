@@ -9,13 +9,12 @@
 - checkpoint/resume reproduces an uninterrupted run; non-finite averages are skipped.
 """
 import io
-import os
 
 import pytest
 import torch
 
 import dp_helpers as H
-from meshkern.compress import NoCompression, PowerSGD, SparseLoCo, SyncError
+from meshkern.compress import NoCompression, PowerSGD, SparseLoCo
 from meshkern.diloco import StreamingDiLoCo
 
 
