@@ -136,11 +136,18 @@ CHUNK = 16
 
 
 def _grid(N: int, H: int, device: torch.device):
-    """(grid, BLOCK_T, NW): see the module docstring for the sizes."""
+    """(grid, BLOCK_T, NW, num_warps): see the module docstring for the sizes.
+
+    num_warps: Floyd's loop does two small reductions per draw; inside one warp they
+    are register shuffles, across warps they need shared memory and a barrier, so one
+    warp per program while the [BLOCK_T, HP] tile stays <= 4096 elements (reasoned,
+    not yet timed on a GPU: bench/gpu_check.sh reports the numbers).
+    """
     hp = max(32, triton.next_power_of_2(H))
     budget = 4096 if device.type == "cuda" else 2**17
     block_t = max(1, min(triton.next_power_of_2(max(N, 1)), budget // hp))
-    return (triton.cdiv(N, block_t),), block_t, hp // 32
+    num_warps = 1 if block_t * hp <= 4096 else 4
+    return (triton.cdiv(N, block_t),), block_t, hp // 32, num_warps
 
 
 def _scale_tensor(dtype: torch.dtype, scale: float | None, device) -> torch.Tensor:
@@ -153,8 +160,8 @@ def indices(out: torch.Tensor, words, H: int) -> None:
     N, K = out.shape
     if N == 0:
         return
-    grid, block_t, nw = _grid(N, H, out.device)
-    _indices_kernel[grid](out, N, H, K, *words, BLOCK_T=block_t, NW=nw, CHUNK=CHUNK)
+    grid, block_t, nw, warps = _grid(N, H, out.device)
+    _indices_kernel[grid](out, N, H, K, *words, BLOCK_T=block_t, NW=nw, CHUNK=CHUNK, num_warps=warps)
 
 
 def pack(h: torch.Tensor, words, K: int, scale: float | None) -> torch.Tensor:
@@ -163,9 +170,10 @@ def pack(h: torch.Tensor, words, K: int, scale: float | None) -> torch.Tensor:
     out = torch.empty(*h.shape[:-1], K, dtype=h.dtype, device=h.device)
     N = h.numel() // H
     if N:
-        grid, block_t, nw = _grid(N, H, h.device)
+        grid, block_t, nw, warps = _grid(N, H, h.device)
         _pack_kernel[grid](h, out, _scale_tensor(h.dtype, scale, h.device), N, H, K, *words,
-                           RESCALE=scale is not None, BLOCK_T=block_t, NW=nw, CHUNK=CHUNK)
+                           RESCALE=scale is not None, BLOCK_T=block_t, NW=nw, CHUNK=CHUNK,
+                           num_warps=warps)
     return out
 
 
@@ -175,7 +183,8 @@ def unpack(v: torch.Tensor, words, H: int, scale: float | None) -> torch.Tensor:
     out = torch.empty(*v.shape[:-1], H, dtype=v.dtype, device=v.device)
     N = v.numel() // K
     if N:
-        grid, block_t, nw = _grid(N, H, v.device)
+        grid, block_t, nw, warps = _grid(N, H, v.device)
         _unpack_kernel[grid](v, out, _scale_tensor(v.dtype, scale, v.device), N, H, K, *words,
-                             RESCALE=scale is not None, BLOCK_T=block_t, NW=nw, CHUNK=CHUNK)
+                             RESCALE=scale is not None, BLOCK_T=block_t, NW=nw, CHUNK=CHUNK,
+                           num_warps=warps)
     return out
