@@ -55,13 +55,15 @@ class _Worker:
     its collectives in the same order; daemon so a peer stuck in a collective cannot
     keep the process alive at exit."""
 
-    def __init__(self):
+    def __init__(self, device: torch.device):
+        self._device = device
         self._jobs: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="diloco-sync", daemon=True)
         self._thread.start()
 
     def _run(self):
-        torch.set_num_threads(1)
+        if self._device.type == "cuda":  # the current CUDA device is per thread
+            torch.cuda.set_device(self._device)
         while True:
             fn, fut = self._jobs.get()
             if not fut.set_running_or_notify_cancel():
@@ -209,7 +211,7 @@ class StreamingDiLoCo:
                 fut.set_exception(e)
         else:
             if self._worker is None:
-                self._worker = _Worker()
+                self._worker = _Worker(self.params[0].device)
             fut = self._worker.submit(job)
         self._pending.append((t + self.overlap_steps, f, t, fut))
 
