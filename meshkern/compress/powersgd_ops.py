@@ -13,12 +13,14 @@ Each fuses a memory-bound elementwise pass into the thin matmul next to it, so t
 Backends (``backend=``, see meshkern._backend): "reference" is the pure-torch
 definition below. ``powersgd_ef_project`` has a C++ kernel (csrc/dp/powersgd.cpp,
 ``torch.ops.meshkern_C.powersgd_ef_project``, rows over OpenMP, AVX2 clone picked at
-run time); "auto" uses it only where it was measured faster than torch's add_ + bmm:
-fp32 and r in {1, 2, 4, 8, 16, 32} (1.1-2.5x on one thread for Llama-3.2-1B layer
-shapes, see bench/dp_bench.py); other dtypes/ranks run the reference (the generic C++
-loop lost to MKL's bmm), forcing backend="cpp" still runs it. ``powersgd_reconstruct``
-runs the reference on every backend: its C++ kernel measured 0.75-1.0x of torch and was
-removed. CUDA tensors use the reference (cuBLAS); no CUDA/Triton kernels yet. Results
+run time). "auto" uses it where it mostly beat torch's add_ + bmm (one thread, a
+heavily shared 2-core machine, bench/dp_bench.py --only op, four runs): fp32, r <= 8
+(specialized 1/2/4/8) and n <= 4096 rows. Measured torch/C++ at r = 8: [2,512,2048]
+2.0-2.6x, [1,2048,8192] 1.4-2.3x, [2,2048,2048] 0.78-2.0x (won 3 of 4 runs). Not
+auto: r = 32 (0.77-1.85x, no consistent winner), [2,8192,2048] at r = 8 (0.68-0.90x,
+lost every run), other dtypes and ranks (the generic C++ loop lost to MKL's bmm);
+backend="cpp" still forces the kernel. ``powersgd_reconstruct`` runs the reference on
+every backend: its C++ kernel measured 0.75-1.0x of torch and was removed. CUDA tensors use the reference (cuBLAS); no CUDA/Triton kernels yet. Results
 are deterministic for a given backend and thread count; backends agree to fp32
 rounding (different summation order).
 """
@@ -44,8 +46,9 @@ def _check(grad_or_p: Tensor, err: Tensor, q: Tensor, name: str) -> None:
         raise ValueError(f"{name}: tensors are on different devices")
 
 
-#: ranks with a compile-time-specialized fp32 kernel (the only ones "auto" sends to C++)
-FAST_RANKS = (1, 2, 4, 8, 16, 32)
+#: where "auto" sends powersgd_ef_project to C++ (measured wins, see the module docstring)
+AUTO_CPP_RANKS = (1, 2, 4, 8)
+AUTO_CPP_MAX_ROWS = 4096
 
 
 def _kernel_backend(device: torch.device, backend: str, fast: bool = True) -> str:
@@ -75,7 +78,7 @@ def powersgd_ef_project(grad: Tensor, err: Tensor, q: Tensor, backend: str = "au
     if grad.shape != err.shape or q.shape[:2] != (err.shape[0], err.shape[2]):
         raise ValueError(f"powersgd_ef_project: shapes grad {tuple(grad.shape)}, err {tuple(err.shape)}, "
                          f"q {tuple(q.shape)} do not fit [B,n,m], [B,n,m], [B,m,r]")
-    fast = err.dtype == torch.float32 and q.shape[2] in FAST_RANKS
+    fast = err.dtype == torch.float32 and q.shape[2] in AUTO_CPP_RANKS and err.shape[1] <= AUTO_CPP_MAX_ROWS
     if _kernel_backend(err.device, backend, fast) == "cpp" and err.is_contiguous():
         return torch.ops.meshkern_C.powersgd_ef_project(grad.contiguous(), err, q.contiguous())
     return ef_project_reference(grad, err, q)
