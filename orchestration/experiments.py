@@ -46,6 +46,7 @@ import json
 import math
 import shlex
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -106,6 +107,8 @@ ROWS: tuple[Row, ...] = (
         paper="0.260 / 0.105"),
     Row("alpha1", "ablation", "m95-ap", ("--train.alpha", "1"), label="M95+AP, alpha=1 (no correction)",
         paper="0.180 / 0.072"),
+    Row("factored", "ablation", "m95-ap", ("--anchor.transport", "factored"),
+        label="M95+AP, anchor sends top-r SVD factors of its momentum", paper="(anchor axis ~76 B/tok)"),
 )
 ROW_BY_NAME = {r.name: r for r in ROWS}
 GROUPS = ("main", "baseline", "ablation")
@@ -159,11 +162,13 @@ class Settings:
         return d
 
 
-# Default scale: chosen so one row trains in ~1-3 min on the shared 2-core machine (the
-# default Llama 192h/4L; 2x2 fast mesh; ~0.6-1 s/step under load). 80 steps leave room for
-# the delay-50 ablation (snapshots at 0,5,..,25 applied at 50..75).
+# Default scale: chosen so one row trains in ~2 min on the shared 2-core machine (the
+# default Llama 192h/4L; 2x2 fast mesh; ~1.3 s/step under load). 80 steps leave room for
+# the delay-50 ablation (snapshots at 0,5,..,25 applied at 50..75). Evaluation: 64 held-out
+# sequences (8128 predicted tokens) at 5 points; 128 sequences at 9 points took as long as
+# the training itself (~115 s) on the loaded machine.
 DEFAULT = dict(steps=80, fast_rows=2, stages=2, batch_size=8, microbatches=4, seq_len=128,
-               eval_every=10, eval_sequences=128, max_sequences=0)
+               eval_every=20, eval_sequences=64, max_sequences=0)
 # --quick: a few seconds per row with whatever --model is given (tests use a tiny one).
 QUICK = dict(steps=4, fast_rows=1, stages=2, batch_size=2, microbatches=2, seq_len=32,
              eval_every=2, eval_sequences=8, max_sequences=200)
@@ -327,11 +332,16 @@ def run_row(row: Row, seed: int, s: Settings, a, idx: str) -> str:
     log_path = os.path.join(a.work, f"{name}.log")
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false")
     with open(log_path, "w") as log:
+        # Own session: on timeout or when we are stopped, the trainer and its ranks go too.
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
-            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                timeout=a.row_timeout).returncode
+            rc = proc.wait(timeout=a.row_timeout)
         except subprocess.TimeoutExpired:
             rc = "timeout"
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
     train_s = time.time() - t0
     if rc != 0:
         with open(log_path) as f:
@@ -373,7 +383,9 @@ def _fmt(xs: list[float], digits: int = 3) -> str:
     if not xs:
         return "-"
     m, sd = _mean_sd(xs)
-    return f"{m:.{digits}f}" if math.isnan(sd) else f"{m:.{digits}f} ± {sd:.{digits}f}"
+    if math.isnan(sd) or max(xs) == min(xs):  # one seed, or exact counts identical in every seed
+        return f"{m:.{digits}f}"
+    return f"{m:.{digits}f} ± {sd:.{digits}f}"
 
 
 def collect(out: str, s: Settings) -> tuple[dict[str, list[dict]], int]:
@@ -475,8 +487,6 @@ def make_plots(by_row: dict[str, list[dict]], fig_dir: str) -> list[str]:
                 line, = ax.plot(xs, mean, marker="o", ms=3, label=f"{n} (n={len(rs)})")
                 if len(rs) > 1:
                     ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.15)
-            if xkey == "modeled_s":
-                ax.set_xscale("symlog", linthresh=1.0)
             ax.set_xlabel(xlabel)
             ax.set_ylabel("held-out loss (adaptation domain)")
             ax.set_title(f"{group} rows: mean over seeds, band = min..max")
@@ -580,6 +590,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     torch.set_num_threads(1)  # evaluation shares the machine with the trainer runs
+    # SIGTERM (kill PID) unwinds like Ctrl-C, so the running trainer's group is killed too.
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     a.bandwidth_mbps = 200.0
     os.makedirs(os.path.join(a.out, "runs"), exist_ok=True)
     os.makedirs(a.work, exist_ok=True)
