@@ -150,7 +150,7 @@ def exact_match(model_or_stages, tokenizer, task, *, n: int = 100, seed: int | N
     prefix = [sep] if sep is not None else []
     prompts = [prefix + tok.encode(e.prompt, add_special_tokens=False) for e in exs]
     if max_new_tokens is None:  # room for the longest answer + newline, plus slack
-        max_new_tokens = max(len(tok.encode(e.answer + "\n", add_special_tokens=False)) for e in exs) + 2
+        max_new_tokens = max(len(tok.encode(" " + e.answer + "\n", add_special_tokens=False)) for e in exs) + 2
     stop = {sep} if sep is not None else set()
     stop |= {i for i in range(len(tok)) if "\n" in tok.decode([i])}
     gens = greedy_generate(model_or_stages, prompts, max_new_tokens, stop_ids=stop, batch_size=batch_size)

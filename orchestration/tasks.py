@@ -1,13 +1,18 @@
 """Synthetic tasks that generate their own data, scored by exact match.
 
 Each example is a ``prompt`` and an ``answer``; its training text is
-``prompt + answer + "\\n"`` and a model answers by greedy generation after the prompt
+``prompt + " " + answer + "\\n"`` (the space makes the answer's first word a
+space-prefixed word, as it is inside the prompt, so a byte-level BPE splits a copied
+word into the same tokens) and a model answers by greedy generation after the prompt
 until a newline (``orchestration.evaluate.exact_match``). Tasks:
 
   - ``add``: multi-digit addition, ``"483+27="`` -> ``"510"`` (operands of 1 to
     ``max_digits`` digits, default 3);
   - ``reverse``: ``"reverse abcde:"`` -> ``"edcba"`` (3-7 lowercase letters);
-  - ``upper``: ``"upper abcde:"`` -> ``"ABCDE"`` (3-7 lowercase letters).
+  - ``upper``: ``"upper abcde:"`` -> ``"ABCDE"`` (3-7 lowercase letters);
+  - ``copy``: ``"copy abcde:"`` -> ``"abcde"`` (3-7 lowercase letters): the easiest,
+    it needs only attention back to the word (an induction pattern), so a small model
+    scores above zero after a short adaptation where the others may not.
 
 Generation is deterministic: ``examples(task, n, seed)`` depends only on its
 arguments (a private ``random.Random(seed)`` per call). Use different seeds for
@@ -32,8 +37,8 @@ class Example:
 
     @property
     def text(self) -> str:
-        """The training text: prompt, answer, newline (the answer's terminator)."""
-        return f"{self.prompt}{self.answer}\n"
+        """The training text: prompt, space, answer, newline (the answer's terminator)."""
+        return f"{self.prompt} {self.answer}\n"
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,11 @@ def _reverse(rng: random.Random) -> Example:
     return Example(f"reverse {w}:", w[::-1])
 
 
+def _copy(rng: random.Random) -> Example:
+    w = _word(rng)
+    return Example(f"copy {w}:", w)
+
+
 def _upper(rng: random.Random) -> Example:
     w = _word(rng)
     return Example(f"upper {w}:", w.upper())
@@ -67,6 +77,7 @@ TASKS: dict[str, Task] = {
     "add": Task("add", "multi-digit addition (1-3 digit operands)", _add),
     "reverse": Task("reverse", "reverse a lowercase word", _reverse),
     "upper": Task("upper", "uppercase a lowercase word", _upper),
+    "copy": Task("copy", "repeat a lowercase word", _copy),
 }
 
 

@@ -84,7 +84,7 @@ class Oracle:
         for i, e in enumerate(exs):
             ans = "WRONG" if i in wrong else e.answer
             p = sep + tok.encode(e.prompt, add_special_tokens=False)
-            self.targets.append(p + tok.encode(ans + "\n", add_special_tokens=False))
+            self.targets.append(p + tok.encode(" " + ans + "\n", add_special_tokens=False))
         self.vocab = len(tok)
 
     def __call__(self, x):

@@ -23,7 +23,9 @@ def test_string_transforms():
     for e in tasks.examples("upper", 50):
         word = re.fullmatch(r"upper ([a-z]{3,7}):", e.prompt).group(1)
         assert e.answer == word.upper()
-    assert tasks.Example("reverse abc:", "cba").text == "reverse abc:cba\n"
+    for e in tasks.examples("copy", 50):
+        assert e.prompt == f"copy {e.answer}:" and re.fullmatch(r"[a-z]{3,7}", e.answer)
+    assert tasks.Example("reverse abc:", "cba").text == "reverse abc: cba\n"
 
 
 def test_deterministic_and_seed_dependent():
