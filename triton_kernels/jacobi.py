@@ -44,7 +44,9 @@ def _jacobi_kernel(A_ptr, w_ptr, W_ptr, k, SWEEPS: tl.constexpr, K: tl.constexpr
             lower = idx < partner
             app = tl.where(lower, diag, dpart)
             aqq = tl.where(lower, dpart, diag)
-            nz = apq != 0.0
+            # rotate only where |a_pq| > 1e-12 (|a_pp| + |a_qq|): below that the rotation is
+            # below rounding anyway, and the bound keeps theta finite (no overflow)
+            nz = tl.abs(apq) > 1e-12 * (tl.abs(app) + tl.abs(aqq))
             # Golub & Van Loan sym.schur2; both members of a pair compute the same (c, s).
             theta = tl.where(nz, (aqq - app) / (2.0 * tl.where(nz, apq, apq * 0.0 + 1.0)), apq * 0.0)
             at = tl.abs(theta)
