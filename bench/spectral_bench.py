@@ -4,9 +4,10 @@
     python -m bench.spectral_bench --only svd      # or: proj, step, knobs
     python -m bench.spectral_bench --quick         # small shapes, a smoke run
 
-Every ratio is measured in one run on this machine: medians of --repeats timings,
-torch.set_num_threads(--threads) (default 1, as the shared 2-core machine demands;
-printed in the header). The Triton kernels are not timed here: on CPU they only run in
+Every ratio is measured in one run on this machine: medians of --repeats timings of
+process CPU time (--clock cpu, the default: robust when other processes load the
+machine; --clock wall for wall time), torch.set_num_threads(--threads) (default 1, as
+the shared 2-core machine demands; printed in the header). The Triton kernels are not timed here: on CPU they only run in
 the interpreter, whose speed means nothing. CUDA is timed when a GPU is present
 (--device cuda).
 
@@ -47,17 +48,27 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
+CLOCK = "cpu"  # set in main(): "cpu" = process CPU time, "wall" = perf_counter
+
+
 def timeit(fn, repeats: int, device=torch.device("cpu"), warmup: int = 1) -> float:
-    """Median wall time of fn() over ``repeats`` runs, after ``warmup`` runs."""
+    """Median time of fn() over ``repeats`` runs, after ``warmup`` runs.
+
+    On CPU with one thread the default clock is the process's CPU time
+    (time.process_time): on a machine shared with other busy processes (load averages of
+    15-40 were seen while these tables were made) wall time measures the scheduler more
+    than the code, while CPU time of a single-threaded process stays close to the wall
+    time of an idle machine. ``--clock wall`` gives wall time; CUDA always uses wall time."""
+    clock = time.perf_counter if (CLOCK == "wall" or device.type == "cuda") else time.process_time
     for _ in range(warmup):
         fn()
     _sync(device)
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
         _sync(device)
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return statistics.median(times)
 
 
@@ -317,13 +328,17 @@ def main(argv=None):
     ap.add_argument("--exact-batch", type=int, default=2, help="matrices timed for torch.linalg.svd (scaled)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--quick", action="store_true", help="small shapes (smoke run)")
+    ap.add_argument("--clock", choices=["cpu", "wall"], default="cpu",
+                    help="cpu: process CPU time (default; robust on a shared machine, needs --threads 1)")
     args = ap.parse_args(argv)
+    global CLOCK
+    CLOCK = args.clock
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     which = set(args.only or ["svd", "knobs", "proj", "step", "emb", "emb-quality"])
     backends = ["cpp", "reference"] if device.type == "cpu" else ["cuda", "triton", "reference"]
     print(f"# meshkern spectral bench: torch {torch.__version__}, threads={torch.get_num_threads()}, "
-          f"device={device}, repeats={args.repeats} (medians), OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, "
+          f"device={device}, repeats={args.repeats} (medians), clock={args.clock}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, "
           f"load avg {os.getloadavg()[0]:.1f}")
     q = args.quick
     if "svd" in which:
