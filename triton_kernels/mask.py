@@ -103,31 +103,27 @@ def _indices_kernel(out_ptr, N, H, K, k0, k1, step, tag, BLOCK_T: tl.constexpr, 
 
 
 @triton.jit(do_not_specialize=["k0", "k1", "step", "tag"])
-def _pack_kernel(h_ptr, out_ptr, scale_ptr, N, H, K, k0, k1, step, tag, RESCALE: tl.constexpr,
-                 BLOCK_T: tl.constexpr, NW: tl.constexpr, CHUNK: tl.constexpr):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    kept = _kept_bits(rows, k0, k1, step, tag, H, K, BLOCK_T, NW, CHUNK)
-    slot = tl.cumsum(kept, axis=1) - 1
-    d = tl.arange(0, NW * 32)
-    m = (kept != 0) & (rows < N)[:, None]
-    x = tl.load(h_ptr + rows[:, None] * H + d[None, :], mask=m)
-    if RESCALE:
-        x = _rescaled(x, scale_ptr, out_ptr.dtype.element_ty)
-    tl.store(out_ptr + rows[:, None] * K + slot, x, mask=m)
-
-
-@triton.jit(do_not_specialize=["k0", "k1", "step", "tag"])
-def _unpack_kernel(v_ptr, out_ptr, scale_ptr, N, H, K, k0, k1, step, tag, RESCALE: tl.constexpr,
-                   BLOCK_T: tl.constexpr, NW: tl.constexpr, CHUNK: tl.constexpr):
+def _move_kernel(src_ptr, out_ptr, scale_ptr, N, H, K, k0, k1, step, tag, PACK: tl.constexpr,
+                 RESCALE: tl.constexpr, BLOCK_T: tl.constexpr, NW: tl.constexpr, CHUNK: tl.constexpr):
+    """PACK: gather h [N, H] -> out [N, K]; else scatter v [N, K] -> out [N, H], zeros elsewhere."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     kept = _kept_bits(rows, k0, k1, step, tag, H, K, BLOCK_T, NW, CHUNK)
     slot = tl.cumsum(kept, axis=1) - 1
     d = tl.arange(0, NW * 32)
     row_ok = (rows < N)[:, None]
-    x = tl.load(v_ptr + rows[:, None] * K + slot, mask=(kept != 0) & row_ok, other=0.0)
+    m = (kept != 0) & row_ok
+    full = rows[:, None] * H + d[None, :]  # offsets in the [N, H] tensor
+    packed = rows[:, None] * K + slot  # offsets in the [N, K] tensor (where kept)
+    if PACK:
+        x = tl.load(src_ptr + full, mask=m)
+    else:
+        x = tl.load(src_ptr + packed, mask=m, other=0.0)
     if RESCALE:
         x = _rescaled(x, scale_ptr, out_ptr.dtype.element_ty)
-    tl.store(out_ptr + rows[:, None] * H + d[None, :], x, mask=(d < H)[None, :] & row_ok)
+    if PACK:
+        tl.store(out_ptr + packed, x, mask=m)
+    else:
+        tl.store(out_ptr + full, x, mask=(d < H)[None, :] & row_ok)
 
 
 # Philox blocks per vectorized chunk (32 draws): amortizes the per-op cost of Floyd's
@@ -164,27 +160,22 @@ def indices(out: torch.Tensor, words, H: int) -> None:
     _indices_kernel[grid](out, N, H, K, *words, BLOCK_T=block_t, NW=nw, CHUNK=CHUNK, num_warps=warps)
 
 
+def _move(src: torch.Tensor, out: torch.Tensor, words, H: int, K: int, scale: float | None, pack: bool):
+    N = src.shape[:-1].numel()
+    if N:
+        grid, block_t, nw, warps = _grid(N, H, src.device)
+        _move_kernel[grid](src, out, _scale_tensor(src.dtype, scale, src.device), N, H, K, *words, PACK=pack,
+                           RESCALE=scale is not None, BLOCK_T=block_t, NW=nw, CHUNK=CHUNK, num_warps=warps)
+    return out
+
+
 def pack(h: torch.Tensor, words, K: int, scale: float | None) -> torch.Tensor:
     """Contiguous [..., H] -> [..., K] kept values (times ``scale`` if given)."""
-    H = h.shape[-1]
     out = torch.empty(*h.shape[:-1], K, dtype=h.dtype, device=h.device)
-    N = h.numel() // H
-    if N:
-        grid, block_t, nw, warps = _grid(N, H, h.device)
-        _pack_kernel[grid](h, out, _scale_tensor(h.dtype, scale, h.device), N, H, K, *words,
-                           RESCALE=scale is not None, BLOCK_T=block_t, NW=nw, CHUNK=CHUNK,
-                           num_warps=warps)
-    return out
+    return _move(h, out, words, h.shape[-1], K, scale, pack=True)
 
 
 def unpack(v: torch.Tensor, words, H: int, scale: float | None) -> torch.Tensor:
     """Contiguous [..., K] -> [..., H]: values at the kept dims (times ``scale``), zeros elsewhere."""
-    K = v.shape[-1]
     out = torch.empty(*v.shape[:-1], H, dtype=v.dtype, device=v.device)
-    N = v.numel() // K
-    if N:
-        grid, block_t, nw, warps = _grid(N, H, v.device)
-        _unpack_kernel[grid](v, out, _scale_tensor(v.dtype, scale, v.device), N, H, K, *words,
-                             RESCALE=scale is not None, BLOCK_T=block_t, NW=nw, CHUNK=CHUNK,
-                           num_warps=warps)
-    return out
+    return _move(v, out, words, H, v.shape[-1], scale, pack=False)

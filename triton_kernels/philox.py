@@ -33,52 +33,41 @@ def philox4x32_10(c0, c1, c2, c3, k0, k1):
     return c0, c1, c2, c3
 
 
-@triton.jit(do_not_specialize=["k0", "k1"])
-def _philox_kernel(ctr_ptr, out_ptr, n, k0, k1, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["k0", "k1", "seed"])
+def _philox_kernel(ctr_ptr, out_ptr, n, k0, k1, seed, BUILTIN: tl.constexpr, BLOCK: tl.constexpr):
+    """Philox of [n, 4] counters: ours with key (k0, k1), or tl.philox with ``seed``."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
     c0 = tl.load(ctr_ptr + 4 * i, mask=m, other=0).to(tl.uint32)
     c1 = tl.load(ctr_ptr + 4 * i + 1, mask=m, other=0).to(tl.uint32)
     c2 = tl.load(ctr_ptr + 4 * i + 2, mask=m, other=0).to(tl.uint32)
     c3 = tl.load(ctr_ptr + 4 * i + 3, mask=m, other=0).to(tl.uint32)
-    w0, w1, w2, w3 = philox4x32_10(c0, c1, c2, c3, k0.to(tl.uint32), k1.to(tl.uint32))
+    if BUILTIN:
+        w0, w1, w2, w3 = tl.philox(seed, c0, c1, c2, c3)
+    else:
+        w0, w1, w2, w3 = philox4x32_10(c0, c1, c2, c3, k0.to(tl.uint32), k1.to(tl.uint32))
     tl.store(out_ptr + 4 * i, w0.to(tl.int64), mask=m)
     tl.store(out_ptr + 4 * i + 1, w1.to(tl.int64), mask=m)
     tl.store(out_ptr + 4 * i + 2, w2.to(tl.int64), mask=m)
     tl.store(out_ptr + 4 * i + 3, w3.to(tl.int64), mask=m)
 
 
-@triton.jit(do_not_specialize=["seed"])
-def _builtin_kernel(ctr_ptr, out_ptr, n, seed, BLOCK: tl.constexpr):
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    m = i < n
-    c0 = tl.load(ctr_ptr + 4 * i, mask=m, other=0).to(tl.uint32)
-    c1 = tl.load(ctr_ptr + 4 * i + 1, mask=m, other=0).to(tl.uint32)
-    c2 = tl.load(ctr_ptr + 4 * i + 2, mask=m, other=0).to(tl.uint32)
-    c3 = tl.load(ctr_ptr + 4 * i + 3, mask=m, other=0).to(tl.uint32)
-    w0, w1, w2, w3 = tl.philox(seed, c0, c1, c2, c3)
-    tl.store(out_ptr + 4 * i, w0.to(tl.int64), mask=m)
-    tl.store(out_ptr + 4 * i + 1, w1.to(tl.int64), mask=m)
-    tl.store(out_ptr + 4 * i + 2, w2.to(tl.int64), mask=m)
-    tl.store(out_ptr + 4 * i + 3, w3.to(tl.int64), mask=m)
-
-
-def _launch(kernel, counters: torch.Tensor, *args) -> torch.Tensor:
+def _launch(counters: torch.Tensor, k0: int, k1: int, seed: int, builtin: bool) -> torch.Tensor:
     if counters.dim() != 2 or counters.shape[1] != 4 or counters.dtype != torch.int64:
         raise ValueError("counters must be int64 [N, 4]")
     c = counters.contiguous()
     out = torch.empty_like(c)
     n = c.shape[0]
     block = 1024
-    kernel[(triton.cdiv(n, block),)](c, out, n, *args, BLOCK=block)
+    _philox_kernel[(triton.cdiv(n, block),)](c, out, n, k0, k1, seed, BUILTIN=builtin, BLOCK=block)
     return out
 
 
 def philox4x32(counters: torch.Tensor, k0: int, k1: int) -> torch.Tensor:
     """int64 [N, 4] counters -> int64 [N, 4] Philox4x32-10 output words, key (k0, k1)."""
-    return _launch(_philox_kernel, counters, int(k0), int(k1))
+    return _launch(counters, int(k0), int(k1), 0, builtin=False)
 
 
 def builtin_philox4x32(counters: torch.Tensor, seed: int) -> torch.Tensor:
     """The same through Triton's tl.philox (key = (seed & 0xffffffff, seed >> 32))."""
-    return _launch(_builtin_kernel, counters, int(seed))
+    return _launch(counters, 0, 0, int(seed), builtin=True)

@@ -104,32 +104,23 @@ __global__ void indices_kernel(int64_t* __restrict__ out, int64_t N, uint32_t H,
   scan_row(bits, nwords, lane, [&](uint32_t dim, uint32_t k) { dst[k] = dim; });
 }
 
-template <typename scalar_t, bool kRescale>
-__global__ void pack_kernel(const scalar_t* __restrict__ h, scalar_t* __restrict__ out, int64_t N, uint32_t H,
+// kPack: gather h [N, H] -> out [N, K]; else scatter v [N, K] -> out [N, H] (the warp
+// zeroes its row first; select_row's __syncwarp orders the zeros before the scatter).
+template <typename scalar_t, bool kRescale, bool kPack>
+__global__ void move_kernel(const scalar_t* __restrict__ src, scalar_t* __restrict__ out, int64_t N, uint32_t H,
                             uint32_t K, uint32_t nwords, KeyWords key, at::opmath_type<scalar_t> scale) {
   using opmath_t = at::opmath_type<scalar_t>;
   int64_t row; unsigned lane; uint32_t* bits;
   if (!row_setup(N, nwords, row, lane, bits)) return;
+  const scalar_t* s = src + row * (kPack ? H : K);
+  scalar_t* d = out + row * (kPack ? K : H);
+  if (!kPack) {
+    for (uint32_t i = lane; i < H; i += 32) d[i] = scalar_t(0);
+  }
   select_row(bits, nwords, key, static_cast<uint32_t>(row), H, K, lane);
-  const scalar_t* src = h + row * H;
-  scalar_t* dst = out + row * K;
   scan_row(bits, nwords, lane, [&](uint32_t dim, uint32_t k) {
-    dst[k] = kRescale ? static_cast<scalar_t>(static_cast<opmath_t>(src[dim]) * scale) : src[dim];
-  });
-}
-
-template <typename scalar_t, bool kRescale>
-__global__ void unpack_kernel(const scalar_t* __restrict__ v, scalar_t* __restrict__ out, int64_t N, uint32_t H,
-                              uint32_t K, uint32_t nwords, KeyWords key, at::opmath_type<scalar_t> scale) {
-  using opmath_t = at::opmath_type<scalar_t>;
-  int64_t row; unsigned lane; uint32_t* bits;
-  if (!row_setup(N, nwords, row, lane, bits)) return;
-  scalar_t* dst = out + row * H;
-  for (uint32_t d = lane; d < H; d += 32) dst[d] = scalar_t(0);
-  select_row(bits, nwords, key, static_cast<uint32_t>(row), H, K, lane);  // its __syncwarp orders the zeros
-  const scalar_t* src = v + row * K;
-  scan_row(bits, nwords, lane, [&](uint32_t dim, uint32_t k) {
-    dst[dim] = kRescale ? static_cast<scalar_t>(static_cast<opmath_t>(src[k]) * scale) : src[k];
+    const scalar_t x = s[kPack ? dim : k];
+    d[kPack ? k : dim] = kRescale ? static_cast<scalar_t>(static_cast<opmath_t>(x) * scale) : x;
   });
 }
 
@@ -146,6 +137,21 @@ void indices_cuda(at::Tensor& out, int64_t k0, int64_t k1, int64_t step, int64_t
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+template <bool kPack>
+void move_cuda(const at::Tensor& src, at::Tensor& out, const KeyWords& key, int64_t N, int64_t H, int64_t K,
+               double scale, bool rescale) {
+  if (N == 0) return;
+  const Launch l = launch_shape(N, H);
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src.scalar_type(), "mask_move_cuda", [&] {
+    const auto m = static_cast<at::opmath_type<scalar_t>>(scale);
+    auto kernel = rescale ? move_kernel<scalar_t, true, kPack> : move_kernel<scalar_t, false, kPack>;
+    kernel<<<l.grid, l.block, l.shared, stream>>>(src.const_data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), N, H, K,
+                                                  l.nwords, key, m);
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 at::Tensor pack_cuda(const at::Tensor& h_in, int64_t k0, int64_t k1, int64_t step, int64_t tag, int64_t K,
                      double scale, bool rescale) {
   TORCH_CHECK(h_in.dim() == 2, "h must be [N, H]");
@@ -155,22 +161,7 @@ at::Tensor pack_cuda(const at::Tensor& h_in, int64_t k0, int64_t k1, int64_t ste
   const int64_t N = h.size(0), H = h.size(1);
   check_sizes(N, H, K);
   auto out = at::empty({N, K}, h.options());
-  if (N == 0) return out;
-  const KeyWords key = key_words(k0, k1, step, tag);
-  const Launch l = launch_shape(N, H);
-  auto stream = c10::cuda::getCurrentCUDAStream();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, h.scalar_type(), "mask_pack_cuda", [&] {
-    using opmath_t = at::opmath_type<scalar_t>;
-    const auto s = static_cast<opmath_t>(scale);
-    if (rescale) {
-      pack_kernel<scalar_t, true><<<l.grid, l.block, l.shared, stream>>>(
-          h.const_data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), N, H, K, l.nwords, key, s);
-    } else {
-      pack_kernel<scalar_t, false><<<l.grid, l.block, l.shared, stream>>>(
-          h.const_data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), N, H, K, l.nwords, key, s);
-    }
-  });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  move_cuda<true>(h, out, key_words(k0, k1, step, tag), N, H, K, scale, rescale);
   return out;
 }
 
@@ -182,23 +173,8 @@ at::Tensor unpack_cuda(const at::Tensor& v_in, int64_t k0, int64_t k1, int64_t s
   const auto v = v_in.contiguous();
   const int64_t N = v.size(0), K = v.size(1);
   check_sizes(N, H, K);
-  auto out = at::empty({N, H}, v.options());
-  if (N == 0) return out;
-  const KeyWords key = key_words(k0, k1, step, tag);
-  const Launch l = launch_shape(N, H);
-  auto stream = c10::cuda::getCurrentCUDAStream();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, v.scalar_type(), "mask_unpack_cuda", [&] {
-    using opmath_t = at::opmath_type<scalar_t>;
-    const auto s = static_cast<opmath_t>(scale);
-    if (rescale) {
-      unpack_kernel<scalar_t, true><<<l.grid, l.block, l.shared, stream>>>(
-          v.const_data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), N, H, K, l.nwords, key, s);
-    } else {
-      unpack_kernel<scalar_t, false><<<l.grid, l.block, l.shared, stream>>>(
-          v.const_data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), N, H, K, l.nwords, key, s);
-    }
-  });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  auto out = at::empty({N, H}, v.options());  // the kernel zeroes each row
+  move_cuda<false>(v, out, key_words(k0, k1, step, tag), N, H, K, scale, rescale);
   return out;
 }
 
