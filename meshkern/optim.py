@@ -342,8 +342,8 @@ class SpectralAdamW(torch.optim.AdamW):
         kept = total = None
         try:
             for (group, p), f in zip(self._flat_groups(), facs):
-                if f is None or p.grad is None or p.grad.is_sparse:
-                    continue
+                if f is None or p.grad is None or p.grad.is_sparse or group["alpha"] == 1.0:
+                    continue  # alpha = 1 (prior switched off): G_proj = G exactly, skip the work
                 g = p.grad
                 U, S, V = f
                 gp, fsq = spectral.project(g, U, S, V, group["tau"], group["alpha"], backend=self.backend,

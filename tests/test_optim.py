@@ -182,6 +182,22 @@ def test_bad_anchor_is_rejected_and_state_kept():
         opt.observe_anchor(_grads(params, 1), -1)
 
 
+def test_alpha_one_group_is_plain_adamw_with_a_prior():
+    pa, pb = _params(6), _params(6)
+    ref = torch.optim.AdamW(pa, lr=1e-2, foreach=False)
+    opt = SpectralAdamW(pb, lr=1e-2, rank=4, foreach=False)
+    assert opt.observe_anchor(_grads(pb, 3), 1)
+    for g in opt.param_groups:
+        g["alpha"] = 1.0  # how the trainer switches the prior off
+    for s in range(2):
+        grads = _grads(pa, s)
+        _set_grads(pa, grads)
+        _set_grads(pb, grads)
+        ref.step()
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(pa, pb))
+
+
 def test_bad_hyperparameters():
     with pytest.raises(ValueError, match="tau"):
         SpectralAdamW(_params(), tau=-1e-3)
