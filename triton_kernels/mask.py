@@ -3,11 +3,12 @@
 The mask is specified in meshkern/reference_mask.py (Philox4x32-10 counters + Floyd's
 sampling); these kernels compute the same function, bit for bit.
 
-Layout: one program handles BLOCK_T token rows. Floyd's selection is sequential in the
-K draws but independent across rows, so it runs as a loop over Philox blocks (two
-draws each) vectorized across the program's rows, on a per-row bitmap of NW 32-bit
-words held in registers ([BLOCK_T, NW]; a word is read/updated with a one-hot
-compare along NW, since Triton has no dynamic register indexing). The bitmap is then
+Layout: one program handles BLOCK_T token rows. Philox runs CHUNK blocks (2 * CHUNK
+draws) at a time as one [BLOCK_T, CHUNK] tensor op; Floyd's selection, sequential in
+the draws but independent across rows, then loops over those draws vectorized across
+the program's rows, on a per-row bitmap of NW 32-bit words held in registers
+([BLOCK_T, NW]; a word is read/updated with a one-hot compare along NW, since Triton
+has no dynamic register indexing). The bitmap is then
 expanded to [BLOCK_T, HP] bits; an inclusive cumsum gives every kept dim its output
 slot, which drives the gather (pack), the scatter (unpack) or the index store
 (indices) directly: no index tensor is written by pack/unpack.
