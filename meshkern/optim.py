@@ -17,7 +17,7 @@ filter_embeddings=...)``; the default leaves them unfiltered (plain AdamW): thei
 anchor rows only cover the tokens of the anchor's batches (row-sparse, unrelated to the
 fast node's tokens), and filtering one is expensive. Measured
 (``python -m bench.spectral_bench --only emb --only emb-quality``, 1 thread, CPU time):
-a [32000, 2048] fp32 matrix costs 3.8x its own AdamW step per SVD refresh and 1.07x per
+a [32000, 2048] fp32 matrix costs 3.8x its own AdamW step per SVD refresh and 0.78x per
 step for the projection; in a small proxy run (tiny Llama, noisy fast gradients, clean
 anchor gradients 20 steps late, 150 steps, one seed) the eval loss was 2.620 with
 embeddings / lm_head unfiltered, 2.649 with the embedding filtered, 2.880 with both
