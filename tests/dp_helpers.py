@@ -239,16 +239,19 @@ def dying_peer_worker(rank: int, world: int, port: int, outdir: str, how: str) -
             if self.calls >= 5 and rank == 1:  # 5th sync = fragment 0's, started at step 5
                 if how == "die":
                     os._exit(7)
-                _time.sleep(8)  # > rank 0's 3 s timeout
+                # hang until rank 0 has reported (it must time out on its own: 10 s)
+                deadline = _time.monotonic() + 60
+                while not os.path.exists(os.path.join(outdir, "rank0.safetensors")) and _time.monotonic() < deadline:
+                    _time.sleep(0.1)
                 os._exit(0)
             return out
 
-    init(rank, world, port, timeout_s=30)
+    init(rank, world, port, timeout_s=120)  # gloo's own timeout must not be what fires
     model = tiny_mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    comp = FailingPowerSGD(2, min_compression_rate=0.0, timeout_s=3.0)
+    comp = FailingPowerSGD(2, min_compression_rate=0.0, timeout_s=10.0)
     dl = StreamingDiLoCo(model.named_parameters(), None, sync_every=2, num_fragments=2, overlap_steps=1,
-                         compressor=comp, timeout_s=3.0)
+                         compressor=comp, timeout_s=10.0)
     res = {}
     for t in range(6):
         x, y = mlp_batch(rank, t)
