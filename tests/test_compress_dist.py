@@ -19,7 +19,7 @@ STEPS = 6
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("compress")
-    codes = H.spawn(H.compressor_worker, WORLD, str(out), STEPS, timeout=150)
+    codes = H.spawn(H.compressor_worker, WORLD, str(out), STEPS, timeout=300)
     assert codes == [0] * WORLD, f"rank exit codes {codes}"
     return [H.load(str(out / f"rank{r}.safetensors")) for r in range(WORLD)]
 
