@@ -291,6 +291,20 @@ def evaluate_run(row: Row, seed: int, s: Settings, argv: list[str], run_dir: str
     return rec
 
 
+def _code_version() -> str:
+    """The repository's commit (+ "-dirty" with uncommitted changes): what a result was
+    measured with (data generators and presets can change between runs)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (head or "unknown") + ("-dirty" if dirty else "")
+
+
 def _write_json(path: str, obj: dict) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
@@ -361,7 +375,7 @@ def run_row(row: Row, seed: int, s: Settings, a, idx: str) -> str:
         print(f"[{idx}] {row.name} seed {seed}: FAILED in evaluation: {e!r}", flush=True)
         return "failed"
     rec.update(train_wall_s=train_s, eval_wall_s=time.time() - t1, finished_utc=time.strftime(
-        "%Y-%m-%dT%H:%M:%SZ", time.gmtime()), complete=True)
+        "%Y-%m-%dT%H:%M:%SZ", time.gmtime()), code_version=_code_version(), complete=True)
     _write_json(path, rec)
     if not a.keep_checkpoints:
         shutil.rmtree(os.path.join(run_dir, "checkpoints"), ignore_errors=True)
