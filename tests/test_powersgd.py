@@ -152,3 +152,28 @@ def test_compressor_rejects_bad_arguments(world1):
         PowerSGD(2).all_reduce_mean([torch.zeros(4, 4, dtype=torch.long)], None)
     with pytest.raises(TypeError, match="torch.Tensor"):
         PowerSGD(2).all_reduce_mean([[1.0, 2.0]], None)
+
+
+def test_garbage_from_a_peer_does_not_poison_error_feedback(world1, monkeypatch):
+    g = torch.Generator().manual_seed(4)
+    ts = [torch.randn(32, 24, generator=g)]
+    c = PowerSGD(2, seed=1)
+    c.all_reduce_mean(ts, None)
+    err_before = c._state["default"]["32x24x2"]["err"].clone()
+
+    real = PowerSGD._all_reduce
+
+    def corrupt_p(self, flat, group, what):  # a peer's NaN arrives in the sum of P
+        out = real(self, flat, group, what)
+        if "of P" in what:
+            out[0] = float("nan")
+        return out
+
+    monkeypatch.setattr(PowerSGD, "_all_reduce", corrupt_p)
+    out = c.all_reduce_mean(ts, None)
+    assert not torch.isfinite(out[0]).all()
+    st = c._state["default"]["32x24x2"]
+    assert "q" not in st and torch.equal(st["err"], err_before + ts[0])  # all of M carried over
+    monkeypatch.setattr(PowerSGD, "_all_reduce", real)
+    out = c.all_reduce_mean(ts, None)
+    assert torch.isfinite(out[0]).all() and torch.isfinite(c._state["default"]["32x24x2"]["q"]).all()

@@ -14,6 +14,10 @@ Tensors for which rank r does not pay (``(n+m)*r*min_compression_rate >= n*m``) 
 The initial Q of every (key, shape group) comes from a generator seeded by ``seed``,
 the key and the shapes, so all replicas start from the same Q without sending it.
 Half-precision inputs are compressed in fp32 (``compute_dtype``) and cast back.
+Non-finite all-reduced factors (garbage from a peer; every rank sees the same sums)
+give a non-finite result for that shape group, which callers skip (StreamingDiLoCo
+does), while the error feedback keeps the whole unsent M and Q restarts from the seed:
+the state is never poisoned.
 """
 from __future__ import annotations
 
@@ -160,18 +164,20 @@ class PowerSGD(Compressor):
             dt = tensors[idx[0]].dtype
             cd = self.compute_dtype if dt in (torch.float16, torch.bfloat16) else dt
             gkey = f"{n}x{m}x{r}"
-            st = state.get(gkey)
-            if st is not None and st["q"].shape[0] != len(idx):
-                raise ValueError(f"PowerSGD key {key!r}: shape group {gkey} had {st['q'].shape[0]} matrices, "
+            st = state.get(gkey, {})
+            prev_q, prev_err = st.get("q"), st.get("err")
+            had = [t.shape[0] for t in (prev_q, prev_err) if t is not None and t.numel()]
+            if had and had[0] != len(idx):
+                raise ValueError(f"PowerSGD key {key!r}: shape group {gkey} had {had[0]} matrices, "
                                  f"now {len(idx)}; use a different key for a different tensor list")
             grads = torch.stack([tensors[i].reshape(n, m).to(cd) for i in idx])
-            if st is None or not self.warm_start:
+            if prev_q is None or not self.warm_start:
                 q = self.initial_q(key, n, m, r, len(idx)).to(device=dev, dtype=cd)
             else:
-                q = st["q"]
+                q = prev_q
             orthogonalize(q, self.orthogonalization, self.eps)
             if self.error_feedback:
-                err = st["err"] if st is not None else torch.zeros_like(grads)
+                err = prev_err if prev_err is not None and prev_err.numel() else torch.zeros_like(grads)
                 p = powersgd_ef_project(grads, err, q, backend=self.backend)
             else:
                 err = grads
@@ -193,9 +199,17 @@ class PowerSGD(Compressor):
 
         for (n, m, r), (idx, err, p, q, cd), q_sum in zip(groups, work, q_sums):
             q.copy_(q_sum.view(q.shape)).div_(world)
-            mhat = powersgd_reconstruct(p, q, err, backend=self.backend)
-            if self.error_feedback or self.warm_start:
-                state[f"{n}x{m}x{r}"] = {"q": q, "err": err if self.error_feedback else torch.zeros(0)}
+            keep_err = err if self.error_feedback else torch.zeros(0)
+            if bool(torch.isfinite(p).all()) and bool(torch.isfinite(q).all()):
+                mhat = powersgd_reconstruct(p, q, err, backend=self.backend)
+                state[f"{n}x{m}x{r}"] = {"q": q, "err": keep_err}
+            else:
+                # Garbage from a peer (every rank sees the same sums): return non-finite
+                # so the caller skips this round, keep err = M (nothing was applied, so
+                # everything carries over) and drop Q so the next round restarts from
+                # the shared seed on every rank.
+                mhat = torch.full_like(err, float("nan"))
+                state[f"{n}x{m}x{r}"] = {"err": keep_err}
             for b, i in enumerate(idx):
                 out[i] = mhat[b].view(tensors[i].shape).to(tensors[i].dtype)
         return out
