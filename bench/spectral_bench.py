@@ -328,6 +328,7 @@ def main(argv=None):
     ap.add_argument("--exact-batch", type=int, default=2, help="matrices timed for torch.linalg.svd (scaled)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--quick", action="store_true", help="small shapes (smoke run)")
+    ap.add_argument("--rank", type=int, default=32, help="SpectralAdamW rank in the step table")
     ap.add_argument("--clock", choices=["cpu", "wall"], default="cpu",
                     help="cpu: process CPU time (default; robust on a shared machine, needs --threads 1)")
     args = ap.parse_args(argv)
@@ -350,7 +351,7 @@ def main(argv=None):
                    backends[:1])
     if "step" in which:
         shapes = llama_layer_shapes(hidden=256, ffn=1024, heads=4, kv_heads=2, layers=2) if q else llama_layer_shapes()
-        bench_step(shapes, 32, args.repeats, device)
+        bench_step(shapes, args.rank, args.repeats, device)
     if "emb" in which:
         bench_embedding(1024 if q else 32000, 256 if q else 2048, 32, args.repeats, device)
     if "emb-quality" in which:
