@@ -487,7 +487,8 @@ def make_plots(by_row: dict[str, list[dict]], fig_dir: str) -> list[str]:
         for xkey, xlabel, fname in (("tokens", "training tokens (fast circuit)", "loss_vs_tokens"),
                                     ("modeled_s", "modeled wall-clock at 200 Mbps [s]", "loss_vs_wallclock")):
             fig, ax = plt.subplots(figsize=(7, 4.5))
-            for n in names:
+            colors = plt.get_cmap("tab10" if len(names) <= 10 else "tab20").colors  # distinct per row
+            for i, n in enumerate(names):
                 rs = by_row[n]
                 steps = sorted(set.intersection(*[{p["step"] for p in r["curve"]} for r in rs]))
                 xs, mean, lo, hi = [], [], [], []
@@ -498,7 +499,7 @@ def make_plots(by_row: dict[str, list[dict]], fig_dir: str) -> list[str]:
                     mean.append(statistics.fmean(ls))
                     lo.append(min(ls))
                     hi.append(max(ls))
-                line, = ax.plot(xs, mean, marker="o", ms=3, label=f"{n} (n={len(rs)})")
+                line, = ax.plot(xs, mean, marker="o", ms=3, color=colors[i % len(colors)], label=f"{n} (n={len(rs)})")
                 if len(rs) > 1:
                     ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.15)
             ax.set_xlabel(xlabel)
@@ -511,7 +512,36 @@ def make_plots(by_row: dict[str, list[dict]], fig_dir: str) -> list[str]:
             fig.savefig(p, dpi=110)
             plt.close(fig)
             written.append(p)
+        ref = {"baseline": "m95", "ablation": "m95-ap"}.get(group)
+        if ref in by_row:  # the small differences between variants, paired by seed
+            p = _paired_bars(plt, by_row, [n for n in names if ROW_BY_NAME[n].group == group], ref,
+                             os.path.join(fig_dir, f"{group}_paired_delta.png"))
+            if p:
+                written.append(p)
     return written
+
+
+def _paired_bars(plt, by_row, names, ref, path):
+    """Bar chart: final held-out loss minus the reference row's, same seed (mean ± sd)."""
+    refs = {r["seed"]: r["final_loss"] for r in by_row[ref]}
+    rows = []
+    for n in names:
+        d = [r["final_loss"] - refs[r["seed"]] for r in by_row[n] if r["seed"] in refs]
+        if d:
+            rows.append((n, statistics.fmean(d), statistics.stdev(d) if len(d) > 1 else 0.0, len(d)))
+    if not rows:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 0.45 * len(rows) + 1.5))
+    ax.barh([f"{n} (n={k})" for n, _, _, k in rows], [m for _, m, _, _ in rows],
+            xerr=[sd for _, _, sd, _ in rows], color="tab:blue", alpha=0.7, capsize=3)
+    ax.axvline(0, color="black", lw=0.8)
+    ax.invert_yaxis()
+    ax.set_xlabel(f"final held-out loss minus {ref} (same seed); error bar = sd over seeds")
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def report(a, s: Settings) -> None:
