@@ -39,40 +39,38 @@ def _argv(tiny, out, rows="dense,m95"):
 
 
 def test_quick_run_writes_results_table_plots_and_resumes(tiny, tmp_path, capsys):
-    assert experiments.main(_argv(tiny, tmp_path)) == 0
-    res = {}
-    for row in ("dense", "m95"):
-        r = json.loads((tmp_path / "res" / "runs" / f"{row}-s0.json").read_text())
-        assert r["complete"] and r["row"] == row and r["seed"] == 0
-        # one evaluation at step 0 (base) and at every checkpoint (every 2 of 4 steps)
-        assert [p["step"] for p in r["curve"]] == [0, 2, 4]
-        assert r["final_loss"] == r["curve"][-1]["loss"] and r["base_loss"] == r["curve"][0]["loss"]
-        assert all(p["loss"] > 0 and p["perplexity"] > 1 for p in r["curve"])
-        assert r["modeled_tokens_per_s"] > 0 and r["network_bound_tokens_per_s"] >= r["modeled_tokens_per_s"]
-        assert "0.5" in r["pruning"]  # main rows carry the pruning sweep
-        res[row] = r
-    # every row starts from the same base model and held-out rows
-    assert res["dense"]["base_loss"] == res["m95"]["base_loss"]
-    # dense boundaries send H fp32 values per token each way; mask p=0.95 sends K=round(0.05 H)
-    H = res["dense"]["hidden_size"]
-    assert res["dense"]["bytes_per_token"]["pp_fwd"] == pytest.approx(4 * H)
-    assert res["m95"]["bytes_per_token"]["pp_fwd"] == pytest.approx(4 * round(0.05 * H))
+    # One row keeps the test short (each row is a trainer process tree); m95 exercises the
+    # mask codec, DiLoCo-less single replica, checkpoints, evaluation and pruning.
+    assert experiments.main(_argv(tiny, tmp_path, rows="m95")) == 0
+    r = json.loads((tmp_path / "res" / "runs" / "m95-s0.json").read_text())
+    assert r["complete"] and r["row"] == "m95" and r["seed"] == 0
+    # one evaluation at step 0 (base) and at every checkpoint (every 2 of 4 steps)
+    assert [p["step"] for p in r["curve"]] == [0, 2, 4]
+    assert [p["tokens"] for p in r["curve"]] == [0, 2 * 2 * 32, 4 * 2 * 32]  # fast rows 1 x batch 2 x seq 32
+    assert r["final_loss"] == r["curve"][-1]["loss"] and r["base_loss"] == r["curve"][0]["loss"]
+    assert all(p["loss"] > 0 and p["perplexity"] > 1 for p in r["curve"])
+    assert r["modeled_tokens_per_s"] > 0 and r["network_bound_tokens_per_s"] >= r["modeled_tokens_per_s"]
+    assert "0.5" in r["pruning"]  # main rows carry the pruning sweep
+    # mask p=0.95 sends K=round(0.05 H) fp32 values per token each way, nothing else
+    K = round(0.05 * r["hidden_size"])
+    assert r["bytes_per_token"]["pp_fwd"] == pytest.approx(4 * K)
+    assert r["bytes_per_token"]["pp_bwd"] == pytest.approx(4 * K)
+    assert r["bytes_per_token"]["dp"] == 0 and r["bytes_per_token"]["anchor"] == 0  # one replica, no anchor
     table = (tmp_path / "res" / "table.md").read_text()
-    assert "| dense |" in table and "| m95 |" in table
-    assert f"{res['m95']['final_loss']:.3f}" in table
+    assert "| m95 |" in table and f"{r['final_loss']:.3f}" in table
     for group_plot in ("main_loss_vs_tokens.png", "main_loss_vs_wallclock.png"):
         png = tmp_path / "fig" / group_plot
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert (tmp_path / "res" / "summary.csv").read_text().count("\n") == 3
+    assert (tmp_path / "res" / "summary.csv").read_text().count("\n") == 2
     # checkpoints are removed after evaluation unless asked to keep them
     assert not glob.glob(str(tmp_path / "work" / "*" / "checkpoints"))
 
-    # second invocation: both rows are finished, nothing trains again
+    # second invocation: the row is finished, nothing trains again
     capsys.readouterr()
     mtime = os.path.getmtime(tmp_path / "res" / "runs" / "m95-s0.json")
-    assert experiments.main(_argv(tiny, tmp_path)) == 0
+    assert experiments.main(_argv(tiny, tmp_path, rows="m95")) == 0
     out = capsys.readouterr().out
-    assert out.count("finished, skipped") == 2 and "training" not in out
+    assert "finished, skipped" in out and "training" not in out
     assert os.path.getmtime(tmp_path / "res" / "runs" / "m95-s0.json") == mtime
 
 
