@@ -169,3 +169,25 @@ def test_cli_report_matches_direct_evaluation(model, tok, tmp_path, capsys):
     half = evaluate.eval_loss(evaluate.magnitude_prune(model, 0.5), held)["loss"]
     assert rep["pruning"]["results"]["0.5"]["loss"] == pytest.approx(half, rel=1e-5)
     assert "held-out task:add" in capsys.readouterr().out
+
+
+def test_answer_loss_counts_only_answer_tokens(model, tok):
+    exs = tasks.examples("copy", 5, seed=9)
+    total, count = 0.0, 0
+    for e in exs:  # one example at a time, by hand
+        p = [tok.eos_token_id] + tok.encode(e.prompt, add_special_tokens=False)
+        a = tok.encode(" " + e.answer + "\n", add_special_tokens=False)
+        x = torch.tensor([p + a])
+        with torch.no_grad():
+            logp = model(input_ids=x).logits.float().log_softmax(-1)[0]
+        for j, t in enumerate(a):
+            total -= logp[len(p) - 1 + j, t].item()
+            count += 1
+    got = evaluate.answer_loss(model, tok, "copy", n=5, seed=9, batch_size=2)
+    assert got["tokens"] == count
+    assert got["loss"] == pytest.approx(total / count, rel=1e-5)
+    def peeks(x):  # "predicts" each next token by reading it: a perfect model
+        out = torch.full((*x.shape, len(tok)), -30.0)
+        out[:, :-1].scatter_(2, x[:, 1:, None], 30.0)
+        return out
+    assert evaluate.answer_loss(peeks, tok, "copy", n=5, seed=9)["loss"] < 1e-6
