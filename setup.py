@@ -24,6 +24,21 @@ GROUPS = {"mask": "_mask_C", "spectral": "_spectral_C", "dp": "_dp_C"}
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
+def _write_build_info(torch_version, groups, cuda_groups):
+    """Record what was built: the loader (meshkern/_backend.py) refuses extensions built
+    for another torch, and offers the cuda backend only for groups with CUDA kernels.
+    A partial build (MESHKERN_EXT) keeps the other groups' entries of the same torch."""
+    path = os.path.join(ROOT, "meshkern", "_build_info.json")
+    try:
+        with open(path) as f:
+            old = json.load(f)
+    except (OSError, ValueError):
+        old = {}
+    keep = set(old.get("cuda_groups", [])) - set(groups) if old.get("torch") == torch_version else set()
+    with open(path, "w") as f:
+        json.dump({"torch": torch_version, "cuda_groups": sorted(keep | set(cuda_groups))}, f)
+
+
 def _ext_modules():
     if os.environ.get("MESHKERN_NO_EXT") == "1":
         return [], {}
@@ -39,17 +54,16 @@ def _ext_modules():
         # No GPU to detect the arch from: build for the consumer/datacenter GPUs we target.
         os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;8.6;8.9;9.0"
 
-    # The loader (meshkern/_backend.py) refuses extensions built for another torch.
-    with open(os.path.join(ROOT, "meshkern", "_build_info.json"), "w") as f:
-        json.dump({"torch": torch.__version__, "cuda": bool(use_cuda)}, f)
-
     wanted = os.environ.get("MESHKERN_EXT")
     wanted = set(wanted.split(",")) if wanted else set(GROUPS)
     unknown = wanted - set(GROUPS)
     if unknown:
         raise SystemExit(f"MESHKERN_EXT names unknown groups {sorted(unknown)}; known: {sorted(GROUPS)}")
+    _write_build_info(torch.__version__, wanted,
+                      {g for g in wanted if use_cuda and glob.glob(f"csrc/{g}/*.cu")})
 
-    cxx = ["-O3", "-fopenmp", "-std=c++17"]
+    # torch 2.13's headers use C++20 features (they warn under -std=c++17).
+    cxx = ["-O3", "-fopenmp", "-std=c++20"]
     modules = []
     for group, modname in GROUPS.items():
         if group not in wanted:

@@ -96,7 +96,7 @@ def triton_interpreted() -> bool:
 
 def has_cuda_kernels(group: str) -> bool:
     info = _build_info() or {}
-    return bool(info.get("cuda")) and extension(group) is not None
+    return group in info.get("cuda_groups", []) and extension(group) is not None
 
 
 def why_unavailable(backend: str, group: str, device: torch.device) -> str | None:
@@ -129,15 +129,17 @@ def why_unavailable(backend: str, group: str, device: torch.device) -> str | Non
 def resolve(group: str, device: torch.device, requested: str | None = None) -> str:
     """The backend that runs op group ``group`` for tensors on ``device``.
 
-    ``requested`` (an op's ``backend=`` argument) overrides ``MESHKERN_BACKEND``.
+    ``requested`` (an op's ``backend=`` argument) overrides ``MESHKERN_BACKEND``;
+    ``None`` or "auto" defers to it.
     Raises ValueError for an unknown name, RuntimeError for a forced backend that
     cannot run here.
     """
-    name = requested if requested is not None else os.environ.get(ENV_VAR, "auto")
+    explicit = requested is not None and requested.strip().lower() not in ("", "auto")
+    name = requested if explicit else os.environ.get(ENV_VAR, "auto")
     name = name.strip().lower() or "auto"
     if name != "auto":
         if name not in BACKENDS:
-            raise ValueError(f"unknown backend {name!r} (from {'backend=' if requested is not None else ENV_VAR}); "
+            raise ValueError(f"unknown backend {name!r} (from {'backend=' if explicit else ENV_VAR}); "
                              f"choose one of {BACKENDS} or 'auto'")
         why = why_unavailable(name, group, device)
         if why is not None:

@@ -42,3 +42,11 @@ def test_auto_on_cpu_is_cpp_or_reference():
 def test_unknown_group_is_rejected():
     with pytest.raises(ValueError, match="unknown extension group"):
         _backend.extension("nope")
+
+
+def test_auto_argument_defers_to_env_var(monkeypatch):
+    monkeypatch.setenv(_backend.ENV_VAR, "reference")
+    assert _backend.resolve("mask", torch.device("cpu"), "auto") == "reference"
+    monkeypatch.setenv(_backend.ENV_VAR, "bogus")
+    with pytest.raises(ValueError, match=_backend.ENV_VAR):
+        _backend.resolve("mask", torch.device("cpu"), "auto")
