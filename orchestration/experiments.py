@@ -90,7 +90,10 @@ ROWS: tuple[Row, ...] = (
         label="4-bit quantization ~4x/4x (no anchor)", paper="collapses on generation"),
     Row("bottleneck", "baseline", "m95", ("--boundary.codec", "bottleneck", "--boundary.p", "0.95"),
         label="bottleneck projection 20x/20x (no anchor)", paper="collapses on generation"),
-    # Ablations around M95+AP (p=0.90 is the main row m90-ap).
+    # Ablations around M95+AP (p=0.90 with the anchor is the main row m90-ap; m90 is its
+    # no-anchor control, separating the effect of p from the anchor's).
+    Row("m90", "ablation", "m95", ("--boundary.p", "0.90"), label="M90 (mask p=0.90, no anchor)",
+        paper="(not reported)"),
     Row("p99-ap", "ablation", "m95-ap", ("--boundary.p", "0.99"), label="M99+AP (p=0.99)",
         paper="0.230 / 0.075"),
     Row("delay10", "ablation", "m95-ap", ("--anchor.delay", "10"), label="M95+AP, anchor delay 10 (deterministic)",
