@@ -20,11 +20,11 @@ trainer's own ``prepare`` rebuilds them, so the split is exactly the run's):
     * exact match on the synthetic tasks when the run adapts on ``task:...`` data;
     * magnitude-pruning robustness (30/50/70%) of the final model for the main rows.
 
-Results: one JSON per (row, seed) in ``OUT/runs/`` written atomically when the row is
+Results: one JSON per (row, seed) in ``OUT/records/`` written atomically when the row is
 finished (``"complete": true``); a finished row is never run again (resumable: kill
 and restart at will; a partial run directory is discarded and the row re-run). After
 the runs, ``OUT/table.md``, ``OUT/summary.csv`` and PNG plots in ``--figures`` are
-rebuilt from every complete JSON in ``OUT/runs`` whose settings match this
+rebuilt from every complete JSON in ``OUT/records`` whose settings match this
 invocation's (so several invocations with disjoint ``--rows`` can run side by side).
 
 Mesh: ``--fast-rows`` fast replicas x ``--stages`` stages for every row; rows with the
@@ -315,8 +315,13 @@ def _write_json(path: str, obj: dict) -> None:
     os.replace(tmp, path)  # a reader sees the old file or the whole new one
 
 
+# Not "runs": .gitignore ignores every directory of that name (trainer output), and these
+# small records are meant to be committed.
+RECORDS = "records"
+
+
 def result_path(out: str, row: str, seed: int) -> str:
-    return os.path.join(out, "runs", f"{row}-s{seed}.json")
+    return os.path.join(out, RECORDS, f"{row}-s{seed}.json")
 
 
 def load_result(path: str) -> dict | None:
@@ -406,11 +411,11 @@ def _fmt(xs: list[float], digits: int = 3) -> str:
 
 
 def collect(out: str, s: Settings) -> tuple[dict[str, list[dict]], int]:
-    """Complete results in OUT/runs matching these settings, by row (table order);
+    """Complete results in OUT/records matching these settings, by row (table order);
     also the count of complete results left out for other settings."""
     by_row: dict[str, list[dict]] = {}
     other = 0
-    for p in sorted(glob.glob(os.path.join(out, "runs", "*.json"))):
+    for p in sorted(glob.glob(os.path.join(out, RECORDS, "*.json"))):
         r = load_result(p)
         if not r or not r.get("complete"):
             continue
@@ -570,7 +575,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m orchestration.experiments",
         description="Run the paper's rows (Dense, +DP, M95, M90+AP, M95+AP), PP-codec baselines (top-k, "
                     "int4, bottleneck) and ablations (p, anchor delay, tau, alpha) at small scale: each row = "
-                    "one trainer run + evaluation; writes OUT/runs/<row>-s<seed>.json, OUT/table.md, "
+                    "one trainer run + evaluation; writes OUT/records/<row>-s<seed>.json, OUT/table.md, "
                     "OUT/summary.csv and PNG plots. Resumable: finished rows are skipped.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--rows", default="main",
@@ -597,7 +602,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--row-timeout", type=float, default=1800.0, help="seconds before a trainer run is killed")
     ap.add_argument("--force", action="store_true", help="re-run rows finished with other settings")
     ap.add_argument("--keep-checkpoints", action="store_true", help="keep run checkpoints after evaluation")
-    ap.add_argument("--table-only", action="store_true", help="only rebuild table and plots from OUT/runs")
+    ap.add_argument("--table-only", action="store_true", help="only rebuild table and plots from OUT/records")
     return ap
 
 
@@ -640,7 +645,7 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM (kill PID) unwinds like Ctrl-C, so the running trainer's group is killed too.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     a.bandwidth_mbps = 200.0
-    os.makedirs(os.path.join(a.out, "runs"), exist_ok=True)
+    os.makedirs(os.path.join(a.out, RECORDS), exist_ok=True)
     os.makedirs(a.work, exist_ok=True)
     status = []
     if not a.table_only:

@@ -42,7 +42,7 @@ def test_quick_run_writes_results_table_plots_and_resumes(tiny, tmp_path, capsys
     # One row keeps the test short (each row is a trainer process tree); m95 exercises the
     # mask codec, DiLoCo-less single replica, checkpoints, evaluation and pruning.
     assert experiments.main(_argv(tiny, tmp_path, rows="m95")) == 0
-    r = json.loads((tmp_path / "res" / "runs" / "m95-s0.json").read_text())
+    r = json.loads((tmp_path / "res" / "records" / "m95-s0.json").read_text())
     assert r["complete"] and r["row"] == "m95" and r["seed"] == 0
     # one evaluation at step 0 (base) and at every checkpoint (every 2 of 4 steps)
     assert [p["step"] for p in r["curve"]] == [0, 2, 4]
@@ -67,15 +67,15 @@ def test_quick_run_writes_results_table_plots_and_resumes(tiny, tmp_path, capsys
 
     # second invocation: the row is finished, nothing trains again
     capsys.readouterr()
-    mtime = os.path.getmtime(tmp_path / "res" / "runs" / "m95-s0.json")
+    mtime = os.path.getmtime(tmp_path / "res" / "records" / "m95-s0.json")
     assert experiments.main(_argv(tiny, tmp_path, rows="m95")) == 0
     out = capsys.readouterr().out
     assert "finished, skipped" in out and "training" not in out
-    assert os.path.getmtime(tmp_path / "res" / "runs" / "m95-s0.json") == mtime
+    assert os.path.getmtime(tmp_path / "res" / "records" / "m95-s0.json") == mtime
 
 
 def test_incomplete_result_is_rerun_and_failures_are_recorded(tiny, tmp_path, capsys):
-    runs = tmp_path / "res" / "runs"
+    runs = tmp_path / "res" / "records"
     runs.mkdir(parents=True)
     (runs / "dense-s0.json").write_text('{"row": "dense", "seed": 0, "complete": false}')
     # a trainer flag that fails validation makes the row fail, recorded as incomplete
