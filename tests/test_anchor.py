@@ -2,14 +2,11 @@
 the anchor gradient is the unsplit model's dense gradient at the snapshot, factored and
 dense transport give the same filter, stalls / NaN / wrong shapes / a killed anchor
 never stop or corrupt the fast circuit. Plus the wire layout checks in-process."""
-import glob
 import math
 import os
-import sysconfig
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from orchestration import anchor as A
 from orchestration import checkpoint as ckpt
@@ -18,25 +15,6 @@ from orchestration.launch import run_local
 from orchestration.mesh import MeshLayout
 from orchestration.metrics import read_jsonl
 from orchestration.train import prepare, run_rank
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """A tiny Llama (H=40, 4 layers, GQA, untied) + offline BPE tokenizer, and local text."""
-    from orchestration.data import train_bpe
-
-    root = tmp_path_factory.mktemp("anchor_tiny")
-    src = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "json", "*.py")))
-    text = "\n".join(open(f).read() for f in src)[:120_000]
-    (root / "data.txt").write_text(text)
-    tok = train_bpe([text], vocab_size=300)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=40, intermediate_size=64,
-                                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                                         max_position_embeddings=64, tie_word_embeddings=False))
-    model.save_pretrained(root / "model")
-    tok.save_pretrained(root / "model")
-    return root
 
 
 def _argv(tiny, tmp_path, name, *extra):
@@ -299,5 +277,10 @@ def test_killed_anchor_leaves_the_fast_circuit_training_and_checkpointing(tiny, 
     err = capfd.readouterr().err
     assert "rank 2 (anchor replica, stage 0)" in err
     lost = [line for line in err.splitlines() if "lost the anchor" in line]
-    assert len(lost) == 2 and {line.split(":")[0] for line in lost} == {"[anchor] stage 0", "[anchor] stage 1"}
+    # The killed rank's column notices at once. Stage 1's fast ranks notice only when its
+    # anchor rank (which stops on the broken row) closes the link, which on an idle
+    # machine can come after the 12 fast steps are done: its line is allowed, not required.
+    stages = [line.split(":")[0] for line in lost]
+    assert "[anchor] stage 0" in stages and set(stages) <= {"[anchor] stage 0", "[anchor] stage 1"}
+    assert len(stages) == len(set(stages))  # said once per column
     assert "prior back on" not in err.split("lost the anchor")[-1]

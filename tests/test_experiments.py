@@ -4,32 +4,16 @@ finished rows, and the table's numbers are the ones in the result files."""
 import glob
 import json
 import os
-import sysconfig
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from orchestration import experiments
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """A tiny Llama + offline BPE tokenizer (HF directory) and a small local text file."""
-    from orchestration.data import train_bpe
-
-    root = tmp_path_factory.mktemp("tiny_exp")
-    src = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "json", "*.py")))
-    text = "\n".join(open(f).read() for f in src)[:60_000]
-    (root / "data.txt").write_text(text)
-    tok = train_bpe([text], vocab_size=300)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=40, intermediate_size=64,
-                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                         max_position_embeddings=64, tie_word_embeddings=False))
-    model.save_pretrained(root / "model")
-    tok.save_pretrained(root / "model")
-    return root
+def tiny(tiny_factory):
+    """A 2-layer tiny model on less text: the end-to-end experiment test stays short."""
+    return tiny_factory("tiny_exp", num_layers=2, text_chars=60_000)
 
 
 def _argv(tiny, out, rows="dense,m95"):

@@ -1,39 +1,17 @@
 """The trainer end to end on spawned gloo meshes with a tiny model: checkpoint/resume,
 a killed rank, and bad input refused before any process starts."""
-import glob
 import json
 import os
-import sysconfig
 import time
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from orchestration import checkpoint as ckpt
 from orchestration.config import parse_args
 from orchestration.launch import MeshFailure, run_local
 from orchestration.mesh import MeshLayout
 from orchestration.train import main, prepare, run_rank
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """A tiny Llama + offline BPE tokenizer (HF directory) and a small local text file."""
-    from orchestration.data import train_bpe
-
-    root = tmp_path_factory.mktemp("tiny")
-    src = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "json", "*.py")))
-    text = "\n".join(open(f).read() for f in src)[:120_000]
-    (root / "data.txt").write_text(text)
-    tok = train_bpe([text], vocab_size=300)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=40, intermediate_size=64,
-                                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                                         max_position_embeddings=64, tie_word_embeddings=False))
-    model.save_pretrained(root / "model")
-    tok.save_pretrained(root / "model")
-    return root
 
 
 def _args(tiny, tmp_path, *extra):
