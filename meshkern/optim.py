@@ -32,7 +32,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor
 
-from meshkern import _backend, spectral
+from meshkern import spectral
 
 Factors = tuple[Tensor, Tensor, Tensor]
 
@@ -196,16 +196,11 @@ def spectral_param_groups(model: torch.nn.Module, *, filter_embeddings: bool = F
 class SpectralAdamW(torch.optim.AdamW):
     """AdamW on anchor-filtered gradients (see the module docstring).
 
-    Cost (``OMP_WAIT_POLICY=PASSIVE python -m bench.spectral_bench --only step --repeats 5``,
-    4 Llama-3.2-1B layers, 243M fp32 params, 1 CPU thread, rank 32): 1.03x AdamW without
-    a prior; 1.44x with a prior and no refresh due (CPU clock; 1.53x wall clock), down
-    from 1.73x when G_proj was a fresh tensor each step -- on CPU that is ~1 GB of
-    first-touch page faults per step, now a per-parameter buffer (_project_into_buffer);
-    what remains is mostly the two m*n*r GEMMs (~36 ms per [8192, 2048] matrix).
-    9.1x on a step that refreshes every factor (7.8x before that change in the same
-    table; the refresh code is unchanged and the cause of the difference is not known).
-    CPU memory: the buffers keep one extra fp32 copy of each filtered parameter's
-    gradient allocated between steps.
+    Cost (bench/spectral_bench.py --only step, 4 Llama-3.2-1B layers, 243M fp32 params,
+    1 CPU thread): 1.02x AdamW without a prior, 1.73x with a prior and no refresh due
+    (rank 32; 1.79x at rank 16: memory-bound, the projection streams G twice and writes
+    G_proj, the energy statistic reads G once more), 7.1x on a step that refreshes every
+    factor.
 
     Until a prior is present for a parameter, its update is exactly torch.optim.AdamW's
     (this class *is* an AdamW; ``step`` swaps in G_proj for the filtered parameters,
@@ -244,7 +239,6 @@ class SpectralAdamW(torch.optim.AdamW):
         self._counters = {"arrivals": 0, "factored_arrivals": 0, "rejected": 0, "last_staleness": None,
                           "filtered_steps": 0}
         self._energy: tuple[Tensor, Tensor] | None = None  # (sum ||G_filt||^2, sum ||G||^2) of last step
-        self._gp_buf: dict[int, Tensor] = {}  # CPU: per-parameter G_proj buffers (not state)
 
     # ------------------------------------------------------------------ bookkeeping
     def _flat_groups(self):
@@ -348,37 +342,6 @@ class SpectralAdamW(torch.optim.AdamW):
                 "mean_gain": d_sum / d_cnt if d_cnt else None, "energy_kept": energy}
 
     # ------------------------------------------------------------------------ step
-    def _project_into_buffer(self, i: int, G: Tensor, U: Tensor, S: Tensor, V: Tensor, tau: float,
-                             alpha: float) -> tuple[Tensor, Tensor]:
-        """CPU fast path of spectral.project (same math as the C++ kernel in
-        csrc/spectral/project.cpp) writing G_proj into a buffer kept per parameter.
-
-        Why: on CPU a fresh [m, n] result is a fresh mmap (glibc serves > 32 MiB from
-        mmap, torch's CPU allocator does not cache), and first-touch page faults cost
-        more than the GEMM that fills it (one [8192, 2048] fp32 matrix: 45 ms for
-        addmm into new memory vs 20 ms into a warm buffer, 18 ms for G V). CUDA's
-        caching allocator has no such cost, so the GPU path stays spectral.project.
-        Memory: one extra G-sized tensor per filtered parameter stays allocated between
-        steps (the old path held the same amount only during the step).
-        """
-        gd = G.dtype
-        wd = torch.float64 if gd == torch.float64 else torch.float32
-        buf = self._gp_buf.get(i)
-        if buf is None or buf.shape != G.shape or buf.dtype != gd or buf.device != G.device:
-            buf = self._gp_buf[i] = torch.empty_like(G, memory_format=torch.contiguous_format)
-        Vg = V.to(gd)
-        Uw = U.to(wd)
-        d = spectral.gains(S, tau).to(wd)
-        X = Uw.mT @ (G @ Vg).to(wd)                                   # GEMM 1: [m, r] -> [r, r]
-        Xf = X * d[:, None] * d[None, :]
-        fsq = Xf.square().sum().to(torch.float32)   # ||U Xf V^T||_F^2 = ||Xf||_F^2 (orthonormal U, V)
-        W = (Uw @ (Xf * (1.0 - alpha))).to(gd)                         # [m, r]
-        # GEMM 2: alpha G + W V^T. Scaling into the buffer, then a beta=1 addmm_, measured
-        # 17 ms vs 21 ms for addmm(beta=alpha, out=buf) on [8192, 2048] (1 thread).
-        torch.mul(G, alpha, out=buf)
-        buf.addmm_(W, Vg.mT)
-        return buf, fsq
-
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -389,17 +352,13 @@ class SpectralAdamW(torch.optim.AdamW):
         swapped = []
         kept = total = None
         try:
-            for i, ((group, p), f) in enumerate(zip(self._flat_groups(), facs)):
+            for (group, p), f in zip(self._flat_groups(), facs):
                 if f is None or p.grad is None or p.grad.is_sparse or group["alpha"] == 1.0:
                     continue  # alpha = 1 (prior switched off): G_proj = G exactly, skip the work
                 g = p.grad
                 U, S, V = f
-                if g.device.type == "cpu" and g.is_contiguous() \
-                        and _backend.resolve(spectral.GROUP, g.device, self.backend) == "cpp":
-                    gp, fsq = self._project_into_buffer(i, g, U, S, V, group["tau"], group["alpha"])
-                else:
-                    gp, fsq = spectral.project(g, U, S, V, group["tau"], group["alpha"], backend=self.backend,
-                                               return_stats=True)
+                gp, fsq = spectral.project(g, U, S, V, group["tau"], group["alpha"], backend=self.backend,
+                                           return_stats=True)
                 gsq = torch.linalg.vector_norm(g, dtype=torch.float32).square()
                 kept = fsq if kept is None else kept + fsq
                 total = gsq if total is None else total + gsq
