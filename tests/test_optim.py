@@ -28,6 +28,15 @@ def _set_grads(params, grads):
         p.grad = gr.clone()
 
 
+def _step_both(pa, oa, pb, ob, step):
+    """Give both parameter lists the same gradients of ``step``, then step both optimizers."""
+    grads = _grads(pa, step)
+    _set_grads(pa, grads)
+    _set_grads(pb, grads)
+    oa.step()
+    ob.step()
+
+
 @pytest.mark.parametrize("foreach", [False, None])
 def test_no_anchor_is_bit_identical_to_adamw(foreach):
     pa, pb = _params(), _params()
@@ -35,11 +44,7 @@ def test_no_anchor_is_bit_identical_to_adamw(foreach):
     ref = torch.optim.AdamW(pa, **kw)
     opt = SpectralAdamW(pb, **kw)
     for step in range(5):
-        grads = _grads(pa, step)
-        _set_grads(pa, grads)
-        _set_grads(pb, grads)
-        ref.step()
-        opt.step()
+        _step_both(pa, ref, pb, opt, step)
         for a, b in zip(pa, pb):
             assert torch.equal(a, b)
     assert opt.anchor_stats()["filtered"] == 0 and opt.anchor_stats()["energy_kept"] is None
@@ -121,11 +126,7 @@ def test_factored_prior_from_anchor_momentum_equals_observe_anchor():
     assert U.shape == (32, 5) and S.shape == (5,) and V.shape == (32, 5)
     assert ob.observe_factored_prior(facs, 3)
     for s in range(3):
-        grads = _grads(pa, s)
-        _set_grads(pa, grads)
-        _set_grads(pb, grads)
-        oa.step()
-        ob.step()
+        _step_both(pa, oa, pb, ob, s)
     for a, b in zip(pa, pb):
         assert torch.equal(a, b)
     assert ob.anchor_stats()["factored_arrivals"] == 1
@@ -190,11 +191,7 @@ def test_alpha_one_group_is_plain_adamw_with_a_prior():
     for g in opt.param_groups:
         g["alpha"] = 1.0  # how the trainer switches the prior off
     for s in range(2):
-        grads = _grads(pa, s)
-        _set_grads(pa, grads)
-        _set_grads(pb, grads)
-        ref.step()
-        opt.step()
+        _step_both(pa, ref, pb, opt, s)
     assert all(torch.equal(a, b) for a, b in zip(pa, pb))
 
 
