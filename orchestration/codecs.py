@@ -89,6 +89,12 @@ def _width(what: str, explicit: int | None, p: float, H: int) -> int:
     return k
 
 
+class NonFiniteWire(ValueError):
+    """A received wire tensor holds NaN/Inf: the peer sent garbage (the pipeline skips
+    the step instead of stopping the mesh; any other decode error is a bug or a
+    protocol mismatch and propagates)."""
+
+
 def validate_wire(wire: Sequence[torch.Tensor], specs: Sequence[Spec], what: str) -> None:
     """Raise ValueError unless ``wire`` matches ``specs`` tensor by tensor (shape and
     dtype) and every floating-point wire tensor is finite: a peer's NaN/Inf or a
@@ -101,7 +107,7 @@ def validate_wire(wire: Sequence[torch.Tensor], specs: Sequence[Spec], what: str
             got = (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"{what}: wire tensor {i} should be {tuple(shape)} {dtype}, got {got}")
         if t.dtype.is_floating_point and not bool(torch.isfinite(t).all()):
-            raise ValueError(f"{what}: wire tensor {i} holds non-finite values (NaN/Inf from the peer)")
+            raise NonFiniteWire(f"{what}: wire tensor {i} holds non-finite values (NaN/Inf from the peer)")
 
 
 class BoundaryCodec:

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from meshkern.mask import MaskKey
+from orchestration.codecs import NonFiniteWire
 from orchestration.metrics import LinkCounter
 from orchestration.stages import causal_lm_loss
 
@@ -51,12 +52,7 @@ class StepStats:
     fwd_s: list = field(default_factory=list)   # compute seconds per F action (recv waits excluded)
     bwd_s: list = field(default_factory=list)   # compute seconds per B action
     wait_s: float = 0.0                  # seconds blocked in recv
-    rejected: int = 0                    # received wire tensors with NaN/Inf (see _poisoned)
-
-
-def _garbage(wire) -> bool:
-    """True if a received floating-point wire tensor holds NaN/Inf (a peer's garbage)."""
-    return any(t.is_floating_point() and not bool(torch.isfinite(t).all()) for t in wire)
+    rejected: int = 0                    # received wire tensors with NaN/Inf (see _decode)
 
 
 class PipelineExecutor:
@@ -94,12 +90,16 @@ class PipelineExecutor:
         stats.wait_s += time.perf_counter() - t0
         return bufs
 
-    def _poisoned(self, shape, dtype, stats: StepStats) -> torch.Tensor:
-        """Stand-in for a received tensor holding NaN/Inf: all NaN, so the replica's gradient
-        norm (all-reduced over its stages) is non-finite and every stage skips this step's
-        update together; the weights never see the garbage and the mesh keeps running."""
-        stats.rejected += 1
-        return torch.full(tuple(shape), float("nan"), dtype=dtype, device=self.device)
+    def _decode(self, decode, shape, dtype, stats: StepStats) -> torch.Tensor:
+        """``decode()`` (a codec decode, which validates the wire once), or, if the peer
+        sent NaN/Inf (codecs.NonFiniteWire), an all-NaN stand-in: the replica's gradient
+        norm (all-reduced over its stages) is then non-finite and every stage skips this
+        step's update together; the weights never see the garbage and the mesh keeps running."""
+        try:
+            return decode()
+        except NonFiniteWire:
+            stats.rejected += 1
+            return torch.full(tuple(shape), float("nan"), dtype=dtype, device=self.device)
 
     # ------------------------------------------------------------------ one step
     def step(self, step: int, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
@@ -136,8 +136,8 @@ class PipelineExecutor:
                     wire = self._recv(shape, dtype, "fwd", self.prev_rank, stats)
                     key = MaskKey(self.seed, self.index - 1, step, m)
                     t0 = time.perf_counter()
-                    x = (self._poisoned(shape, dtype, stats) if _garbage(wire)
-                         else self.codec.decode_fwd(wire, key, shape, dtype)).detach().requires_grad_(True)
+                    x = self._decode(lambda: self.codec.decode_fwd(wire, key, shape, dtype),
+                                     shape, dtype, stats).detach().requires_grad_(True)
                     fwd_wire[m], inputs[m] = wire, x
                     stats.fwd_s.append(time.perf_counter() - t0)
                 t0 = time.perf_counter()
@@ -166,8 +166,8 @@ class PipelineExecutor:
                     key = MaskKey(self.seed, self.index, step, m)
                     t0 = time.perf_counter()
                     ctx = ctxs.pop(m)
-                    g = (self._poisoned(outputs[m].shape, dtype, stats) if _garbage(wire_b)
-                         else self.codec.decode_bwd(wire_b, key, ctx))
+                    g = self._decode(lambda: self.codec.decode_bwd(wire_b, key, ctx),
+                                     outputs[m].shape, dtype, stats)
                     outputs.pop(m).backward(g)
                 if not self.is_first:
                     x = inputs.pop(m)
