@@ -14,6 +14,7 @@ meshkern._backend):
     sym_eig(A[B,k,k])                       -> (w[B,k] descending, W[B,k,k])   Jacobi
     randomized_svd(M[B,m,n], rank, ...)     -> (U[B,m,r], S[B,r], V[B,n,r])
     project(G[B,m,n], U, S, V, tau, alpha)  -> G_proj[B,m,n]   (differentiable in G)
+    project(..., out=buf)                   writes G_proj into buf (not differentiable)
 
 Randomized SVD (Halko, Martinsson, Tropp 2011, algorithms 4.4 + 5.1): a Gaussian test
 matrix Omega[n, r+o] (seeded: the result is a deterministic function of the inputs and
@@ -148,16 +149,20 @@ def _sym_eig_backend(A: Tensor, sweeps: int, backend: str) -> tuple[Tensor, Tens
     return w, torch.gather(W, 2, order[:, None, :].expand_as(W))
 
 
-def _project_backend(G, U, S, V, tau, alpha, backend) -> tuple[Tensor, Tensor]:
+def _project_backend(G, U, S, V, tau, alpha, out, backend) -> Tensor:
+    """Writes G_proj into ``out`` (contiguous, G's shape/dtype/device, not overlapping the
+    inputs) and returns ||G_filt||_F^2 [B] fp32. The one path both public ops take."""
     which = _backend.resolve(GROUP, G.device, backend)
     if which == "reference":
-        return project_reference(G, U, S, V, tau, alpha)
+        ref, filt_sq = project_reference(G, U, S, V, tau, alpha)
+        out.copy_(ref)
+        return filt_sq
     if which in ("cpp", "cuda"):
         _backend.extension(GROUP)
-        return torch.ops.meshkern_C.spectral_project(G, U, S, V, float(tau), float(alpha))
+        return torch.ops.meshkern_C.spectral_project_out(G, U, S, V, float(tau), float(alpha), out)
     from triton_kernels import projection
 
-    return projection.spectral_project(G, U, S, V, float(tau), float(alpha))
+    return projection.spectral_project(G, U, S, V, float(tau), float(alpha), out)
 
 
 # ------------------------------------------------------------------------- sym_eig
@@ -188,12 +193,36 @@ def sym_eig(A: Tensor, *, sweeps: int = DEFAULT_SWEEPS, backend: str = "auto") -
 
 
 # -------------------------------------------------------------------------- project
+def _check_out(out, G: Tensor, inputs: dict) -> None:
+    """``out`` must be a contiguous tensor of G's shape, dtype and device that shares no
+    memory with any input (a custom op's mutated argument may not alias another one)."""
+    if not isinstance(out, Tensor):
+        raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    if out.dtype != G.dtype:
+        raise TypeError(f"out must have G's dtype {G.dtype}, got {out.dtype}")
+    if out.shape != G.shape:
+        raise ValueError(f"out must have G's shape {tuple(G.shape)}, got {tuple(out.shape)}")
+    if out.device != G.device:
+        raise ValueError(f"out must be on G's device {G.device}, got {out.device}")
+    if not out.is_contiguous():
+        raise ValueError(f"out must be contiguous, got strides {out.stride()}")
+    if out.numel() == 0:
+        return
+    for name, t in inputs.items():
+        if t.numel() and out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
+            raise ValueError(f"out must not share memory with {name} (the projection is not done in place)")
+
+
+def _run_project(G, U, S, V, tau, alpha, out, backend) -> Tensor:
+    return _project_backend(G.contiguous(), U.contiguous(), S.contiguous(), V.contiguous(), tau, alpha, out,
+                            backend).contiguous()
+
+
 @torch.library.custom_op("meshkern::spectral_project", mutates_args=())
 def _project_op(G: Tensor, U: Tensor, S: Tensor, V: Tensor, tau: float, alpha: float,
                 backend: str) -> tuple[Tensor, Tensor]:
-    out, filt_sq = _project_backend(G.contiguous(), U.contiguous(), S.contiguous(), V.contiguous(),
-                                    tau, alpha, backend)
-    return out.contiguous(), filt_sq.contiguous()
+    out = torch.empty_like(G, memory_format=torch.contiguous_format)
+    return out, _run_project(G, U, S, V, tau, alpha, out, backend)
 
 
 @_project_op.register_fake
@@ -218,8 +247,21 @@ def _project_backward(ctx, grad_out, grad_filt_sq):
 _project_op.register_autograd(_project_backward, setup_context=_project_setup)
 
 
+@torch.library.custom_op("meshkern::spectral_project_out", mutates_args=("out",))
+def _project_out_op(G: Tensor, U: Tensor, S: Tensor, V: Tensor, tau: float, alpha: float, out: Tensor,
+                    backend: str) -> Tensor:
+    # A custom op may not return an alias of an input, so only the statistic comes back.
+    _check_out(out, G, {"G": G, "U": U, "S": S, "V": V})
+    return _run_project(G, U, S, V, tau, alpha, out, backend)
+
+
+@_project_out_op.register_fake
+def _(G, U, S, V, tau, alpha, out, backend):
+    return G.new_empty(G.shape[0], dtype=torch.float32)
+
+
 def project(G: Tensor, U: Tensor, S: Tensor, V: Tensor, tau: float = 1e-3, alpha: float = 0.3, *,
-            backend: str = "auto", return_stats: bool = False):
+            backend: str = "auto", return_stats: bool = False, out: Tensor | None = None):
     """alpha*G + (1-alpha) * U diag(d) (U^T G V) diag(d) V^T with d = S/(S+tau).
 
     Shapes: G[B,m,n] (or [m,n]), U[B,m,r], S[B,r], V[B,n,r] (unbatched likewise). G may be
@@ -227,15 +269,32 @@ def project(G: Tensor, U: Tensor, S: Tensor, V: Tensor, tau: float = 1e-3, alpha
     G's dtype. U and V are assumed to have orthonormal columns (as randomized_svd gives).
     With ``return_stats=True`` also returns ||G_filt||_F^2 per batch entry (fp32).
     Differentiable w.r.t. G. alpha=1 returns G exactly.
+
+    ``out``: a contiguous tensor of G's shape, dtype and device, sharing no memory with
+    G, U, S or V (else ValueError / TypeError). The result is written into it and ``out``
+    itself is returned, bit-identical to the allocating call with the same backend (both
+    run the same kernel). Not differentiable: with grad mode on, G or out requiring grad
+    is a ValueError. Why: on CPU a fresh G-sized result costs first-touch page faults
+    (more than the GEMMs for a ~64 MB gradient); a caller that keeps ``out`` between
+    calls (SpectralAdamW) avoids them.
     """
     squeeze = isinstance(G, Tensor) and G.dim() == 2
     if squeeze:
         G, U, S, V = G[None], U[None], S[None], V[None]
     _check_project_args(G, U, S, V, tau, alpha)
-    out, filt_sq = _project_op(G, U, S, V, float(tau), float(alpha), backend)
+    if out is None:
+        res, filt_sq = _project_op(G, U, S, V, float(tau), float(alpha), backend)
+    else:
+        _check_out(out, G[0] if squeeze else G, {"G": G, "U": U, "S": S, "V": V})
+        if torch.is_grad_enabled() and (G.requires_grad or out.requires_grad):
+            raise ValueError("project(out=...) is not differentiable; call it under torch.no_grad() or without out")
+        res = out
+        filt_sq = _project_out_op(G, U, S, V, float(tau), float(alpha), out[None] if squeeze else out, backend)
     if squeeze:
-        out, filt_sq = out[0], filt_sq[0]
-    return (out, filt_sq) if return_stats else out
+        filt_sq = filt_sq[0]
+        if out is None:
+            res = res[0]
+    return (res, filt_sq) if return_stats else res
 
 
 # ------------------------------------------------------------------- randomized SVD

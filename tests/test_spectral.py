@@ -263,10 +263,58 @@ def test_project_gradient(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_project_out_is_bit_identical_to_allocating(backend, dtype):
+    """project(out=buf) writes the allocating call's exact bits into buf (same kernel),
+    batched and unbatched, for the mix and for alpha = 1; a dirty buffer is overwritten."""
+    U, S, V = _factors(2, 33, 70, 5, seed=11)
+    G = _rand(2, 33, 70, seed=12, dtype=dtype)
+    for alpha in (0.3, 1.0):
+        ref, ref_sq = sp.project(G, U, S, V, 1e-3, alpha, backend=backend, return_stats=True)
+        buf = torch.full_like(G, float("nan"))
+        with torch.no_grad():
+            res, fsq = sp.project(G, U, S, V, 1e-3, alpha, backend=backend, return_stats=True, out=buf)
+        assert res is buf and torch.equal(buf, ref) and torch.equal(fsq, ref_sq)
+        one = torch.full_like(G[1], float("nan"))
+        with torch.no_grad():
+            res1 = sp.project(G[1], U[1], S[1], V[1], 1e-3, alpha, backend=backend, out=one)
+        assert res1 is one and torch.equal(one, sp.project(G[1], U[1], S[1], V[1], 1e-3, alpha, backend=backend))
+    assert torch.equal(buf, G)  # the last call had alpha = 1
+
+
+def test_project_out_bad_input():
+    U, S, V = _factors(1, 8, 6, 3)
+    G = _rand(1, 8, 6, seed=1)
+    cases = [(torch.empty(1, 6, 8), ValueError, "out must have G's shape"),
+             (torch.empty(1, 8, 6, dtype=torch.float64), TypeError, "out must have G's dtype"),
+             (torch.empty(1, 8, 6, device="meta"), ValueError, "out must be on G's device"),
+             (torch.empty(1, 6, 8).mT, ValueError, "out must be contiguous"),
+             (G, ValueError, "out must not share memory with G"),
+             (G.numpy(), TypeError, "out must be a torch.Tensor")]
+    with torch.no_grad():
+        for out, err, msg in cases:
+            with pytest.raises(err, match=msg):
+                sp.project(G, U, S, V, 1e-3, 0.3, out=out)
+        # a view into the input's memory is rejected as well, not only the same tensor
+        big = torch.zeros(2, 8, 6)
+        with pytest.raises(ValueError, match="share memory with G"):
+            sp.project(big[:1], U, S, V, 1e-3, 0.3, out=big[1:])
+        UV = torch.zeros(1, 8 * 6 + 8 * 3)
+        with pytest.raises(ValueError, match="share memory with U"):
+            sp.project(G, UV[:, 48:].view(1, 8, 3), S, V, 1e-3, 0.3, out=UV[:, :48].view(1, 8, 6))
+        with pytest.raises(ValueError, match="V must be"):  # the usual argument checks still come first
+            sp.project(G, U, S, V[:, :5], 1e-3, 0.3, out=torch.empty_like(G))
+    with pytest.raises(ValueError, match="not differentiable"):
+        sp.project(G.clone().requires_grad_(), U, S, V, 1e-3, 0.3, out=torch.empty_like(G))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_opcheck(backend):
     U, S, V = _factors(2, 12, 10, 4)
     G = _rand(2, 12, 10, seed=1).requires_grad_()
     torch.library.opcheck(torch.ops.meshkern.spectral_project.default, (G, U, S, V, 1e-3, 0.3, backend))
+    torch.library.opcheck(torch.ops.meshkern.spectral_project_out.default,
+                          (G.detach(), U, S, V, 1e-3, 0.3, torch.empty_like(G), backend))
     X = _rand(1, 6, 6, seed=2)
     # 2 sweeps: opcheck tests the op's contract (schema, fake, autograd registration), not
     # convergence, and the Triton interpreter pays per Jacobi round.

@@ -65,9 +65,12 @@ def _out_kernel(G_ptr, U_ptr, V_ptr, Xf_ptr, O_ptr, m, n, r, alpha, BM: tl.const
     tl.store(O_ptr + b * m * n + offs_m[:, None] * n + offs_n[None, :], out.to(O_ptr.dtype.element_ty), mask=inside)
 
 
-def spectral_project(G, U, S, V, tau: float, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out[B,m,n] in G.dtype, ||diag(d) U^T G V diag(d)||_F^2 [B] fp32); shapes as in
-    meshkern.spectral.project (checked there)."""
+def spectral_project(G, U, S, V, tau: float, alpha: float, out: torch.Tensor) -> torch.Tensor:
+    """Writes G_proj[B,m,n] into ``out`` and returns ||diag(d) U^T G V diag(d)||_F^2 [B]
+    fp32. Shapes as in meshkern.spectral.project; ``out`` contiguous, G's shape and dtype,
+    not overlapping the inputs (all checked there). In place would be safe too: the
+    first launch reads all of G before the second writes, and each _out_kernel program
+    loads its G tile before storing the same tile of out."""
     G, U, S, V = G.contiguous(), U.contiguous(), S.contiguous(), V.contiguous()
     B, m, n = G.shape
     r = U.shape[2]
@@ -84,8 +87,8 @@ def spectral_project(G, U, S, V, tau: float, alpha: float) -> tuple[torch.Tensor
     Xf = dp[:, :, None] * X * dp[:, None, :]
     filt_sq = Xf.square().sum(dim=(1, 2))
     if alpha == 1.0:
-        return G.clone(), filt_sq
+        out.copy_(G)
+        return filt_sq
     Xf = (Xf * (1.0 - alpha)).contiguous()
-    out = torch.empty_like(G)
     _out_kernel[(B, nb_m, nb_n)](G, U, V, Xf, out, m, n, r, float(alpha), BM=BLOCK_M, BN=BLOCK_N, R=R)
-    return out, filt_sq
+    return filt_sq
