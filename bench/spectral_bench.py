@@ -22,8 +22,9 @@ proj   the two-sided projection: fused op (cpp) vs the unfused chain of torch ma
        vs the two unavoidable m*n*r GEMMs alone (the limit) vs one copy of G.
 step   SpectralAdamW.step vs torch.optim.AdamW.step (foreach=False, the CPU default) on
        4 Llama-3.2-1B-shaped layers (hidden 2048, ffn 8192, 32 heads / 8 kv heads, fp32):
-       no prior (must be ~1x), prior present and no refresh due (goal <= 1.5x), and a
-       step that also refreshes every factor (one anchor arrival).
+       no prior (must be ~1x), prior present and no refresh due (goal <= 1.5x; also
+       with reuse_proj_buffer=False, a fresh G_proj per step), and a step that also
+       refreshes every factor (one anchor arrival).
 emb    an embedding / lm_head matrix [32000, 2048]: its refresh and per-step projection
        next to its own AdamW step (why SpectralAdamW leaves them unfiltered by default).
 emb-quality  a small proxy training run (tiny Llama, noisy fast gradients, delayed clean
@@ -209,6 +210,11 @@ def bench_step(shapes, rank, repeats, device):
     opt.observe_anchor(anchor, 20)
     opt.step()  # refresh happens here
     rows.append(("SpectralAdamW.step, prior present, no refresh due", timeit(opt.step, repeats, device)))
+    # Same, with a fresh G_proj per parameter per step (the path before project(out=)):
+    # on CPU the difference is the first-touch page faults of ~1 GB of new memory.
+    opt.reuse_proj_buffer = False
+    rows.append(("  same, fresh G_proj each step (reuse_proj_buffer=False)", timeit(opt.step, repeats, device)))
+    opt.reuse_proj_buffer = None
 
     def refresh_step():
         opt.observe_anchor(anchor, 20)

@@ -196,17 +196,27 @@ def spectral_param_groups(model: torch.nn.Module, *, filter_embeddings: bool = F
 class SpectralAdamW(torch.optim.AdamW):
     """AdamW on anchor-filtered gradients (see the module docstring).
 
-    Cost (bench/spectral_bench.py --only step, 4 Llama-3.2-1B layers, 243M fp32 params,
-    1 CPU thread): 1.02x AdamW without a prior, 1.73x with a prior and no refresh due
-    (rank 32; 1.79x at rank 16: memory-bound, the projection streams G twice and writes
-    G_proj, the energy statistic reads G once more), 7.1x on a step that refreshes every
-    factor.
+    Cost (``OMP_WAIT_POLICY=PASSIVE python -m bench.spectral_bench --only step --repeats 5``,
+    4 Llama-3.2-1B layers, 243M fp32 params, 1 CPU thread, rank 32; CPU clock, the
+    machine shared): ~0.95x AdamW without a prior; with a prior and no refresh due
+    1.51x (CPU clock), down from 1.95x in the same run with a fresh G_proj per step --
+    on CPU that is ~1 GB of first-touch page faults per step, now avoided by a reused
+    G_proj buffer per filtered parameter (``reuse_proj_buffer``). What remains is the
+    projection itself (~39 ms per [8192, 2048] matrix: G V 18 ms, alpha*G 6 ms, the
+    accumulating GEMM 12 ms) and the energy statistic (one more read of G). 8.1x on a
+    step that refreshes every factor.
 
     Until a prior is present for a parameter, its update is exactly torch.optim.AdamW's
     (this class *is* an AdamW; ``step`` swaps in G_proj for the filtered parameters,
     calls AdamW.step with the same foreach/fused choice, and restores the caller's
     gradients). Per-group keys: ``tau``, ``alpha`` (filter), ``spectral`` (filter this
     group's 2-D params). Global: ``beta_anc``, ``rank`` and the SVD knobs.
+
+    ``reuse_proj_buffer``: keep one G_proj buffer per filtered parameter between steps
+    (same shape/dtype/device as its gradient, re-created if those change, not in the
+    state dict) and have meshkern.spectral.project write into it. None (default): on CPU
+    only; True / False: always / never. Bit-identical results either way; the cost is one
+    gradient-sized tensor per filtered parameter kept allocated.
 
     Anchor inputs are lists aligned with the flattened parameter order
     ``[p for g in param_groups for p in g["params"]]``; None means nothing for that
@@ -217,7 +227,8 @@ class SpectralAdamW(torch.optim.AdamW):
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, *, tau: float = 1e-3, alpha: float = 0.3, beta_anc: float = 0.9,
                  rank: int = 32, oversample: int = 16, power_iters: int = 3, ortho: str = "qr",
-                 svd_method: str = "randomized", seed: int = 0, backend: str = "auto", **adamw_kwargs):
+                 svd_method: str = "randomized", seed: int = 0, backend: str = "auto",
+                 reuse_proj_buffer: bool | None = None, **adamw_kwargs):
         if not (isinstance(tau, (int, float)) and math.isfinite(tau) and tau >= 0):
             raise ValueError(f"tau must be a finite number >= 0, got {tau!r}")
         _check_prob("alpha", alpha)
@@ -230,7 +241,10 @@ class SpectralAdamW(torch.optim.AdamW):
             if not (math.isfinite(g["tau"]) and g["tau"] >= 0):
                 raise ValueError(f"tau must be a finite number >= 0, got {g['tau']!r}")
             _check_prob("alpha", g["alpha"])
+        if reuse_proj_buffer not in (None, True, False):
+            raise ValueError(f"reuse_proj_buffer must be None, True or False, got {reuse_proj_buffer!r}")
         self.backend = backend
+        self.reuse_proj_buffer = reuse_proj_buffer
         params = self._flat_params()
         self._anchor = AnchorMomentum(params, beta_anc, rank, oversample=oversample, power_iters=power_iters,
                                       ortho=ortho, svd_method=svd_method, seed=seed, backend=backend,
@@ -239,6 +253,7 @@ class SpectralAdamW(torch.optim.AdamW):
         self._counters = {"arrivals": 0, "factored_arrivals": 0, "rejected": 0, "last_staleness": None,
                           "filtered_steps": 0}
         self._energy: tuple[Tensor, Tensor] | None = None  # (sum ||G_filt||^2, sum ||G||^2) of last step
+        self._proj_buf: dict[int, Tensor] = {}  # G_proj buffer per flat parameter index (not state)
 
     # ------------------------------------------------------------------ bookkeeping
     def _flat_groups(self):
@@ -342,6 +357,22 @@ class SpectralAdamW(torch.optim.AdamW):
                 "mean_gain": d_sum / d_cnt if d_cnt else None, "energy_kept": energy}
 
     # ------------------------------------------------------------------------ step
+    def _proj_buffer(self, i: int, g: Tensor) -> Tensor | None:
+        """The reused G_proj buffer of parameter ``i`` (None: let project allocate).
+
+        Default (reuse_proj_buffer=None): CPU only. On CPU a fresh G_proj is ~1 GB of
+        first-touch page faults per step on 4 Llama-1B layers (see the class docstring);
+        CUDA's caching allocator already recycles the block, and a buffer kept there
+        would hold one gradient's worth of memory through forward and backward.
+        Re-created when the gradient's shape, dtype or device changes."""
+        use = g.device.type == "cpu" if self.reuse_proj_buffer is None else self.reuse_proj_buffer
+        if not use:
+            return None
+        buf = self._proj_buf.get(i)
+        if buf is None or buf.shape != g.shape or buf.dtype != g.dtype or buf.device != g.device:
+            buf = self._proj_buf[i] = torch.empty_like(g, memory_format=torch.contiguous_format)
+        return buf
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -352,13 +383,13 @@ class SpectralAdamW(torch.optim.AdamW):
         swapped = []
         kept = total = None
         try:
-            for (group, p), f in zip(self._flat_groups(), facs):
+            for i, ((group, p), f) in enumerate(zip(self._flat_groups(), facs)):
                 if f is None or p.grad is None or p.grad.is_sparse or group["alpha"] == 1.0:
                     continue  # alpha = 1 (prior switched off): G_proj = G exactly, skip the work
                 g = p.grad
                 U, S, V = f
                 gp, fsq = spectral.project(g, U, S, V, group["tau"], group["alpha"], backend=self.backend,
-                                           return_stats=True)
+                                           return_stats=True, out=self._proj_buffer(i, g))
                 gsq = torch.linalg.vector_norm(g, dtype=torch.float32).square()
                 kept = fsq if kept is None else kept + fsq
                 total = gsq if total is None else total + gsq

@@ -278,3 +278,46 @@ def test_filter_keeps_anchor_direction():
         out_out = sp.project(g_out, U, S, V, 1e-3, 0.3)
     assert torch.allclose(out_in, g_in, atol=2e-3 * g_in.abs().max())
     assert torch.allclose(out_out, 0.3 * g_out, atol=1e-5)
+
+
+def _backends():
+    from meshkern import _backend
+
+    return ["reference", pytest.param("cpp", marks=pytest.mark.skipif(
+        _backend.extension("spectral") is None, reason="meshkern._spectral_C not built"))]
+
+
+@pytest.mark.parametrize("backend", _backends())
+def test_reused_proj_buffer_is_bit_identical_to_fresh(backend):
+    """The per-parameter G_proj buffer (project(out=)) changes no bit of the training
+    trajectory vs a fresh G_proj per step; one buffer per filtered parameter, reused across
+    steps, absent from the state dict."""
+    pa, pb = _params(8), _params(8)
+    kw = dict(lr=1e-2, rank=4, backend=backend, foreach=False)
+    fresh = SpectralAdamW(pa, reuse_proj_buffer=False, **kw)
+    reuse = SpectralAdamW(pb, **kw)  # default: reuse on CPU
+    ptrs = None
+    for s in range(5):
+        if s % 2 == 0:
+            anchor = [g * 0.01 for g in _grads(pa, 500 + s)]
+            assert fresh.observe_anchor(anchor, 20) and reuse.observe_anchor(anchor, 20)
+        _step_both(pa, fresh, pb, reuse, s)
+        assert all(torch.equal(a, b) for a, b in zip(pa, pb))
+        now = {i: t.data_ptr() for i, t in reuse._proj_buf.items()}
+        assert ptrs is None or now == ptrs  # the same memory every step
+        ptrs = now
+    assert fresh._proj_buf == {}
+    assert sorted(ptrs) == [i for i, p in enumerate(pb) if p.dim() == 2]
+    assert reuse.anchor_stats() == fresh.anchor_stats()
+    sizes = []
+    for o in (fresh, reuse):  # no buffer in the checkpoint: both serialize to the same size
+        buf = io.BytesIO()
+        torch.save(o.state_dict(), buf)
+        sizes.append(len(buf.getvalue()))
+    assert sizes[0] == sizes[1]
+    # a gradient of another shape / dtype gets a new buffer of its shape and dtype
+    g = torch.zeros(3, 5, dtype=torch.float64)
+    buf = reuse._proj_buffer(0, g)
+    assert buf.shape == (3, 5) and buf.dtype == torch.float64 and reuse._proj_buf[0] is buf
+    with pytest.raises(ValueError, match="reuse_proj_buffer"):
+        SpectralAdamW(_params(), reuse_proj_buffer="yes")
