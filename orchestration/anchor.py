@@ -23,11 +23,22 @@ Why replica 0 and not the DiLoCo global state: Streaming DiLoCo syncs fragments 
 staggered schedule, so its global copy is never one consistent model at one step;
 replica 0's stage parameters after fast step v are ("version v").
 
+Worlds and links. The anchor row is not in the fast circuit's torch.distributed world
+(a world is fixed at init: a process outside it can never enter its groups, so an anchor
+inside it could never be replaced). It forms a world of its own (its pipeline and version
+agreement; orchestration.mesh.init_anchor_row), and each anchor s talks to each fast
+replica r of its column over a two-process gloo group built from the fast circuit's
+rendezvous store (``_pair``; CPU tensors; keys under PREFIX, see "side links" below).
+Every anchor process takes a generation G of its stage from a store counter; all keys of
+one generation carry its prefix, so a new anchor row never meets a dead one's keys.
+
 Fast ranks never wait for the anchor. Each fast rank runs one daemon thread ("link")
-that does all anchor traffic of the rank with blocking point-to-point on a gloo process
-group of its own (the column's fast ranks + anchor s, CPU tensors, created here with a long
-timeout: a timed-out wait poisons a gloo context, so the fast circuit's groups never
-carry anchor traffic and never time out because of it). What the link receives goes to
+that does all anchor traffic of the rank with blocking point-to-point on its pair link
+(transfers wait up to LINK_TIMEOUT, a week: a slow anchor is not a dead one; the fast
+circuit's own groups never carry anchor traffic). It serves one anchor generation until
+that link breaks, then waits for the next one: a restarted anchor row (the local
+launcher's ``--anchor.restarts``, or ``--anchor.join --anchor.store HOST:PORT``) joins
+the running fast circuit, and the log says so once per column. What the link receives goes to
 a queue; ``poll(step)``, called once per fast step by the trainer, only drains that
 queue (``Work.is_completed()`` cannot be polled instead: gloo's receive works report
 completion only inside ``wait()``). Consequences:
@@ -89,12 +100,17 @@ size and layout, sleep 30 s ("inf": forever) before sending round 3, and SIGKILL
 at the start of round 4. ``--run.fail_rank`` naming an anchor rank kills it at the first
 round whose snapshot version is >= ``--run.fail_step``.
 
-Not done: a restarted anchor process cannot rejoin a running mesh: torch.distributed's
-world is fixed at init, so a new process has no way into the fast ranks' process
-groups. An anchor that stalls and recovers does resume (see above); a mesh resumed
-from a checkpoint starts a fresh anchor row (the fast ranks' SpectralAdamW state is in
-the checkpoint; the anchor's own AnchorMomentum of factored transport is not, it restarts
-from zero).
+Restarts and saved state: anchor s writes its state after every ``anchor.state_every``
+rounds to CHECKPOINT_DIR/anchor/stage_SS.pt (the next round number, i.e. its data
+position, and with factored transport its AnchorMomentum; tensors and plain values,
+read back with weights_only=True), tagged with the fast circuit's run id (a store key).
+A rejoining anchor (generation > 1) takes the state only if it carries the same run id;
+an anchor of a fast circuit resumed from a checkpoint takes it whatever the run id. The
+first anchor row of a fresh run starts from scratch. Fault injection
+(MESHKERN_ANCHOR_FAULT, --run.fail_rank) acts on generation 1 only, so a restarted row
+runs clean. Delay mode is exact only without restarts: a new row computes from the
+newest snapshot on, so updates due meanwhile never arrive (the fast ranks fall back to
+the asynchronous rule after ``mesh.timeout_s``).
 """
 from __future__ import annotations
 
@@ -258,38 +274,120 @@ class Layout:
         return out
 
 
-def _send(tensors, dst: int, group) -> int:
-    works = [dist.isend(t, dst, group=group, tag=TAG) for t in tensors]
+def _send(tensors, peer: int, pg) -> int:
+    """Sends ``tensors`` in order to ``peer`` (0 or 1) of a pair link; returns the bytes."""
+    works = [pg.send([t], peer, TAG) for t in tensors]
     for w in works:
-        w.wait()
+        w.wait(LINK_TIMEOUT)
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _recv(numel: int, dtype, src: int, group) -> torch.Tensor:
+def _recv(numel: int, dtype, peer: int, pg) -> torch.Tensor:
     t = torch.empty(numel, dtype=dtype)
-    dist.recv(t, src, group=group, tag=TAG)
+    pg.recv([t], peer, TAG).wait(LINK_TIMEOUT)
     return t
 
 
-def link_groups(mesh):
-    """(this rank's anchor-link group: its column's fast ranks + anchor rank, the anchor
-    row's group), both gloo on CPU tensors whatever the trainer's backend (the link
-    thread's messages are small headers and CPU copies; NCCL would need device buffers).
+# ------------------------------------------------------------------- side links (store)
+# Keys under PREFIX in the fast circuit's rendezvous store, per stage column s:
+#   joins/s           counter: the newest anchor generation of stage s (store.add)
+#   g<G>/open/s       anchor s of generation G is up and links to the fast ranks
+#   g<G>/here/s/r     fast replica r of stage s waits to link with generation G
+#   g<G>/link/s/r/    the pair link's gloo rendezvous (fast end 0, anchor end 1)
+#   g<G>/row/         generation G's anchor-row world (orchestration.mesh.init_anchor_row)
+#   run_id            a token of this fast circuit, kept with the anchor's saved state
+PREFIX = "meshkern/anchor/"
+FAST, ANCHOR = 0, 1  # the two ends of a pair link
 
-    Every rank of the mesh creates all Y link groups and the row group here, in one order
-    (torch.distributed needs every rank in every new_group call, in one global order; the
-    hashed-name ``use_local_synchronization`` variant does not work here because its
-    names depend on how many groups each rank is a member of). So the trainer must call
-    ``make_fast_hook`` / ``run_anchor_rank`` before creating any other group after
-    ``init_mesh``, on every rank alike.
-    """
-    lay, mine = mesh.layout, None
-    for s in range(lay.stages):
-        g = dist.new_group(lay.column_ranks(s), timeout=LINK_TIMEOUT, backend="gloo")
-        if s == mesh.stage:
-            mine = g
-    row = dist.new_group(lay.pp_ranks(lay.rows - 1), timeout=LINK_TIMEOUT, backend="gloo")
-    return mine, row
+
+def store_address(cfg=None) -> tuple[str, int]:
+    """(host, port) of the fast circuit's rendezvous store: ``--anchor.store host:port``
+    if given, else MASTER_ADDR / MASTER_PORT (what orchestration.launch or torchrun set)."""
+    spec = cfg.anchor.store if cfg is not None else ""
+    if spec:
+        host, _, port = spec.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"--anchor.store must be host:port, got {spec!r}")
+        return host, int(port)
+    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        raise ValueError("the anchor needs the fast circuit's store: set --anchor.store host:port "
+                         "(or MASTER_ADDR / MASTER_PORT)")
+    return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+
+
+def side_store(address: tuple[str, int], timeout_s: float):
+    """A client of the fast circuit's store (never its master, never counted among its
+    workers); ``timeout_s`` bounds connecting and each blocking get/wait.
+    ConnectionError names the address when it cannot be reached."""
+    host, port = address
+    try:
+        return dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                             timeout=timedelta(seconds=timeout_s))
+    except Exception as e:
+        raise ConnectionError(f"cannot reach the fast circuit's store at {host}:{port} within {timeout_s:g} s "
+                              f"({type(e).__name__}: {str(e).splitlines()[0][:160]})") from None
+
+
+def is_store_error(e: BaseException) -> bool:
+    """A store wait that timed out or a store that went away."""
+    return type(e).__name__ in ("DistStoreError", "DistNetworkError") or "timeout" in str(e).lower()
+
+
+def _pair(store, generation: int, stage: int, row: int, end: int, timeout_s: float):
+    """The gloo pair link (fast replica ``row`` of ``stage`` <-> anchor ``stage``) of one
+    generation. Its rendezvous waits at most ``timeout_s``; transfers wait LINK_TIMEOUT
+    (passed to every ``wait``): a slow anchor is not a dead one."""
+    pre = dist.PrefixStore(f"{PREFIX}g{generation}/link/{stage}/{row}", store)
+    return dist.ProcessGroupGloo(pre, end, 2, timedelta(seconds=timeout_s))
+
+
+def next_generation(store, stage: int) -> int:
+    """Registers a new anchor process of ``stage``: its generation (1 for the first anchor
+    row of this fast circuit, 2 for the first restart, ...). Every stage of one anchor row
+    is started once per generation (restart the whole row: its stages share one world)."""
+    return int(store.add(f"{PREFIX}joins/{stage}", 1))
+
+
+def join_anchor_row(layout, rank: int, cfg):
+    """Anchor rank ``rank``: connects to the fast circuit's store, takes the next
+    generation of its stage and joins that generation's anchor-row world; returns the
+    orchestration.mesh.Mesh (``store`` and ``generation`` set)."""
+    from orchestration.mesh import init_anchor_row
+
+    _, stage = layout.coords(rank)
+    store = side_store(store_address(cfg), cfg.mesh.timeout_s)
+    generation = next_generation(store, stage)
+    try:
+        mesh = init_anchor_row(layout, stage, store, generation, backend=cfg.mesh.backend,
+                               timeout_s=cfg.mesh.timeout_s)
+    except Exception as e:
+        if not is_store_error(e):
+            raise
+        raise TimeoutError(f"{layout.describe(rank)}: the other anchor stages of generation {generation} did not "
+                           f"join within {cfg.mesh.timeout_s:g} s (restart every stage of the anchor row "
+                           "together)") from None
+    mesh.store, mesh.generation = store, generation
+    return mesh
+
+
+def link_to_fast(mesh, fast_rows: int, timeout_s: float) -> list:
+    """Anchor side: one pair link per fast replica of this stage (replica order), each
+    made once that replica said it waits for this generation; TimeoutError names a
+    replica that did not within ``timeout_s``."""
+    store, g, s = mesh.store, mesh.generation, mesh.stage
+    store.set(f"{PREFIX}g{g}/open/{s}", "1")
+    pgs = []
+    for r in range(fast_rows):
+        try:
+            store.wait([f"{PREFIX}g{g}/here/{s}/{r}"], timedelta(seconds=timeout_s))
+            pgs.append(_pair(store, g, s, r, ANCHOR, timeout_s))
+        except Exception as e:
+            if not is_store_error(e):
+                raise
+            raise TimeoutError(f"anchor generation {g}, stage {s}: "
+                               f"{mesh.layout.describe(mesh.layout.rank_of(r, s))} did not link within "
+                               f"{timeout_s:g} s") from None
+    return pgs
 
 
 def check_config(cfg) -> None:
@@ -342,9 +440,47 @@ def round_batch(cfg, plan, index: int) -> torch.Tensor:
 
 
 # ============================================================================ anchor ranks
+def state_path(plan, stage: int) -> str:
+    """Where anchor ``stage`` keeps its state: the checkpoint directory of the run."""
+    return os.path.join(plan.ckpt_dir, "anchor", f"stage_{stage:02d}.pt")
+
+
+def save_state(path: str, run_id: str, next_round: int, layout: Layout, momentum) -> None:
+    """Atomically writes the anchor's state (tensors and plain values only): the next round
+    (its data position), the payload layout and, with factored transport, its AnchorMomentum."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    st = {"run_id": run_id, "round": next_round, "layout": layout.hash,
+          "momentum": None if momentum is None else momentum.state_dict()}
+    tmp = f"{path}.tmp{os.getpid()}"
+    torch.save(st, tmp)
+    os.replace(tmp, path)
+
+
+def load_state(path: str, run_id: str, layout: Layout, momentum, resuming: bool):
+    """The saved state if it belongs here, else None: same payload layout, and saved by an
+    anchor of this very fast circuit (``run_id``: a rejoin) or any run when the fast
+    circuit was resumed from a checkpoint. Loads the momentum into ``momentum``; returns
+    (next round, why it was (not) used)."""
+    if not os.path.isfile(path):
+        return None, "no saved anchor state"
+    st = torch.load(path, weights_only=True)  # never unpickle: tensors and plain values only
+    if not resuming and st.get("run_id") != run_id:
+        return None, f"{path} is from another run: starting fresh"
+    if st.get("layout") != layout.hash or (momentum is None) != (st.get("momentum") is None):
+        return None, f"{path} does not match this stage's anchor layout/transport: starting fresh"
+    if momentum is not None:
+        momentum.load_state_dict(st["momentum"])
+    return int(st["round"]), f"restored round {int(st['round'])} from {path}"
+
+
 def run_anchor_rank(ctx) -> dict:
-    """Runs anchor rank (anchor row, stage ``ctx.mesh.stage``) until the fast circuit
-    finishes or a link breaks; returns its record (rounds, losses, bytes, why it stopped)."""
+    """Runs anchor rank (anchor row, stage ``ctx.mesh.stage``, generation
+    ``ctx.mesh.generation``, joined with ``join_anchor_row``) until the fast circuit
+    finishes or a link breaks; returns its record (rounds, losses, bytes, why it stopped).
+
+    A restarted anchor (generation > 1) picks up the saved state of its stage (round
+    counter and, with factored transport, the anchor momentum; written after every
+    ``anchor.state_every`` rounds) and asks for the newest snapshot."""
     from meshkern.optim import AnchorMomentum, spectral_param_groups
     from orchestration.codecs import make_codec
     from orchestration.launch import is_peer_error
@@ -358,8 +494,6 @@ def run_anchor_rank(ctx) -> dict:
     cfg, mesh, stage, plan = ctx.cfg, ctx.mesh, ctx.stage, ctx.plan
     check_config(cfg)
     a, t = cfg.anchor, cfg.train
-    group, row_group = link_groups(mesh)
-    fast = mesh.layout.dp_ranks(mesh.stage)
     params = ctx.params
     pdtype = params[0].dtype
     named = eligible_params(stage, spectral_param_groups(stage))
@@ -368,19 +502,26 @@ def run_anchor_rank(ctx) -> dict:
                 if a.transport == "factored" else None)
     pipe = PipelineExecutor(stage, make_schedule(t.schedule, cfg.mesh.stages, a.microbatches)[mesh.stage],
                             codec=make_codec("dense"), prev_rank=mesh.prev_rank, next_rank=mesh.next_rank,
-                            rank=mesh.rank, seed=t.seed, counter=ctx.counter, group=None)
-    faults = parse_faults(os.environ.get("MESHKERN_ANCHOR_FAULT", ""))
-    rec = {"rank": mesh.rank, "anchor": True, "rounds": 0, "versions": [], "losses": [], "round_s": [],
-           "bytes_to_fast": 0, "bytes_from_fast": 0, "stopped": ""}
+                            rank=mesh.stage, seed=t.seed, counter=ctx.counter, group=None)
+    first = mesh.generation == 1  # fault injection acts on the first anchor row only
+    faults = parse_faults(os.environ.get("MESHKERN_ANCHOR_FAULT", "")) if first else {}
+    rec = {"rank": mesh.rank, "anchor": True, "generation": mesh.generation, "rounds": 0, "versions": [],
+           "losses": [], "round_s": [], "bytes_to_fast": 0, "bytes_from_fast": 0, "stopped": "", "restored": ""}
     want, k = 0, 0
     try:
+        links = link_to_fast(mesh, cfg.fast_rows, cfg.mesh.timeout_s)
+        run_id = mesh.store.get(f"{PREFIX}run_id").decode()
+        path = state_path(plan, mesh.stage)
+        if mesh.generation > 1 or plan.resume_from:
+            got, rec["restored"] = load_state(path, run_id, layout, momentum, bool(plan.resume_from))
+            k = got or 0
         while True:
-            got = _pull_snapshot(mesh, group, row_group, fast[0], want, params, rec)
+            got = _pull_snapshot(mesh, links[0], want, params, rec)
             if got is None:
                 rec["stopped"] = "the fast circuit finished"
                 break
             version = got
-            if mesh.rank == cfg.run.fail_rank and version >= cfg.run.fail_step >= 0:
+            if first and mesh.rank == cfg.run.fail_rank and version >= cfg.run.fail_step >= 0:
                 os.kill(os.getpid(), signal.SIGKILL)  # fault injection: die like a crashed node
             if k in faults.get("die", {}):
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -402,8 +543,8 @@ def run_anchor_rank(ctx) -> dict:
                 end = time.monotonic() + secs
                 while math.isinf(secs) or time.monotonic() < end:
                     time.sleep(0.5)
-            for dst in fast:
-                rec["bytes_to_fast"] += _send([hdr, payload], dst, group)
+            for pg in links:
+                rec["bytes_to_fast"] += _send([hdr, payload], FAST, pg)
             rec["rounds"] += 1
             rec["versions"].append(version)
             rec["round_s"].append(ms / 1000)
@@ -411,39 +552,43 @@ def run_anchor_rank(ctx) -> dict:
                 rec["losses"].append(stats.loss)
             want = version + a.snapshot_every
             k += 1
+            if a.state_every and k % a.state_every == 0:
+                save_state(path, run_id, k, layout, momentum)
     except Exception as e:  # a fast rank or anchor peer is gone: the run ended or broke
-        if not is_peer_error(e):
+        if not (is_peer_error(e) or is_store_error(e)):
             raise
         rec["stopped"] = f"link closed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
     rec["bytes"] = ctx.counter.totals()
     return rec
 
 
-def _pull_snapshot(mesh, group, row_group, src: int, want: int, params, rec) -> int | None:
-    """Loads the stage parameters of snapshot version >= ``want`` from ``src`` (fast
-    replica 0), the same version on every anchor stage; None when the fast circuit ended."""
+def _pull_snapshot(mesh, link, want: int, params, rec) -> int | None:
+    """Loads the stage parameters of snapshot version >= ``want`` from fast replica 0
+    (``link``), the same version on every anchor stage (agreed over the anchor row's
+    world); None when the fast circuit ended."""
     target, version, payload, stop = want, None, None, False
     numel = sum(p.numel() for p in params)
     while True:
         if not stop and (version is None or version < target):
-            rec["bytes_to_fast"] += _send([header(REQ, version=target)], src, group)
-            h = _recv(HEADER_LEN, torch.int64, src, group)
+            rec["bytes_to_fast"] += _send([header(REQ, version=target)], FAST, link)
+            h = _recv(HEADER_LEN, torch.int64, FAST, link)
             rec["bytes_from_fast"] += HEADER_BYTES
             if int(h[F_MAGIC]) != MAGIC or int(h[F_KIND]) not in (SNAP, STOP):
-                raise RuntimeError(f"anchor protocol: expected SNAP/STOP from rank {src}, got header {h.tolist()}")
+                raise RuntimeError(f"anchor protocol: expected SNAP/STOP from replica 0, got header {h.tolist()}")
             if int(h[F_KIND]) == STOP:
                 stop = True
             else:
                 if int(h[F_NUMEL]) != numel or int(h[F_DTYPE]) != DTYPE_CODES[params[0].dtype]:
                     raise RuntimeError(f"anchor protocol: snapshot of {int(h[F_NUMEL])} elements (dtype code "
-                                       f"{int(h[F_DTYPE])}) from rank {src}; this stage has {numel}")
-                payload = _recv(numel, params[0].dtype, src, group)
+                                       f"{int(h[F_DTYPE])}) from replica 0; this stage has {numel}")
+                payload = _recv(numel, params[0].dtype, FAST, link)
                 rec["bytes_from_fast"] += payload.numel() * payload.element_size()
                 version = int(h[F_VERSION])
-        mine = torch.tensor([1 if stop else 0, -1 if version is None else version], dtype=torch.int64)
+        mine = torch.tensor([1 if stop else 0, -1 if version is None else version], dtype=torch.int64,
+                            device=mesh.device)
         if mesh.layout.stages > 1:
             everyone = [torch.zeros_like(mine) for _ in range(mesh.layout.stages)]
-            dist.all_gather(everyone, mine, group=row_group)
+            dist.all_gather(everyone, mine)
         else:
             everyone = [mine]
         if any(int(e[0]) for e in everyone):
@@ -503,8 +648,8 @@ class FastHook:
         self.n_opt = len(flat)
         self.alpha = cfg.train.alpha
         self.serves = mesh.row == 0
-        self.anchor_rank = mesh.layout.rank_of(mesh.layout.rows - 1, mesh.stage)
-        self.group, _ = link_groups(mesh)
+        self.pg = None  # the current generation's pair link (the link thread's)
+        self.generation = 0  # of the anchor row linked now (0: none yet)
         self.events: queue.Queue = queue.Queue()
         self.cv = threading.Condition()
         self.snapshots: dict[int, torch.Tensor] = {}
@@ -517,7 +662,7 @@ class FastHook:
         self.update_bytes = 0
         self.base_bytes = None
         self.c = {"arrivals": 0, "applied": 0, "rejected": 0, "rejected_stale": 0, "rejected_nonfinite": 0,
-                  "rejected_shape": 0, "rejected_optimizer": 0, "snapshots_sent": 0}
+                  "rejected_shape": 0, "rejected_optimizer": 0, "snapshots_sent": 0, "joins": 0}
         self.hist: dict[int, int] = {}
         self.last_staleness = None
         self.last_round_ms = None
@@ -534,21 +679,52 @@ class FastHook:
 
     # ------------------------------------------------------------------ link thread
     def _link(self) -> None:
-        try:
-            while True:
-                h = _recv(HEADER_LEN, torch.int64, self.anchor_rank, self.group)
-                self.wire_bytes += HEADER_BYTES
-                kind = int(h[F_KIND]) if int(h[F_MAGIC]) == MAGIC else -1
-                if kind == REQ and self.serves:
-                    if not self._serve(int(h[F_VERSION])):
-                        return
-                elif kind == GRAD:
-                    self._receive_update(h)
-                else:
-                    raise RuntimeError(f"anchor protocol: unexpected header {h.tolist()}")
-        except Exception as e:
-            if not self.closing:
-                self.events.put(("lost", f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"))
+        """Links with each anchor generation of this stage in turn, for the whole run: waits
+        until one opens, links, serves it until it breaks ("lost"), then waits for the next
+        (a restarted anchor row). Ends at close or when the fast circuit's store is gone."""
+        store, gen, s = None, 0, self.stage_index
+        while not self.closing:
+            try:
+                if store is None:
+                    store = side_store(store_address(), self.timeout_s)
+                    store.compare_set(f"{PREFIX}run_id", "", os.urandom(8).hex())  # the first fast rank's wins
+                latest = int(store.add(f"{PREFIX}joins/{s}", 0))
+                if latest <= gen:  # no new anchor of this stage: look again soon
+                    time.sleep(0.2)  # (polling, not a timed-out store.wait: c10d logs every timeout)
+                    continue
+                gen = latest  # the newest; older ones that never opened are skipped
+                store.wait([f"{PREFIX}g{gen}/open/{s}"], timedelta(seconds=self.timeout_s))
+                store.set(f"{PREFIX}g{gen}/here/{s}/{self.row}", "1")
+                pg = _pair(store, gen, s, self.row, FAST, self.timeout_s)
+            except Exception as e:
+                if self.closing or type(e).__name__ == "DistNetworkError" or isinstance(e, ConnectionError):
+                    return  # the store (fast rank 0) is gone: the run is over
+                continue  # that generation never opened / never linked: wait for the next one
+            self.pg = pg
+            self.events.put(("joined", gen))
+            try:
+                if self._serve_link():
+                    return  # the fast circuit finished: STOP sent
+            except Exception as e:
+                if self.closing:
+                    return
+                why = str(e).splitlines()[0].split(" This is typically")[0]  # gloo appends advice
+                self.events.put(("lost", f"{type(e).__name__}: {why[:200]}"))
+
+    def _serve_link(self) -> bool:
+        """Serves the current anchor generation until its link breaks (raises) or the fast
+        circuit finishes (returns True after sending STOP)."""
+        while True:
+            h = _recv(HEADER_LEN, torch.int64, ANCHOR, self.pg)
+            self.wire_bytes += HEADER_BYTES
+            kind = int(h[F_KIND]) if int(h[F_MAGIC]) == MAGIC else -1
+            if kind == REQ and self.serves:
+                if not self._serve(int(h[F_VERSION])):
+                    return True
+            elif kind == GRAD:
+                self._receive_update(h)
+            else:
+                raise RuntimeError(f"anchor protocol: unexpected header {h.tolist()}")
 
     def _receive_update(self, h: torch.Tensor) -> None:
         try:
@@ -557,11 +733,11 @@ class FastHook:
             n, code = int(h[F_NUMEL]), int(h[F_DTYPE])
             if r.reason != "shape" or code not in CODE_DTYPES or not 0 <= n <= DRAIN_FACTOR * self.layout.numel + 4096:
                 raise RuntimeError(f"anchor protocol: {r}") from None
-            junk = _recv(n, CODE_DTYPES[code], self.anchor_rank, self.group)  # drain: keep the stream aligned
+            junk = _recv(n, CODE_DTYPES[code], ANCHOR, self.pg)  # drain: keep the stream aligned
             self.wire_bytes += junk.numel() * junk.element_size()
             self.events.put(("rejected", r.reason, int(h[F_VERSION])))
             return
-        payload = _recv(self.layout.numel, self.layout.dtype, self.anchor_rank, self.group)
+        payload = _recv(self.layout.numel, self.layout.dtype, ANCHOR, self.pg)
         nbytes = payload.numel() * payload.element_size()
         self.wire_bytes += nbytes
         self.update_bytes += nbytes + HEADER_BYTES
@@ -582,10 +758,10 @@ class FastHook:
                 for v in [v for v in self.snapshots if v < version]:
                     del self.snapshots[v]
         if snap is None:
-            self.wire_bytes += _send([header(STOP)], self.anchor_rank, self.group)
+            self.wire_bytes += _send([header(STOP)], ANCHOR, self.pg)
             return False
         h = header(SNAP, version=version, numel=snap.numel(), dtype=DTYPE_CODES[snap.dtype])
-        n = _send([h, snap], self.anchor_rank, self.group)
+        n = _send([h, snap], ANCHOR, self.pg)
         self.wire_bytes += n
         self.snapshot_bytes += n
         self.c["snapshots_sent"] += 1
@@ -631,6 +807,13 @@ class FastHook:
                 self.c["arrivals"] += 1
                 self.refused.add(ev[2])
                 self._reject(ev[1])
+            elif ev[0] == "joined":
+                self.generation = ev[1]
+                self.c["joins"] += 1
+                if self.link != "up" or ev[1] > 1:
+                    self.link = "up"
+                    self._log(f"step {step}: anchor row generation {ev[1]} joined; its updates are applied "
+                              "as they arrive")
             elif ev[0] == "lost" and self.link == "up":
                 self.link = "lost"
                 self._log(f"step {step}: lost the anchor ({ev[1]}); the fast circuit continues as plain masked "
@@ -738,7 +921,7 @@ class FastHook:
 
     def stats(self) -> dict:
         n = sum(self.hist.values())
-        return {**self.c, "link": self.link, "stalled": self.stalled, "prior_on": self.prior_on,
+        return {**self.c, "link": self.link, "generation": self.generation, "stalled": self.stalled, "prior_on": self.prior_on,
                 "last_staleness": self.last_staleness,
                 "mean_staleness": (sum(s * c for s, c in self.hist.items()) / n) if n else None,
                 "staleness_hist": {str(s): c for s, c in sorted(self.hist.items())},

@@ -106,6 +106,10 @@ class AnchorConfig:
     transport: str = _f("dense", "anchor gradient transport: dense or factored (top-r SVD of its momentum)")
     max_staleness: int = _f(50, "anchor updates older than this many fast steps are rejected")
     delay: int = _f(0, "deterministic delay mode: apply anchor gradients exactly this many fast steps after their snapshot (0: asynchronous)")
+    state_every: int = _f(1, "anchor rounds between saves of the anchor's state (round counter, factored momentum) to CHECKPOINT_DIR/anchor/; 0: never")
+    restarts: int = _f(2, "local launcher: restart a dead anchor row up to this many times (it rejoins the running fast circuit)")
+    join: bool = _f(False, "start only the anchor row and join a running fast circuit (with --anchor.store; same config otherwise)")
+    store: str = _f("", "host:port of the running fast circuit's rendezvous store (its MASTER_ADDR:MASTER_PORT) for --anchor.join")
 
 
 @dataclass
@@ -283,7 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
             dotted = f"{sec}.{f.name}"
             names = [f"--{dotted}"] + ([f"--{inv[dotted]}"] if dotted in inv else [])
             default = getattr(obj, f.name)
-            g.add_argument(*names, dest=dotted, default=None, metavar=type(default).__name__.upper(),
+            flag = {"nargs": "?", "const": "true"} if isinstance(default, bool) else {}  # bare --flag means true
+            g.add_argument(*names, dest=dotted, default=None, metavar=type(default).__name__.upper(), **flag,
                            help=f"{f.metadata.get('help', '')} (default: {default!r})".replace("%", "%%"))
     ap.set_defaults()
     ap.formatter_class = argparse.HelpFormatter  # defaults are already in each help line
@@ -347,6 +352,12 @@ def validate(cfg: Config) -> Config:
     _need(dp.compressor in COMPRESSORS, f"--dp.compressor must be one of {', '.join(COMPRESSORS)}, got {dp.compressor!r}")
     _need(dp.sync_every >= 1 and dp.fragments >= 1, "--dp.sync_every and --dp.fragments must be >= 1")
     _need(a.transport in ("dense", "factored"), f"--anchor.transport must be dense or factored, got {a.transport!r}")
+    _need(a.state_every >= 0 and a.restarts >= 0, "--anchor.state_every and --anchor.restarts must be >= 0")
+    _need(not a.join or a.enabled, "--anchor.join needs --anchor.enabled (the config of the running fast circuit)")
+    _need(not a.join or bool(a.store), "--anchor.join needs --anchor.store host:port (printed by the fast circuit's launcher)")
+    if a.store:
+        host, _, port = a.store.rpartition(":")
+        _need(bool(host) and port.isdigit() and 0 < int(port) < 65536, f"--anchor.store must be host:port, got {a.store!r}")
     _need(cfg.checkpoint.every >= 0 and cfg.checkpoint.keep >= 1, "--checkpoint.every must be >= 0 and --checkpoint.keep >= 1")
     _need(cfg.run.eval_sequences >= 0, "--run.eval_sequences must be >= 0")
     _need(cfg.run.log_every >= 1, "--run.log_every must be >= 1")

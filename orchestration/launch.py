@@ -110,12 +110,16 @@ def _child(fn, rank, world_size, port, threads, conn, args):
 
 def run_local(fn, world_size: int, args: tuple = (), *, start_method: str = "fork", threads: int = 1,
               timeout_s: float | None = None, grace_s: float = 3.0, describe=None,
-              optional: frozenset | set = frozenset()) -> list:
+              optional: frozenset | set = frozenset(), restarts: int = 0, port: int | None = None) -> list:
     """Runs ``fn(rank, world_size, *args)`` on ``world_size`` local processes; returns the
     per-rank return values (rank order).
 
     ``optional`` ranks (the anchor row: nobody waits for it) may fail without stopping
     the others: their failure is printed as one warning line and their result is None.
+    With ``restarts`` > 0, a failure of an optional rank while required ranks still run
+    instead terminates every optional rank and starts them all again (they form one
+    group, like the anchor row), at most ``restarts`` times; the result of an optional
+    rank is then that of its last incarnation. ``port``: MASTER_PORT (default: a free one).
 
     Raises MeshFailure naming the first failed rank (``describe(rank)`` gives its name) if
     any rank raises or dies, or TimeoutError if ``timeout_s`` passes first. Never leaves a
@@ -125,15 +129,20 @@ def run_local(fn, world_size: int, args: tuple = (), *, start_method: str = "for
     if start_method == "fork" and sys.platform != "linux":
         start_method = "spawn"
     ctx = mp.get_context(start_method)
-    port = free_port()
-    procs, conns = [], []
-    for r in range(world_size):
+    port = port or free_port()
+    procs, conns = [None] * world_size, [None] * world_size
+
+    def start(r):
         recv, send = ctx.Pipe(duplex=False)
         p = ctx.Process(target=_child, args=(fn, r, world_size, port, threads, send, args), daemon=False)
         p.start()
         send.close()
-        procs.append(p)
-        conns.append(recv)
+        procs[r], conns[r] = p, recv
+
+    for r in range(world_size):
+        start(r)
+    restarts_left = restarts
+    required = set(range(world_size)) - set(optional)  # empty: a group of optional ranks alone (--anchor.join)
 
     results: dict[int, object] = {}
     errors: dict[int, dict] = {}
@@ -156,6 +165,31 @@ def run_local(fn, world_size: int, args: tuple = (), *, start_method: str = "for
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     first_fail_at = None
     required_done_at = None
+    def restart_optional(r, how):
+        """Optional rank r failed: if allowed, start every optional rank afresh; True if so."""
+        nonlocal restarts_left
+        if restarts_left <= 0 or (required and all(q in optional for q in pending_conns.values())):
+            return False  # no restarts left, or the required ranks are done: nothing to rejoin
+        restarts_left -= 1
+        print(f"warning: {describe(r)} {how}; restarting ranks {sorted(optional)} "
+              f"(restart {restarts - restarts_left} of {restarts})", file=sys.stderr, flush=True)
+        for q in optional:
+            pending_conns.pop(conns[q], None)
+            alive.pop(procs[q].sentinel, None)
+            if procs[q].is_alive():
+                procs[q].terminate()
+        for q in optional:
+            procs[q].join(5.0)
+            if procs[q].is_alive():
+                procs[q].kill()
+                procs[q].join(2.0)
+            conns[q].close()
+            results.pop(q, None)
+            start(q)
+            pending_conns[conns[q]] = q
+            alive[procs[q].sentinel] = q
+        return True
+
     try:
         pending_conns = {c: r for r, c in enumerate(conns)}
         alive = {p.sentinel: r for r, p in enumerate(procs)}
@@ -165,7 +199,7 @@ def run_local(fn, world_size: int, args: tuple = (), *, start_method: str = "for
                 break
             if deadline is not None and now > deadline:
                 break
-            if optional and all(r in optional for r in pending_conns.values()):
+            if optional and required and all(r in optional for r in pending_conns.values()):
                 # Every required rank reported: optional ones (e.g. a stalled anchor) get grace_s.
                 required_done_at = required_done_at or now
                 if now - required_done_at > grace_s:
@@ -186,7 +220,9 @@ def run_local(fn, world_size: int, args: tuple = (), *, start_method: str = "for
                     if kind == "ok":
                         results[r] = payload
                     elif r in optional:
-                        _lost(r, f"failed: {payload['type']}: {payload['message']}", describe, results)
+                        how = f"failed: {payload['type']}: {payload['message']}"
+                        if not restart_optional(r, how):
+                            _lost(r, how, describe, results)
                     else:
                         errors[r] = payload
                         first_fail_at = first_fail_at or time.monotonic()
@@ -196,7 +232,7 @@ def run_local(fn, world_size: int, args: tuple = (), *, start_method: str = "for
                     code = procs[r].exitcode
                     if code != 0 and r in optional:
                         pending_conns.pop(conns[r], None)
-                        if r not in results:
+                        if r not in results and not restart_optional(r, f"exited with code {code}"):
                             _lost(r, f"exited with code {code}", describe, results)
                     elif code != 0:
                         # Collect its report, if it sent one, before deciding it died silently.

@@ -2,18 +2,26 @@
 
 Layout (row-major): rank = row * stages + stage. Rows are replicas, columns pipeline
 stages. With the anchor on, the LAST row is the anchor replica; rows 0..rows-2 are the
-fast circuit. Groups, created in the same order on every rank (torch.distributed
-requires every rank to enter every new_group call):
+fast circuit.
+
+Two torch.distributed worlds. The fast circuit's world holds the fast ranks only
+(ranks 0 .. fast_world_size-1, env:// rendezvous as set by torchrun or
+orchestration.launch). The anchor row is a world of its own (``init_anchor_row``),
+formed through the fast world's rendezvous store under a generation prefix, so that an
+anchor row can die and a new one can join the running fast circuit later: a
+torch.distributed world is fixed at init, and a process outside it can never enter its
+groups. Anchor <-> fast traffic runs on store-built side links (orchestration.anchor).
+
+Groups of the fast world, created in the same order on every fast rank
+(torch.distributed requires every rank to enter every new_group call):
 
     pp[row]      the Y stages of one replica (pipeline p2p partners; grad-norm clipping)
     dp[stage]    the fast replicas' ranks of one stage column (DP sync / DiLoCo)
-    column[stage] dp[stage] plus the anchor's rank of that column (anchor <-> fast traffic)
     ends[row]    first and last stage of one replica (tied-embedding gradient sum)
-    fast         every fast rank (per-step metrics and stop flag; the anchor never joins it,
-                 so nothing on the fast critical path waits for the anchor)
-    anchor       the anchor row (None without the anchor)
+    fast         every fast rank (per-step metrics and stop flag)
 
-Point-to-point transfers use global ranks on the default group.
+Point-to-point transfers use global ranks on the default group (in the anchor world a
+rank is its stage index).
 """
 from __future__ import annotations
 
@@ -41,7 +49,13 @@ class MeshLayout:
 
     @property
     def world_size(self) -> int:
+        """Every process of the mesh (fast ranks + the anchor row): what a local launch starts."""
         return self.rows * self.stages
+
+    @property
+    def fast_world_size(self) -> int:
+        """The fast circuit's torch.distributed world (the anchor row is a world of its own)."""
+        return self.fast_rows * self.stages
 
     @property
     def fast_rows(self) -> int:
@@ -67,9 +81,6 @@ class MeshLayout:
     def dp_ranks(self, stage: int) -> list[int]:
         return [self.rank_of(r, stage) for r in range(self.fast_rows)]
 
-    def column_ranks(self, stage: int) -> list[int]:
-        return [self.rank_of(r, stage) for r in range(self.rows)]
-
     def fast_ranks(self) -> list[int]:
         return list(range(self.fast_rows * self.stages))
 
@@ -90,9 +101,7 @@ class Mesh:
     stage: int
     pp: object = None
     dp: object = None
-    column: object = None
     fast: object = None
-    anchor: object = None
     groups: dict = field(default_factory=dict)
     device: torch.device = torch.device("cpu")  # where this rank computes (cuda:LOCAL_RANK with NCCL)
 
@@ -110,11 +119,16 @@ class Mesh:
 
     @property
     def prev_rank(self) -> int | None:
-        return None if self.is_first else self.rank - 1
+        """The previous stage's rank in this rank's torch.distributed world."""
+        if self.is_first:
+            return None
+        return self.stage - 1 if self.is_anchor else self.rank - 1
 
     @property
     def next_rank(self) -> int | None:
-        return None if self.is_last else self.rank + 1
+        if self.is_last:
+            return None
+        return self.stage + 1 if self.is_anchor else self.rank + 1
 
     @property
     def pp_ranks(self) -> list[int]:
@@ -134,27 +148,39 @@ def resolve_backend(backend: str) -> str:
     return backend
 
 
-def init_mesh(layout: MeshLayout, *, backend: str = "auto", timeout_s: float = 60.0) -> Mesh:
-    """Joins the default process group (env:// rendezvous: RANK, WORLD_SIZE, MASTER_ADDR,
-    MASTER_PORT, as set by torchrun or orchestration.launch) and creates every group.
+def _device(backend: str) -> torch.device:
+    if backend == "nccl":  # NCCL moves CUDA tensors only: one GPU per local rank
+        d = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(d)
+        return d
+    return torch.device("cpu")
 
-    Raises ValueError if WORLD_SIZE does not match the layout. ``timeout_s`` bounds every
-    collective and p2p wait, so a dead or stalled peer becomes an error, never a hang.
+
+def init_mesh(layout: MeshLayout, *, backend: str = "auto", timeout_s: float = 60.0) -> Mesh:
+    """Joins the fast circuit's world (env:// rendezvous: RANK, MASTER_ADDR, MASTER_PORT,
+    as set by torchrun or orchestration.launch; its size is ``layout.fast_world_size``) and
+    creates every group. Fast ranks only: the anchor row joins with ``init_anchor_row``.
+
+    Raises ValueError if RANK is an anchor rank or WORLD_SIZE (under torchrun) does not
+    match. ``timeout_s`` bounds every collective and p2p wait, so a dead or stalled peer
+    becomes an error, never a hang.
     """
+    rank = int(os.environ.get("RANK", "0"))
+    if layout.is_anchor(rank):
+        raise ValueError(f"{layout.describe(rank)} is in the anchor row: it joins with init_anchor_row, not init_mesh")
     if not dist.is_initialized():
-        dist.init_process_group(resolve_backend(backend), init_method="env://",
-                                timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(resolve_backend(backend), init_method="env://", rank=rank,
+                                world_size=layout.fast_world_size, timeout=timedelta(seconds=timeout_s))
     world, rank = dist.get_world_size(), dist.get_rank()
-    if world != layout.world_size:
-        raise ValueError(f"WORLD_SIZE={world} but the mesh {layout.rows}x{layout.stages} needs {layout.world_size} ranks")
+    if world != layout.fast_world_size:
+        raise ValueError(f"WORLD_SIZE={world} but the fast circuit of the mesh {layout.rows}x{layout.stages} "
+                         f"needs {layout.fast_world_size} ranks")
     row, stage = layout.coords(rank)
     m = Mesh(layout, rank, row, stage)
-    if dist.get_backend() == "nccl":  # NCCL moves CUDA tensors only: one GPU per local rank
-        m.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(m.device)
+    m.device = _device(dist.get_backend())
     tmo = timedelta(seconds=timeout_s)
-    # Same order on every rank: rows, dp columns, full columns, fast, anchor.
-    for r in range(layout.rows):
+    # Same order on every rank: rows, dp columns, ends, fast.
+    for r in range(layout.fast_rows):
         g = dist.new_group(layout.pp_ranks(r), timeout=tmo)
         m.groups[f"pp{r}"] = g
         if r == row:
@@ -162,25 +188,30 @@ def init_mesh(layout: MeshLayout, *, backend: str = "auto", timeout_s: float = 6
     for s in range(layout.stages):
         g = dist.new_group(layout.dp_ranks(s), timeout=tmo)
         m.groups[f"dp{s}"] = g
-        if s == stage and not m.is_anchor:
-            m.dp = g
-    for s in range(layout.stages):
-        g = dist.new_group(layout.column_ranks(s), timeout=tmo)
-        m.groups[f"column{s}"] = g
         if s == stage:
-            m.column = g
-    for r in range(layout.rows):  # first + last stage of a row: tied-embedding gradient sum
+            m.dp = g
+    for r in range(layout.fast_rows):  # first + last stage of a row: tied-embedding gradient sum
         ends = sorted({layout.rank_of(r, 0), layout.rank_of(r, layout.stages - 1)})
         m.groups[f"ends{r}"] = dist.new_group(ends, timeout=tmo)
-    g = dist.new_group(layout.fast_ranks(), timeout=tmo)
-    m.groups["fast"] = g
-    if not m.is_anchor:
-        m.fast = g
-    if layout.anchor:
-        g = dist.new_group(layout.pp_ranks(layout.rows - 1), timeout=tmo)
-        m.groups["anchor"] = g
-        if m.is_anchor:
-            m.anchor = g
+    m.fast = m.groups["fast"] = dist.new_group(layout.fast_ranks(), timeout=tmo)
+    return m
+
+
+def init_anchor_row(layout: MeshLayout, stage: int, store, generation: int, *, backend: str = "auto",
+                    timeout_s: float = 60.0) -> Mesh:
+    """Joins anchor row ``generation``'s own world: the anchor ranks of every stage, rank =
+    stage, rendezvous on ``store`` (a client of the fast circuit's store) under a prefix
+    of the generation, so a new anchor row never meets a dead one's keys. Every anchor
+    stage of one generation must call this; raises DistStoreError after ``timeout_s`` if
+    one does not come. The returned Mesh has ``rank`` = the anchor rank's number in the
+    whole mesh (for names and fault injection) and neighbours in the anchor world."""
+    if not layout.anchor:
+        raise ValueError("init_anchor_row needs a mesh layout with the anchor")
+    if not dist.is_initialized():
+        dist.init_process_group(resolve_backend(backend), store=dist.PrefixStore(f"meshkern/anchor/g{generation}/row", store),
+                                rank=stage, world_size=layout.stages, timeout=timedelta(seconds=timeout_s))
+    m = Mesh(layout, layout.rank_of(layout.rows - 1, stage), layout.rows - 1, stage)
+    m.device = _device(dist.get_backend())
     return m
 
 

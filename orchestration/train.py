@@ -20,8 +20,11 @@ itself (orchestration.launch); under torchrun each process is one rank. Every ra
     -> global grad-norm clip -> anchor gradients (if any arrived) -> inner optimizer
     -> Streaming DiLoCo (dp.mode=diloco) -> metrics / progress / checkpoint
 
-The anchor circuit (issue 6) plugs in through ``orchestration.anchor``: fast ranks poll
-an ``AnchorHook`` once per step; anchor ranks run ``anchor.run_anchor_rank(ctx)``.
+The anchor circuit plugs in through ``orchestration.anchor``: fast ranks poll a
+``FastHook`` once per step; anchor ranks run ``anchor.run_anchor_rank(ctx)`` in a world of
+their own. The local launcher restarts a dead anchor row (``--anchor.restarts``); by hand,
+or on another machine, ``--anchor.join --anchor.store HOST:PORT`` with the run's
+config.yaml starts just the anchor row, which joins the running fast circuit.
 """
 from __future__ import annotations
 
@@ -41,7 +44,7 @@ import torch.distributed as dist
 
 from orchestration import checkpoint as ckpt
 from orchestration.config import Config, parse_args, to_yaml
-from orchestration.launch import MeshFailure, run_local
+from orchestration.launch import MeshFailure, free_port, run_local
 from orchestration.mesh import MeshLayout, init_mesh, destroy_mesh
 from orchestration.metrics import (AXES, JsonlWriter, LinkCounter, format_table, held_out_loss,  # noqa: F401
                                    modeled_step, summarize, summary_rows, write_link_bytes)
@@ -267,11 +270,22 @@ def run_rank(rank: int, world_size: int, cfg: Config, plan: Plan) -> dict:
     """Runs one rank to the end of training; returns its record (rank 0: the summary)."""
     torch.set_num_threads(cfg.mesh.threads_per_rank)
     layout = MeshLayout(cfg.mesh.rows, cfg.mesh.stages, cfg.anchor.enabled)
-    mesh = init_mesh(layout, backend=cfg.mesh.backend, timeout_s=cfg.mesh.timeout_s)
+    if layout.is_anchor(rank):  # the anchor row is a world of its own (orchestration.mesh)
+        from orchestration import anchor
+
+        mesh = anchor.join_anchor_row(layout, rank, cfg)
+    else:
+        mesh = init_mesh(layout, backend=cfg.mesh.backend, timeout_s=cfg.mesh.timeout_s)
     try:
         return _run(rank, cfg, plan, mesh)
     finally:
         destroy_mesh()
+
+
+def run_anchor_row_rank(index: int, world_size: int, cfg: Config, plan: Plan) -> dict:
+    """``--anchor.join`` (local launcher): process ``index`` is the anchor rank of stage ``index``."""
+    layout = MeshLayout(cfg.mesh.rows, cfg.mesh.stages, True)
+    return run_rank(layout.rank_of(layout.rows - 1, index), world_size, cfg, plan)
 
 
 def _run(rank: int, cfg: Config, plan: Plan, mesh) -> dict:
@@ -515,22 +529,44 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    layout = MeshLayout(cfg.mesh.rows, cfg.mesh.stages, cfg.anchor.enabled)
+    join = cfg.anchor.join  # start only the anchor row, joining a running fast circuit
     if under_torchrun():
         world = int(os.environ["WORLD_SIZE"])
-        if world != cfg.world_size:
-            print(f"error: torchrun started {world} processes, the {cfg.mesh.rows}x{cfg.mesh.stages} mesh needs "
-                  f"{cfg.world_size}", file=sys.stderr)
+        want = layout.stages if join else layout.fast_world_size
+        if world != want:
+            what = "anchor row (one process per stage)" if join else f"{cfg.mesh.rows}x{cfg.mesh.stages} mesh"
+            extra = " plus an anchor row started with --anchor.join" if cfg.anchor.enabled and not join else ""
+            print(f"error: torchrun started {world} processes, the {what} needs {want}{extra}", file=sys.stderr)
             return 2
-        run_rank(int(os.environ["RANK"]), world, cfg, plan)
+        rank = int(os.environ["RANK"])
+        run_rank(layout.rank_of(layout.rows - 1, rank) if join else rank, world, cfg, plan)
         return 0
     os.makedirs(plan.run_dir, exist_ok=True)
-    with open(os.path.join(plan.run_dir, "config.yaml"), "w") as f:
-        f.write(to_yaml(cfg))
-    layout = MeshLayout(cfg.mesh.rows, cfg.mesh.stages, cfg.anchor.enabled)
+    if not join:
+        cfg.run.name = os.path.basename(plan.run_dir)  # so that --config RUN_DIR/config.yaml names this run
+        with open(os.path.join(plan.run_dir, "config.yaml"), "w") as f:
+            f.write(to_yaml(cfg))
     try:
+        if join:
+            res = run_local(run_anchor_row_rank, layout.stages, (cfg, plan), start_method=cfg.mesh.start_method,
+                            threads=cfg.mesh.threads_per_rank, optional=set(range(layout.stages)),
+                            describe=lambda r: layout.describe(layout.rank_of(layout.rows - 1, r)),
+                            restarts=cfg.anchor.restarts)
+            for r in res:
+                if r is not None:
+                    print(f"[anchor] {layout.describe(r['rank'])}, generation {r['generation']}: {r['rounds']} rounds, "
+                          f"stopped: {r['stopped']}", file=sys.stderr, flush=True)
+            return 0 if all(r is not None for r in res) else 1
+        port = free_port()
         anchors = {r for r in range(cfg.world_size) if layout.is_anchor(r)}
+        if anchors:
+            print(f"[anchor] the fast circuit's store is 127.0.0.1:{port}; a new anchor row joins it with: "
+                  f"python -m orchestration.train --config {os.path.join(plan.run_dir, 'config.yaml')} "
+                  f"--anchor.join --anchor.store 127.0.0.1:{port}", file=sys.stderr, flush=True)
         run_local(run_rank, cfg.world_size, (cfg, plan), start_method=cfg.mesh.start_method,
-                  threads=cfg.mesh.threads_per_rank, describe=layout.describe, optional=anchors)
+                  threads=cfg.mesh.threads_per_rank, describe=layout.describe, optional=anchors,
+                  restarts=cfg.anchor.restarts if anchors else 0, port=port)
     except MeshFailure as e:
         print(f"\nerror: the mesh stopped: {e}", file=sys.stderr)
         if e.details:

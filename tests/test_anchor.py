@@ -41,13 +41,13 @@ def _spy_rank(rank, world, cfg, plan, outdir):
     return run_rank(rank, world, cfg, plan)
 
 
-def _run(argv, outdir=None, timeout_s=150):
+def _run(argv, outdir=None, timeout_s=150, **launch):
     cfg, _ = parse_args(argv)
     plan = prepare(cfg)
     lay = MeshLayout(cfg.mesh.rows, cfg.mesh.stages, True)
     anchors = {r for r in range(lay.world_size) if lay.is_anchor(r)}
     fn, args = (run_rank, (cfg, plan)) if outdir is None else (_spy_rank, (cfg, plan, str(outdir)))
-    res = run_local(fn, cfg.world_size, args, timeout_s=timeout_s, describe=lay.describe, optional=anchors)
+    res = run_local(fn, cfg.world_size, args, timeout_s=timeout_s, describe=lay.describe, optional=anchors, **launch)
     recs = read_jsonl(os.path.join(plan.run_dir, "metrics.jsonl"))
     return cfg, plan, res, recs
 
@@ -284,3 +284,138 @@ def test_killed_anchor_leaves_the_fast_circuit_training_and_checkpointing(tiny, 
     assert "[anchor] stage 0" in stages and set(stages) <= {"[anchor] stage 0", "[anchor] stage 1"}
     assert len(stages) == len(set(stages))  # said once per column
     assert "prior back on" not in err.split("lost the anchor")[-1]
+
+
+# ------------------------------------------------------------------ restart and rejoin
+def _pause_while_lost(monkeypatch, limit_s=60.0):
+    """Test instrumentation (inherited by forked ranks): a fast rank that has lost its anchor
+    waits in ``poll`` until a new anchor generation has joined, so that the rejoin happens
+    mid-run however fast the tiny model trains (the real hook never waits)."""
+    import time
+
+    orig = A.FastHook.poll
+
+    def poll(self, step):
+        end = time.monotonic() + limit_s
+        self._drain(step)
+        while self.link == "lost" and time.monotonic() < end:
+            self._drain(step, block_s=0.2)
+        return orig(self, step)
+
+    monkeypatch.setattr(A.FastHook, "poll", poll)
+
+
+def test_anchor_state_round_trip_and_ownership(tmp_path):
+    """The anchor's saved state restores its momentum exactly, and is only taken by a rejoin
+    of the same fast circuit (run id) or a resumed run with the same layout."""
+    from meshkern.optim import AnchorMomentum
+
+    named = _named([(6, 4), (5, 3)])
+    lay = A.Layout.build(named, "factored", 2, torch.float32)
+    mom = AnchorMomentum([p for _, p in named], 0.9, 2, seed=3)
+    for _ in range(3):
+        lay.encode([torch.randn(p.shape) for _, p in named], mom)
+    path = str(tmp_path / "anchor" / "stage_00.pt")
+    A.save_state(path, "run-a", 3, lay, mom)
+    fresh = AnchorMomentum([p for _, p in named], 0.9, 2, seed=3)
+    k, why = A.load_state(path, "run-a", lay, fresh, resuming=False)
+    assert k == 3 and "restored round 3" in why
+    for a, b in zip(mom.factors(), fresh.factors()):
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
+    g = [torch.randn(p.shape) for _, p in named]  # and they go on identically
+    assert torch.equal(lay.encode(g, mom), lay.encode(g, fresh))
+    assert A.load_state(path, "run-b", lay, fresh, resuming=False)[0] is None  # another run's state
+    assert A.load_state(path, "run-b", lay, fresh, resuming=True)[0] == 3  # a resumed run takes it
+    other = A.Layout.build(_named([(6, 4)]), "factored", 2, torch.float32)
+    assert A.load_state(path, "run-a", other, AnchorMomentum([torch.zeros(6, 4)], 0.9, 2), resuming=True)[0] is None
+    assert A.load_state(str(tmp_path / "none.pt"), "run-a", lay, fresh, resuming=False)[0] is None
+
+
+def test_dead_anchor_row_is_restarted_and_rejoins(tiny, tmp_path, monkeypatch, capfd):
+    """Both anchor ranks die at the start of their round 2 (generation 1 only). The launcher
+    starts a new anchor row (generation 2), which joins the running fast circuit through
+    its store, restores the saved round counter and factored momentum, and delivers
+    updates again: the fast ranks say so, apply them, and the prior is back on."""
+    spy = tmp_path / "spy"
+    spy.mkdir()
+    monkeypatch.setenv("MESHKERN_ANCHOR_FAULT", "die:2")
+    _pause_while_lost(monkeypatch)
+    _, plan, res, recs = _run(_argv(tiny, tmp_path, "restart", "--train.steps", "40", "--anchor.snapshot_every", "1",
+                                    "--anchor.transport", "factored", "--anchor.max_staleness", "40"),
+                              outdir=spy, restarts=1)
+    gen2 = res[2:]
+    assert all(r["generation"] == 2 and r["restored"] == f"restored round 2 from {A.state_path(plan, s)}"
+               for s, r in enumerate(gen2))
+    assert all(r["rounds"] >= 1 and r["stopped"] == "the fast circuit finished" for r in gen2)
+    last = recs[-1]
+    assert last["anchor_generation"] == 2 and last["anchor_joins"] == 2 and last["anchor_link"] == "up"
+    assert last["anchor_prior_on"] and last["anchor_rejected"] == 0
+    rounds = sorted(torch.load(f, weights_only=True)["round"] for f in spy.glob("r0_k*.pt"))
+    # rounds 0, 1 from generation 1; generation 2 continues at round 2 (its data position), never repeats
+    assert rounds[:3] == [0, 1, 2] and rounds == list(range(len(rounds))) and len(rounds) >= 3
+    assert last["anchor_applied"] == len(rounds)
+    err = capfd.readouterr().err
+    assert "restarting ranks [2, 3] (restart 1 of 1)" in err
+    for s in (0, 1):
+        assert f"[anchor] stage {s}: " in err and err.count(f"[anchor] stage {s}: step") >= 2
+    assert err.count("anchor row generation 2 joined") == 2  # once per stage column
+
+
+def test_anchor_row_joins_a_running_fast_circuit_by_command(tiny, tmp_path, monkeypatch, capfd):
+    """The user's path: the fast circuit runs (``main``, no automatic restarts), its anchor
+    row dies at round 1; the command the launcher printed (``--config RUN/config.yaml
+    --anchor.join --anchor.store HOST:PORT``) starts a new anchor row, which joins the
+    running fast circuit, delivers updates, and exits when the fast circuit finishes."""
+    import multiprocessing as mp
+    import re
+    import shlex
+    import threading
+    import time
+
+    from orchestration.train import main
+
+    monkeypatch.setenv("MESHKERN_ANCHOR_FAULT", "die:1")  # generation 1 only
+    _pause_while_lost(monkeypatch, limit_s=120.0)
+    argv = _argv(tiny, tmp_path, "join", "--train.steps", "40", "--anchor.snapshot_every", "1",
+                 "--anchor.max_staleness", "40", "--anchor.restarts", "0")
+    codes = []
+    fast = threading.Thread(target=lambda: codes.append(main(argv)))
+    fast.start()
+    err, cmd, t0 = "", None, time.monotonic()
+    while time.monotonic() - t0 < 120 and fast.is_alive():
+        err += capfd.readouterr().err
+        m = re.search(r"a new anchor row joins it with: python -m orchestration.train (.*)", err)
+        if m and "[anchor] stage 0: " in err and "lost the anchor" in err:
+            cmd = shlex.split(m.group(1))
+            break
+        time.sleep(0.2)
+    assert cmd is not None, f"the fast circuit never printed the join command or never lost its anchor:\n{err}"
+    joiner = mp.get_context("fork").Process(target=lambda: os._exit(main(cmd)))
+    joiner.start()
+    fast.join(180)
+    joiner.join(60)
+    assert codes == [0] and joiner.exitcode == 0
+    recs = read_jsonl(str(tmp_path / "join" / "metrics.jsonl"))
+    last = recs[-1]
+    assert last["anchor_generation"] == 2 and last["anchor_joins"] == 2 and last["anchor_link"] == "up"
+    before = max(r["anchor_applied"] for r in recs if r["anchor_generation"] == 1)
+    assert last["anchor_applied"] > before and last["anchor_prior_on"]  # generation 2 delivered
+    err += capfd.readouterr().err
+    assert err.count("anchor row generation 2 joined") == 2
+
+
+def test_resumed_run_restores_the_anchor_state(tiny, tmp_path):
+    """A fast circuit resumed from its checkpoint starts a new anchor row, which continues
+    from the saved round counter and factored momentum instead of from zero."""
+    common = ("--anchor.snapshot_every", "1", "--anchor.transport", "factored", "--checkpoint.every", "3")
+    _, plan, res, _ = _run(_argv(tiny, tmp_path, "resume", "--train.steps", "4", *common))
+    done = min(r["rounds"] for r in res[2:])
+    assert done >= 1 and all(r["restored"] == "" for r in res[2:])
+    saved = [torch.load(A.state_path(plan, s), weights_only=True) for s in (0, 1)]
+    assert all(st["momentum"]["updates"] >= 1 for st in saved)
+    _, plan2, res2, recs2 = _run(_argv(tiny, tmp_path, "resume", "--train.steps", "7", *common,
+                                       "--checkpoint.resume", "latest"))
+    assert [r["step"] for r in recs2] == list(range(1, 8))  # one metrics file: steps 1-4, then 5-7 resumed
+    for s, r in enumerate(res2[2:]):
+        assert r["restored"] == f"restored round {saved[s]['round']} from {A.state_path(plan2, s)}"

@@ -27,6 +27,13 @@ def test_json_file_and_typed_values(tmp_path):
     assert cfg.mesh.layers_per_stage == [2, 1, 1]
 
 
+def test_bare_bool_flag_means_true():
+    cfg, _ = parse_args(["--preset", "m95-ap", "--anchor.join", "--anchor.store", "10.0.0.2:29500"])
+    assert cfg.anchor.join is True and cfg.anchor.store == "10.0.0.2:29500"
+    cfg, _ = parse_args(["--run.progress", "--anchor.enabled", "false"])
+    assert cfg.run.progress is True and cfg.anchor.enabled is False
+
+
 def test_every_preset_loads_and_matches_its_row():
     assert set(presets()) >= {"dense", "dp", "m95", "m90-ap", "m95-ap"}
     rows = {n: parse_args(["--preset", n])[0] for n in ("dense", "dp", "m95", "m90-ap", "m95-ap")}
@@ -44,6 +51,9 @@ def test_every_preset_loads_and_matches_its_row():
     (["--train.steps", "x"], "cannot use 'x' as int"),
     (["--preset", "nope"], "unknown preset 'nope'"),
     (["--dp.mode", "ring"], "--dp.mode must be"),
+    (["--anchor.join"], "--anchor.join needs --anchor.enabled"),
+    (["--preset", "m95-ap", "--anchor.join"], "--anchor.join needs --anchor.store host:port"),
+    (["--preset", "m95-ap", "--anchor.store", "localhost"], "--anchor.store must be host:port"),
 ])
 def test_bad_values_name_the_flag(argv, message):
     with pytest.raises(ValueError) as ei:

@@ -8,14 +8,15 @@ import torch
 import torch.distributed as dist
 
 from orchestration.launch import MeshFailure, run_local
-from orchestration.mesh import MeshLayout, destroy_mesh, init_mesh
+from orchestration.mesh import MeshLayout, destroy_mesh, init_anchor_row, init_mesh
 
 
 def test_layout_arithmetic():
     lay = MeshLayout(3, 2, anchor=True)
-    assert lay.world_size == 6 and lay.fast_rows == 2
+    assert lay.world_size == 6 and lay.fast_rows == 2 and lay.fast_world_size == 4
+    assert MeshLayout(3, 2).fast_world_size == 6
     assert [lay.coords(r) for r in range(6)] == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
-    assert lay.dp_ranks(1) == [1, 3] and lay.column_ranks(1) == [1, 3, 5]
+    assert lay.dp_ranks(1) == [1, 3] and lay.fast_ranks() == [0, 1, 2, 3]
     assert lay.is_anchor(4) and not lay.is_anchor(3)
     assert "anchor replica" in lay.describe(5)
     with pytest.raises(ValueError, match="outside"):
@@ -26,12 +27,19 @@ def test_layout_arithmetic():
 
 def _groups_worker(rank, world, anchor):
     lay = MeshLayout(3, 2, anchor=anchor)
+    if lay.is_anchor(rank):  # the anchor row: a world of its own, met through the fast world's store
+        from orchestration.anchor import side_store, store_address
+
+        store = side_store(store_address(), 20)
+        m = init_anchor_row(lay, lay.coords(rank)[1], store, 1, timeout_s=20)
+        t = torch.tensor([float(rank)])
+        dist.all_reduce(t)
+        out = {"anchor_world": t.item(), "world": dist.get_world_size(), "prev": m.prev_rank, "next": m.next_rank}
+        destroy_mesh()
+        return out
     m = init_mesh(lay, timeout_s=20)
-    out = {}
-    for name, g in (("pp", m.pp), ("dp", m.dp), ("column", m.column), ("fast", m.fast)):
-        if g is None:
-            out[name] = None
-            continue
+    out = {"world": dist.get_world_size()}
+    for name, g in (("pp", m.pp), ("dp", m.dp), ("fast", m.fast)):
         t = torch.tensor([float(rank)])
         dist.all_reduce(t, group=g)
         out[name] = t.item()
@@ -41,17 +49,31 @@ def _groups_worker(rank, world, anchor):
 
 @pytest.mark.parametrize("anchor", [False, True])
 def test_groups_sum_the_right_ranks(anchor):
+    """The fast world holds the fast ranks only; the anchor row forms its own world."""
     res = run_local(_groups_worker, 6, (anchor,), timeout_s=60)
     lay = MeshLayout(3, 2, anchor=anchor)
     for rank, out in enumerate(res):
         row, stage = lay.coords(rank)
-        assert out["pp"] == sum(lay.pp_ranks(row))
-        assert out["column"] == sum(lay.column_ranks(stage))
         if lay.is_anchor(rank):
-            assert out["dp"] is None and out["fast"] is None
+            assert out == {"anchor_world": sum(lay.pp_ranks(row)), "world": 2,
+                           "prev": None if stage == 0 else 0, "next": 1 if stage == 0 else None}
         else:
+            assert out["world"] == lay.fast_world_size
+            assert out["pp"] == sum(lay.pp_ranks(row))
             assert out["dp"] == sum(lay.dp_ranks(stage))
             assert out["fast"] == sum(lay.fast_ranks())
+
+
+def _anchor_in_init_mesh(rank, world):
+    m = init_mesh(MeshLayout(2, 1, anchor=True), timeout_s=5)  # rank 0: a fast world of one
+    destroy_mesh()
+    return m.rank
+
+
+def test_init_mesh_refuses_an_anchor_rank():
+    with pytest.raises(MeshFailure, match=r"rank 1 failed: ValueError: rank 1 \(anchor replica, stage 0\) is in "
+                                          "the anchor row: it joins with init_anchor_row"):
+        run_local(_anchor_in_init_mesh, 2, timeout_s=30)
 
 
 def _dies_worker(rank, world):
