@@ -119,7 +119,8 @@ def run_local(fn, world_size: int, args: tuple = (), *, start_method: str = "for
     With ``restarts`` > 0, a failure of an optional rank while required ranks still run
     instead terminates every optional rank and starts them all again (they form one
     group, like the anchor row), at most ``restarts`` times; the result of an optional
-    rank is then that of its last incarnation. ``port``: MASTER_PORT (default: a free one).
+    rank is then that of its last incarnation (one that reports a ConnectionError, i.e.
+    what it joins is unreachable, is not restarted). ``port``: MASTER_PORT (default: a free one).
 
     Raises MeshFailure naming the first failed rank (``describe(rank)`` gives its name) if
     any rank raises or dies, or TimeoutError if ``timeout_s`` passes first. Never leaves a
@@ -221,7 +222,8 @@ def run_local(fn, world_size: int, args: tuple = (), *, start_method: str = "for
                         results[r] = payload
                     elif r in optional:
                         how = f"failed: {payload['type']}: {payload['message']}"
-                        if not restart_optional(r, how):
+                        # ConnectionError: what it joins is unreachable; a restart would wait in vain
+                        if payload["type"] == "ConnectionError" or not restart_optional(r, how):
                             _lost(r, how, describe, results)
                     else:
                         errors[r] = payload

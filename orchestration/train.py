@@ -540,6 +540,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: torchrun started {world} processes, the {what} needs {want}{extra}", file=sys.stderr)
             return 2
         rank = int(os.environ["RANK"])
+        if rank == 0 and cfg.anchor.enabled and not join:
+            addr = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+            print(f"[anchor] the fast circuit's store is {addr}; start the anchor row (one process per stage) "
+                  f"with: torchrun --nproc-per-node {layout.stages} ... -m orchestration.train <this run's flags> "
+                  f"--anchor.join --anchor.store {addr}", file=sys.stderr, flush=True)
         run_rank(layout.rank_of(layout.rows - 1, rank) if join else rank, world, cfg, plan)
         return 0
     os.makedirs(plan.run_dir, exist_ok=True)
