@@ -52,6 +52,7 @@ import time
 
 import torch
 
+from orchestration.anchor import SnapshotCoder
 from orchestration.codecs import make_codec
 from orchestration.linkmodel import LinkSpec, model_step
 from orchestration.schedule import make_schedule
@@ -156,8 +157,10 @@ def anchor_bytes(cfg, stages, dtype) -> tuple[list[float], list[float]]:
     """Per step (amortized over ``anchor.snapshot_every``), per stage: (up, down) anchor
     bytes of a fast node, as orchestration/anchor.py sends them (headers ignored).
 
-    Up: replica 0 alone serves one snapshot of its stage's parameters, in ``dtype``, per
-    round. Down: per round, every fast node receives the anchor's result for the
+    Up: replica 0 alone serves one snapshot of its stage's parameters per round: in
+    ``dtype`` (``anchor.snapshot_codec=full``) or as an int8 delta with one fp32 scale per
+    1024 values (``int8``, the default; the first snapshot of a link in full is not
+    amortized here). Down: per round, every fast node receives the anchor's result for the
     parameters SpectralAdamW filters (2-D, not embedding / lm_head): dense = their
     gradients in ``dtype``; factored = (U, S, V) at rank r = ``train.spectral_rank``,
     r*(m+n+1) fp32 numbers per matrix. Assumes the anchor keeps up with one round per
@@ -168,7 +171,9 @@ def anchor_bytes(cfg, stages, dtype) -> tuple[list[float], list[float]]:
     up, down = [], []
     for st in stages:
         named = list(st.named_parameters())
-        up.append(sum(p.numel() for _, p in named) * el / a.snapshot_every)
+        numel = sum(p.numel() for _, p in named)
+        snap = SnapshotCoder.delta_numel(numel) if a.snapshot_codec == "int8" else numel * el
+        up.append(snap / a.snapshot_every)
         mats = [p.shape for n, p in named if p.dim() == 2 and "embed" not in n and "lm_head" not in n]
         if a.transport == "factored":
             d = sum(min(r, m, n) * (m + n + 1) * 4 for m, n in mats)
