@@ -117,6 +117,7 @@ from __future__ import annotations
 import math
 import os
 import queue
+import re
 import signal
 import sys
 import threading
@@ -272,6 +273,14 @@ class Layout:
                 raise Rejected("negative", "anchor factors have negative singular values")
             out.append(ts[0] if self.transport == "dense" else tuple(ts))
         return out
+
+
+def _gloo_reason(e: BaseException) -> str:
+    """A one-line reason for a broken link: gloo's message without its source location
+    ("[.../pair.cc:553] ") and the advice it appends."""
+    why = str(e).splitlines()[0] if str(e) else ""
+    why = re.sub(r"^\[[^\]]*\]\s*", "", why).split(" This is typically")[0]
+    return f"{type(e).__name__}: {why[:200]}"
 
 
 def _send(tensors, peer: int, pg) -> int:
@@ -785,8 +794,7 @@ class FastHook:
             except Exception as e:
                 if self.closing:
                     return
-                why = str(e).splitlines()[0].split(" This is typically")[0]  # gloo appends advice
-                self.events.put(("lost", f"{type(e).__name__}: {why[:200]}"))
+                self.events.put(("lost", _gloo_reason(e)))
 
     def _serve_link(self) -> bool:
         """Serves the current anchor generation until its link breaks (raises) or the fast
