@@ -23,8 +23,10 @@ proj   the two-sided projection: fused op (cpp) vs the unfused chain of torch ma
 step   SpectralAdamW.step vs torch.optim.AdamW.step (foreach=False, the CPU default) on
        4 Llama-3.2-1B-shaped layers (hidden 2048, ffn 8192, 32 heads / 8 kv heads, fp32):
        no prior (must be ~1x), prior present and no refresh due (goal <= 1.5x; also
-       with reuse_proj_buffer=False, a fresh G_proj per step), and a step that also
-       refreshes every factor (one anchor arrival).
+       as the median of back-to-back pairs with the AdamW step, steadier on a loaded
+       machine, and with reuse_proj_buffer=False, a fresh G_proj per step), and a step
+       that also refreshes every factor (one anchor arrival). Holds both optimizers at
+       once: ~10 GB.
 emb    an embedding / lm_head matrix [32000, 2048]: its refresh and per-step projection
        next to its own AdamW step (why SpectralAdamW leaves them unfiltered by default).
 emb-quality  a small proxy training run (tiny Llama, noisy fast gradients, delayed clean
@@ -71,6 +73,19 @@ def timeit(fn, repeats: int, device=torch.device("cpu"), warmup: int = 1) -> flo
         _sync(device)
         times.append(clock() - t0)
     return statistics.median(times)
+
+
+def paired_ratio(fa, fb, repeats: int, device=torch.device("cpu")) -> float:
+    """Median over ``repeats`` pairs of time(fb()) / time(fa()), the two timed back to back
+    (after one warmup each): a change of machine load between two table rows shifts both
+    halves of a pair, so this ratio is steadier than a ratio of two separate medians.
+    Meaningful when each working set far exceeds the caches (the full-size step table);
+    with --quick shapes alternating evicts the other's cached data and inflates it."""
+    ratios = []
+    for _ in range(repeats + 1):
+        ta, tb = timeit(fa, 1, device, warmup=0), timeit(fb, 1, device, warmup=0)
+        ratios.append(tb / ta)
+    return statistics.median(ratios[1:])
 
 
 def known_spectrum_batch(B, m, n, s, seed=0, device="cpu"):
@@ -204,17 +219,19 @@ def bench_step(shapes, rank, repeats, device):
     _, ref = make(torch.optim.AdamW, foreach=False)
     t_ref = timeit(ref.step, repeats, device)
     rows.append(("torch.optim.AdamW(foreach=False).step", t_ref))
-    del ref
     _, opt = make(SpectralAdamW, foreach=False, rank=rank)
     rows.append(("SpectralAdamW.step, no prior yet", timeit(opt.step, repeats, device)))
     opt.observe_anchor(anchor, 20)
     opt.step()  # refresh happens here
     rows.append(("SpectralAdamW.step, prior present, no refresh due", timeit(opt.step, repeats, device)))
+    paired = {"reused G_proj buffer": paired_ratio(ref.step, opt.step, repeats, device)}
     # Same, with a fresh G_proj per parameter per step (the path before project(out=)):
     # on CPU the difference is the first-touch page faults of ~1 GB of new memory.
     opt.reuse_proj_buffer = False
     rows.append(("  same, fresh G_proj each step (reuse_proj_buffer=False)", timeit(opt.step, repeats, device)))
+    paired["fresh G_proj each step"] = paired_ratio(ref.step, opt.step, repeats, device)
     opt.reuse_proj_buffer = None
+    del ref
 
     def refresh_step():
         opt.observe_anchor(anchor, 20)
@@ -226,6 +243,8 @@ def bench_step(shapes, rank, repeats, device):
     print(f"{'variant':<56}{'median s':>10}{'vs AdamW':>10}")
     for name, t in rows:
         print(f"{name:<56}{t:>10.4f}{t / t_ref:>9.2f}x")
+    print(f"prior present, no refresh due, timed in {repeats} back-to-back pairs with the AdamW step "
+          f"(median ratio): " + ", ".join(f"{k} {v:.2f}x" for k, v in paired.items()))
     st = opt.anchor_stats()
     print(f"anchor_stats after the run: mean_gain={st['mean_gain']:.3f} energy_kept={st['energy_kept']:.2e} "
           f"refreshes={st['refreshes']}")
