@@ -29,7 +29,8 @@ inside it could never be replaced). It forms a world of its own (its pipeline an
 agreement; orchestration.mesh.init_anchor_row), and each anchor s talks to each fast
 replica r of its column over a two-process gloo group built from the fast circuit's
 rendezvous store (``_pair``; CPU tensors; keys under PREFIX, see "side links" below).
-Every anchor process takes a generation G of its stage from a store counter; all keys of
+Each anchor row is a generation G: its stage 0 opens G (a store counter), every other
+stage takes the newest G whose slot for it is free (``claim_generation``); all keys of
 one generation carry its prefix, so a new anchor row never meets a dead one's keys.
 
 Fast ranks never wait for the anchor. Each fast rank runs one daemon thread ("link")
@@ -299,7 +300,8 @@ def _recv(numel: int, dtype, peer: int, pg) -> torch.Tensor:
 
 # ------------------------------------------------------------------- side links (store)
 # Keys under PREFIX in the fast circuit's rendezvous store, per stage column s:
-#   joins/s           counter: the newest anchor generation of stage s (store.add)
+#   rowgen            counter: the newest anchor-row generation (its stage 0 opens it)
+#   g<G>/claim/s      counter: taken by the one stage-s process of generation G
 #   g<G>/open/s       anchor s of generation G is up and links to the fast ranks
 #   g<G>/here/s/r     fast replica r of stage s waits to link with generation G
 #   g<G>/link/s/r/    the pair link's gloo rendezvous (fast end 0, anchor end 1)
@@ -350,11 +352,26 @@ def _pair(store, generation: int, stage: int, row: int, end: int, timeout_s: flo
     return dist.ProcessGroupGloo(pre, end, 2, timedelta(seconds=timeout_s))
 
 
-def next_generation(store, stage: int) -> int:
-    """Registers a new anchor process of ``stage``: its generation (1 for the first anchor
-    row of this fast circuit, 2 for the first restart, ...). Every stage of one anchor row
-    is started once per generation (restart the whole row: its stages share one world)."""
-    return int(store.add(f"{PREFIX}joins/{stage}", 1))
+def claim_generation(store, stage: int, timeout_s: float) -> int:
+    """The anchor-row generation this new anchor process of ``stage`` joins. Stage 0 opens
+    a new one (1 for the first anchor row of this fast circuit, 2 for the first restart,
+    ...); a stage s > 0 takes the newest generation whose stage-s slot is still free,
+    waiting up to ``timeout_s`` for a stage 0 to open one. So whatever order the stages of
+    a row are (re)started in, and however often one of them failed before, every stage
+    of one row lands in one generation. TimeoutError if no stage 0 opened one in time."""
+    if stage == 0:
+        gen = int(store.add(f"{PREFIX}rowgen", 1))
+        store.add(f"{PREFIX}g{gen}/claim/0", 1)
+        return gen
+    end = time.monotonic() + timeout_s
+    while True:
+        gen = int(store.add(f"{PREFIX}rowgen", 0))
+        if gen > 0 and int(store.add(f"{PREFIX}g{gen}/claim/{stage}", 1)) == 1:
+            return gen
+        if time.monotonic() > end:
+            raise TimeoutError(f"anchor stage {stage}: no anchor stage 0 opened a new anchor-row generation within "
+                               f"{timeout_s:g} s (start every stage of the anchor row)")
+        time.sleep(0.2)  # polling, not a timed-out store.wait: c10d logs every timeout
 
 
 def join_anchor_row(layout, rank: int, cfg):
@@ -365,7 +382,7 @@ def join_anchor_row(layout, rank: int, cfg):
 
     _, stage = layout.coords(rank)
     store = side_store(store_address(cfg), cfg.mesh.timeout_s)
-    generation = next_generation(store, stage)
+    generation = claim_generation(store, stage, cfg.mesh.timeout_s)
     try:
         mesh = init_anchor_row(layout, stage, store, generation, backend=cfg.mesh.backend,
                                timeout_s=cfg.mesh.timeout_s)
@@ -773,7 +790,7 @@ class FastHook:
                 if store is None:
                     store = side_store(store_address(), self.timeout_s)
                     store.compare_set(f"{PREFIX}run_id", "", os.urandom(8).hex())  # the first fast rank's wins
-                latest = int(store.add(f"{PREFIX}joins/{s}", 0))
+                latest = int(store.add(f"{PREFIX}rowgen", 0))
                 if latest <= gen:  # no new anchor of this stage: look again soon
                     time.sleep(0.2)  # (polling, not a timed-out store.wait: c10d logs every timeout)
                     continue

@@ -454,3 +454,27 @@ def test_resumed_run_restores_the_anchor_state(tiny, tmp_path):
     assert [r["step"] for r in recs2] == list(range(1, 8))  # one metrics file: steps 1-4, then 5-7 resumed
     for s, r in enumerate(res2[2:]):
         assert r["restored"] == f"restored round {saved[s]['round']} from {A.state_path(plan2, s)}"
+
+
+def test_generations_form_whatever_the_start_order():
+    """Stages of one anchor row land in one generation whatever order they (re)start in,
+    even after a stage failed before claiming (its slot stays free for the next row)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from orchestration.launch import free_port
+
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=5))
+    assert A.claim_generation(store, 0, 1) == 1
+    assert A.claim_generation(store, 1, 1) == 1 and A.claim_generation(store, 2, 1) == 1
+    # row 2: stage 2 starts first and waits for a stage 0; stage 1 never comes (crashed)
+    with pytest.raises(TimeoutError, match="no anchor stage 0 opened"):
+        A.claim_generation(store, 2, 0.5)  # generation 1's slot 2 is taken
+    assert A.claim_generation(store, 0, 1) == 2
+    assert A.claim_generation(store, 2, 1) == 2
+    # row 3 (stage 1 of row 2 never claimed): every stage lands in generation 3
+    assert A.claim_generation(store, 0, 1) == 3
+    assert [A.claim_generation(store, s, 1) for s in (2, 1)] == [3, 3]
