@@ -50,8 +50,9 @@ completion only inside ``wait()``). Consequences:
       log says so once; a later fresh update switches it back on;
     * an anchor that dies: the link sees the broken connection, the log says so once;
       updates received completely before the break are still applied, then the fast
-      circuit continues as plain masked AdamW. The launcher treats anchor ranks
-      as optional (orchestration.launch ``optional``), so their death stops nobody;
+      circuit continues as plain masked AdamW until a new anchor row joins. The
+      launcher treats anchor ranks as optional (orchestration.launch ``optional``), so
+      their death stops nobody, and restarts them (``--anchor.restarts``);
     * a bad update (non-finite values, a wrong layout / shape / size, staleness over
       ``anchor.max_staleness``) is rejected and counted, never applied.
 
@@ -60,7 +61,10 @@ int64 header of HEADER_LEN words, then for SNAP/GRAD a flat payload of
 ``header[NUMEL]`` elements of dtype ``header[DTYPE]``:
 
     anchor -> replica 0   REQ(want)       "send me the snapshot with version >= want"
-    replica 0 -> anchor   SNAP(version)   + the stage's parameters, flat, in param dtype
+    replica 0 -> anchor   SNAP(version, code) + the stage's parameters, flat: in param
+                                          dtype (code SNAP_FULL) or as an int8 delta
+                                          against the anchor's view (SNAP_DELTA, uint8
+                                          bytes; see SnapshotCoder)
                           STOP            the fast circuit has finished
     anchor -> every fast  GRAD(round, version, transport, layout hash) + payload
 
