@@ -75,17 +75,21 @@ def timeit(fn, repeats: int, device=torch.device("cpu"), warmup: int = 1) -> flo
     return statistics.median(times)
 
 
-def paired_ratio(fa, fb, repeats: int, device=torch.device("cpu")) -> float:
+def paired_ratio(fa, fb, repeats: int, device=torch.device("cpu")) -> tuple[float, float, float]:
     """Median over ``repeats`` pairs of time(fb()) / time(fa()), the two timed back to back
-    (after one warmup each): a change of machine load between two table rows shifts both
-    halves of a pair, so this ratio is steadier than a ratio of two separate medians.
-    Meaningful when each working set far exceeds the caches (the full-size step table);
-    with --quick shapes alternating evicts the other's cached data and inflates it."""
-    ratios = []
+    (after one warmup pair): a change of machine load between two table rows shifts both
+    halves of a pair, so this ratio varies less between runs than a ratio of two separate
+    medians (step table, 7 runs: 1.38-1.43x vs 1.39-1.75x). It is not unbiased: in one
+    run AdamW steps interleaved with SpectralAdamW steps took 1.30-1.32 s vs 1.14 s back to
+    back (cause not found), which makes the ratio read low, hence the median times are
+    printed too. With --quick shapes alternating evicts the other's
+    cached data and inflates it. Returns (median ratio, median time of fa, of fb)."""
+    times = []
     for _ in range(repeats + 1):
-        ta, tb = timeit(fa, 1, device, warmup=0), timeit(fb, 1, device, warmup=0)
-        ratios.append(tb / ta)
-    return statistics.median(ratios[1:])
+        times.append((timeit(fa, 1, device, warmup=0), timeit(fb, 1, device, warmup=0)))
+    times = times[1:]
+    return (statistics.median(tb / ta for ta, tb in times), statistics.median(ta for ta, _ in times),
+            statistics.median(tb for _, tb in times))
 
 
 def known_spectrum_batch(B, m, n, s, seed=0, device="cpu"):
@@ -244,7 +248,8 @@ def bench_step(shapes, rank, repeats, device):
     for name, t in rows:
         print(f"{name:<56}{t:>10.4f}{t / t_ref:>9.2f}x")
     print(f"prior present, no refresh due, timed in {repeats} back-to-back pairs with the AdamW step "
-          f"(median ratio): " + ", ".join(f"{k} {v:.2f}x" for k, v in paired.items()))
+          f"(median ratio; median AdamW s / SpectralAdamW s):\n  " + "\n  ".join(
+              f"{k}: {r:.2f}x ({ta:.3f} / {tb:.3f})" for k, (r, ta, tb) in paired.items()))
     st = opt.anchor_stats()
     print(f"anchor_stats after the run: mean_gain={st['mean_gain']:.3f} energy_kept={st['energy_kept']:.2e} "
           f"refreshes={st['refreshes']}")
