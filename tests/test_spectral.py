@@ -282,6 +282,21 @@ def test_project_out_is_bit_identical_to_allocating(backend, dtype):
     assert torch.equal(buf, G)  # the last call had alpha = 1
 
 
+@pytest.mark.skipif(_backend.extension("spectral") is None, reason="meshkern._spectral_C not built")
+def test_project_cpp_row_blocks():
+    """The CPU kernel scales and accumulates ~2 MiB row blocks of out: with n = 8192 fp64
+    that is 32 rows, so m = 70 takes 3 blocks (the last partial) per batch entry."""
+    m, n, r = 70, 8192, 3
+    U, S, V = _factors(2, m, n, r, seed=13, dtype=torch.float64)
+    G = _rand(2, m, n, seed=14, dtype=torch.float64)
+    out = sp.project(G, U, S, V, 1e-3, 0.3, backend="cpp")
+    assert torch.allclose(out, _dense_formula(G, U, S, V, 1e-3, 0.3), atol=1e-12, rtol=1e-12)
+    buf = torch.empty_like(G)
+    with torch.no_grad():
+        sp.project(G, U, S, V, 1e-3, 0.3, backend="cpp", out=buf)
+    assert torch.equal(buf, out)
+
+
 def test_project_out_bad_input():
     U, S, V = _factors(1, 8, 6, 3)
     G = _rand(1, 8, 6, seed=1)
