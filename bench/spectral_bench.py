@@ -79,10 +79,10 @@ def paired_ratio(fa, fb, repeats: int, device=torch.device("cpu")) -> tuple[floa
     """Median over ``repeats`` pairs of time(fb()) / time(fa()), the two timed back to back
     (after one warmup pair): a change of machine load between two table rows shifts both
     halves of a pair, so this ratio varies less between runs than a ratio of two separate
-    medians (step table, 7 runs: 1.38-1.43x vs 1.39-1.75x). It is not unbiased: in one
-    run AdamW steps interleaved with SpectralAdamW steps took 1.30-1.32 s vs 1.14 s back to
-    back (cause not found), which makes the ratio read low, hence the median times are
-    printed too. With --quick shapes alternating evicts the other's
+    medians (step table, 10 runs: 1.36-1.44x vs 1.39-1.75x). It is not shown unbiased: in
+    3 of 4 CPU-clock runs the AdamW half of the pairs was slower than the AdamW row timed
+    alone (1.28-1.41 s vs 1.14-1.28 s; cause not found), which makes the ratio read low,
+    hence the median times are printed too. With --quick shapes alternating evicts the other's
     cached data and inflates it. Returns (median ratio, median time of fa, of fb)."""
     times = []
     for _ in range(repeats + 1):

@@ -199,13 +199,13 @@ class SpectralAdamW(torch.optim.AdamW):
     Cost (``OMP_WAIT_POLICY=PASSIVE python -m bench.spectral_bench --only step --repeats 5``,
     4 Llama-3.2-1B layers, 243M fp32 params, 1 CPU thread, rank 32, on a shared 2-core
     machine whose load moved the AdamW row itself between 1.14 and 1.36 s): ~1.0x AdamW
-    without a prior; with a prior and no refresh due 1.39-1.75x (median 1.49x over 7
-    CPU-clock runs, 1.38-1.60x in 4 wall-clock runs; 1.38-1.43x as the median of
+    without a prior; with a prior and no refresh due 1.39-1.75x (median 1.49x over 9
+    CPU-clock runs, 1.38-1.60x in 5 wall-clock runs; 1.36-1.44x as the median of
     back-to-back step pairs, a measure that reads low), vs 1.62-2.23x in the same runs with
     a fresh G_proj per step -- on CPU that is ~1 GB of first-touch page faults per step,
     avoided by a reused G_proj buffer per filtered parameter (``reuse_proj_buffer``).
-    What remains is the projection itself (~37 ms per [8192, 2048] fp32 matrix: G V 18 ms,
-    then alpha*G and the accumulating GEMM 18 ms; MKL's skinny GEMMs run at ~55 GFLOP/s
+    What remains is the projection itself (~35 ms per [8192, 2048] fp32 matrix: G V 17 ms,
+    then alpha*G and the accumulating GEMM 18 ms; MKL's skinny GEMMs run at ~55-60 GFLOP/s
     here) and the energy statistic (one more read of G, ~3 ms). 5.6-7.0x on a step that
     refreshes every factor.
 
