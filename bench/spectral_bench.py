@@ -80,9 +80,9 @@ def paired_ratio(fa, fb, repeats: int, device=torch.device("cpu")) -> tuple[floa
     (after one warmup pair): a change of machine load between two table rows shifts both
     halves of a pair, so this ratio varies less between runs than a ratio of two separate
     medians (step table, 10 runs: 1.36-1.44x vs 1.39-1.75x). It is not shown unbiased: in
-    3 of 4 CPU-clock runs the AdamW half of the pairs was slower than the AdamW row timed
-    alone (1.28-1.41 s vs 1.14-1.28 s; cause not found), which makes the ratio read low,
-    hence the median times are printed too. With --quick shapes alternating evicts the other's
+    all 4 runs that printed the times, the AdamW half of the reused-buffer pairs was slower
+    than the AdamW row timed alone (CPU clock: 1.28-1.41 s vs 1.14-1.28 s; cause not
+    found), which makes the ratio read low, hence the median times are printed too. With --quick shapes alternating evicts the other's
     cached data and inflates it. Returns (median ratio, median time of fa, of fb)."""
     times = []
     for _ in range(repeats + 1):
