@@ -626,6 +626,9 @@ def run_anchor_rank(ctx) -> dict:
                 rec["stopped"] = "the fast circuit finished"
                 break
             version = got
+            if rec["rounds"] == 0 and mesh.stage == 0:
+                print(f"[anchor] row generation {mesh.generation} linked with {len(links)} fast replicas; first "
+                      f"snapshot: version {version}", file=sys.stderr, flush=True)
             if first and mesh.rank == cfg.run.fail_rank and version >= cfg.run.fail_step >= 0:
                 os.kill(os.getpid(), signal.SIGKILL)  # fault injection: die like a crashed node
             if k in faults.get("die", {}):

@@ -92,14 +92,27 @@ def finalize(root: str, tmp: str, step: int, meta: dict, model_dir: str | None, 
     with open(os.path.join(root, LATEST + ".part"), "w") as f:
         f.write(os.path.basename(final) + "\n")
     os.replace(os.path.join(root, LATEST + ".part"), os.path.join(root, LATEST))
-    _prune(root, keep)
+    _prune(root, keep, protect=os.path.basename(final))
     return final
 
 
-def _prune(root: str, keep: int) -> None:
-    done = sorted(d for d in os.listdir(root) if d.startswith("step_") and not d.endswith(".tmp"))
-    for d in done[:-keep]:
+def _prune(root: str, keep: int, protect: str) -> None:
+    """Deletes all but the ``keep`` newest complete checkpoints (by step), never ``protect``
+    (the one just written, which ``latest`` names)."""
+    done = [d for d in os.listdir(root) if d.startswith("step_") and not d.endswith(".tmp") and d[5:].isdigit()]
+    done.sort(key=lambda d: int(d[5:]))
+    for d in [d for d in done if d != protect][:max(0, len(done) - keep)]:
         shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+
+
+def existing_run(run_dir: str, ckpt_dir: str) -> str:
+    """What a previous run left in ``run_dir`` / ``ckpt_dir`` that a new run would clobber
+    ("" if nothing): checkpoints or a metrics file."""
+    if os.path.isdir(ckpt_dir) and any(d.startswith("step_") or d == LATEST for d in os.listdir(ckpt_dir)):
+        return f"checkpoints in {ckpt_dir}"
+    if os.path.isfile(os.path.join(run_dir, "metrics.jsonl")):
+        return f"{os.path.join(run_dir, 'metrics.jsonl')}"
+    return ""
 
 
 def resolve(resume: str, root: str) -> str:

@@ -357,6 +357,7 @@ def validate(cfg: Config) -> Config:
     _need(a.state_every >= 0 and a.restarts >= 0, "--anchor.state_every and --anchor.restarts must be >= 0")
     _need(not a.join or a.enabled, "--anchor.join needs --anchor.enabled (the config of the running fast circuit)")
     _need(not a.join or bool(a.store), "--anchor.join needs --anchor.store host:port (printed by the fast circuit's launcher)")
+    _need(a.join or not a.store, "--anchor.store is for --anchor.join (a local run's anchor row uses its own launcher's store)")
     if a.store:
         host, _, port = a.store.rpartition(":")
         _need(bool(host) and port.isdigit() and 0 < int(port) < 65536, f"--anchor.store must be host:port, got {a.store!r}")

@@ -12,7 +12,8 @@ the agent's part:
   signal, os._exit) is the cause; ranks that then failed on a broken connection to it
   are reported as consequences. After the first failure the others get ``grace_s`` to
   finish reporting, then are terminated: no hang, whatever they were blocked on.
-- Ctrl-C: ranks receive SIGINT themselves (same process group) and stop cleanly at the
+- Ctrl-C / SIGTERM: ranks receive SIGINT (from the terminal and from the launcher, which
+  relays a stop signal sent to it alone, e.g. a scheduler's SIGTERM) and stop cleanly at the
   next step boundary (saving a checkpoint); a second Ctrl-C terminates them.
 
 ``start_method="fork"`` (default on Linux) lets ranks inherit what the parent already
@@ -30,6 +31,9 @@ import sys
 import time
 import traceback
 from multiprocessing.connection import wait
+
+
+STOP_REPEAT_S = 2.0  # a second stop signal within this many seconds of the first is the same request
 
 
 class MeshFailure(RuntimeError):
@@ -148,19 +152,33 @@ def run_local(fn, world_size: int, args: tuple = (), *, start_method: str = "for
     results: dict[int, object] = {}
     errors: dict[int, dict] = {}
     died: dict[int, int] = {}  # rank -> exit code of a rank that exited without reporting
-    interrupts = [0]
-    old = signal.getsignal(signal.SIGINT)
+    first_stop = [None]  # monotonic time of the first SIGINT/SIGTERM
+    old = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
 
-    def on_sigint(signum, frame):  # ranks got the SIGINT too and checkpoint; a second one kills
-        interrupts[0] += 1
-        if interrupts[0] > 1:
+    def on_stop(signum, frame):
+        """First SIGINT/SIGTERM: ask every rank to stop at its next step boundary and
+        checkpoint (SIGINT to each: a terminal's Ctrl-C reaches them anyway, but a signal
+        sent to the launcher alone, e.g. by a scheduler's SIGTERM, would not). Another one
+        more than STOP_REPEAT_S later terminates them (one relayed by a wrapper just after
+        the first is the same request, not a second Ctrl-C)."""
+        now = time.monotonic()
+        if first_stop[0] is None:
+            first_stop[0] = now
+            for p in procs:
+                if p.is_alive():
+                    try:
+                        os.kill(p.pid, signal.SIGINT)
+                    except ProcessLookupError:
+                        pass
+        elif now - first_stop[0] > STOP_REPEAT_S:
             for p in procs:
                 if p.is_alive():
                     p.terminate()
 
     in_main = True
     try:
-        signal.signal(signal.SIGINT, on_sigint)
+        for sig in old:
+            signal.signal(sig, on_stop)
     except ValueError:  # not the main thread (e.g. under some test runners)
         in_main = False
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -265,7 +283,8 @@ def run_local(fn, world_size: int, args: tuple = (), *, start_method: str = "for
         for c in conns:
             c.close()
         if in_main:
-            signal.signal(signal.SIGINT, old)
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
 
     if died or errors:
         raise _failure(died, errors, describe, silent)

@@ -108,7 +108,9 @@ def summary_rows(s: dict) -> list[tuple[str, str]]:
         ms = a.get("mean_staleness")
         rows.append(("anchor updates (rank 0)", f"{a.get('applied', 0)} applied of {a.get('arrivals', 0)} arrived, "
                      f"{a.get('rejected', 0)} rejected, mean staleness "
-                     f"{'n/a' if ms is None else f'{ms:.1f}'} steps, link {a.get('link', '?')}"))
+                     f"{'n/a' if ms is None else f'{ms:.1f}'} steps, "
+                     + ("no anchor ever linked" if a.get("generation") == 0 else
+                        f"link {a.get('link', '?')} (anchor row generation {a.get('generation', '?')})")))
     if s.get("checkpoint"):
         rows.append(("checkpoint", s["checkpoint"]))
     rows.append(("metrics", s["metrics_path"]))
@@ -177,7 +179,7 @@ def summarize(cfg, plan, history: list[dict], elapsed: float, steps_done: int, l
     if cfg.anchor.enabled:  # rank 0's view of the anchor hook (orchestration.anchor stats)
         s["anchor"] = {k[len("anchor_"):]: v for k, v in last.items()
                        if k in ("anchor_arrivals", "anchor_applied", "anchor_rejected", "anchor_mean_staleness",
-                                "anchor_link", "anchor_prior_on")}
+                                "anchor_link", "anchor_prior_on", "anchor_generation")}
     return s
 
 

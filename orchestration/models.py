@@ -84,6 +84,8 @@ def load_causal_lm(path: str | os.PathLike, *, dtype: torch.dtype = torch.float3
     except ValueError as e:
         raise ValueError(f"{p}: model type {getattr(config, 'model_type', '?')!r} is not "
                          f"a causal LM transformers can build ({e})") from None
+    except OSError as e:  # e.g. config.json but no *.safetensors / *.bin weights
+        raise FileNotFoundError(f"{p}: cannot load the model weights ({str(e).splitlines()[0][:200]})") from None
     model.eval()
     has_tok = any((p / f).is_file() for f in _TOKENIZER_FILES)
     return model, (str(p) if has_tok else None)

@@ -35,6 +35,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # we fork after tokeni
 
 import math
 import signal
+import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -105,6 +106,8 @@ def prepare(cfg: Config, *, load_model: bool = True) -> Plan:
             balanced_layers(n_layers, cfg.mesh.stages)
         except ValueError as e:  # more stages than layers
             raise ValueError(f"--mesh.stages {cfg.mesh.stages}: {e}") from None
+    if cfg.mesh.backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("--mesh.backend nccl needs CUDA GPUs, and torch sees none (torch.cuda.is_available() is False)")
     if cfg.anchor.enabled:
         try:
             from orchestration import anchor
@@ -151,11 +154,44 @@ def prepare(cfg: Config, *, load_model: bool = True) -> Plan:
                              f"this run is {cfg.mesh.rows}x{cfg.mesh.stages}")
         if meta["step"] >= cfg.train.steps:
             raise ValueError(f"--checkpoint.resume {resume_from} is at step {meta['step']}, not before --train.steps {cfg.train.steps}")
+        _check_resumable(cfg, resume_from, meta, hf_cfg)
+    max_pos = getattr(hf_cfg, "max_position_embeddings", None)
+    if max_pos and cfg.data.seq_len > max_pos:
+        print(f"warning: --data.seq_len {cfg.data.seq_len} exceeds the model's max_position_embeddings {max_pos}",
+              file=sys.stderr, flush=True)
     plan = Plan(path, run_dir, ckpt_dir, train_ds.tokens, None if eval_ds is None else eval_ds.tokens,
                 resume_from, num_layers=n_layers, hidden_size=hf_cfg.hidden_size, arch=arch)
     if load_model:
         plan.model = _load_model(cfg, path)
     return plan
+
+
+def _check_resumable(cfg: Config, path: str, meta: dict, hf_cfg) -> None:
+    """ValueError naming the difference if the checkpoint at ``path`` was written by a run
+    whose state this one cannot load: another optimizer or anchor setting, another layer
+    split, another model shape."""
+    from orchestration.stages import balanced_layers
+
+    old = meta.get("config", {})
+    n = hf_cfg.num_hidden_layers
+    split = lambda lps: list(lps) if lps else balanced_layers(n, cfg.mesh.stages)  # noqa: E731
+    for section, key in (("train", "optimizer"), ("anchor", "enabled"), ("mesh", "layers_per_stage")):
+        was, now = old.get(section, {}).get(key), getattr(getattr(cfg, section), key)
+        if key == "layers_per_stage" and was is not None:
+            was, now = split(was), split(now)
+        if was is not None and was != now:
+            raise ValueError(f"--checkpoint.resume {path} was written with --{section}.{key} {was}, this run has {now} "
+                             f"(resume with the run's own config: --config RUN_DIR/config.yaml)")
+    try:
+        from transformers import AutoConfig
+
+        saved = AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError):
+        return  # no config.json copied (model dir had none): nothing more to compare
+    for key in ("hidden_size", "num_hidden_layers", "vocab_size", "intermediate_size", "num_key_value_heads"):
+        was, now = getattr(saved, key, None), getattr(hf_cfg, key, None)
+        if was != now:
+            raise ValueError(f"--checkpoint.resume {path} holds a model with {key}={was}, --model.path has {now}")
 
 
 def _load_model(cfg: Config, path: str):
@@ -353,6 +389,8 @@ def _run(rank: int, cfg: Config, plan: Plan, mesh) -> dict:
         if allreduce is not None and st.get("compressor") is not None:
             allreduce.load_state_dict(st["compressor"])
         start = int(st["step"])
+        if rank == 0:
+            print(f"resumed from {plan.resume_from} at step {start}", file=sys.stderr, flush=True)
 
     stop = {"flag": False}
 
@@ -360,6 +398,7 @@ def _run(rank: int, cfg: Config, plan: Plan, mesh) -> dict:
         stop["flag"] = True
 
     signal.signal(signal.SIGINT, on_sigint)
+    signal.signal(signal.SIGTERM, on_sigint)  # a scheduler's / container's stop: same clean stop
 
     is_log = rank == 0
     writer = JsonlWriter(os.path.join(plan.run_dir, "metrics.jsonl")) if is_log else None
@@ -450,8 +489,9 @@ def _run(rank: int, cfg: Config, plan: Plan, mesh) -> dict:
         s["links_path"] = links_path
         out["summary"] = s
         if interrupted:
-            print(f"interrupted: checkpoint saved at step {step + 1} in {last_ckpt}; continue with "
-                  f"--checkpoint.resume {last_ckpt}", flush=True)
+            print(f"interrupted: checkpoint saved at step {step + 1} in {last_ckpt}; continue with: python -m "
+                  f"orchestration.train --config {os.path.join(plan.run_dir, 'config.yaml')} --checkpoint.resume latest",
+                  flush=True)
         print(format_table(summary_rows(s), title="meshkern run summary"), flush=True)
     return out
 
@@ -531,6 +571,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     layout = MeshLayout(cfg.mesh.rows, cfg.mesh.stages, cfg.anchor.enabled)
     join = cfg.anchor.join  # start only the anchor row, joining a running fast circuit
+    if not plan.resume_from and not join and (found := ckpt.existing_run(plan.run_dir, plan.ckpt_dir)):
+        # (here, not in prepare: tools such as orchestration.experiments prepare finished runs to evaluate them)
+        print(f"error: run {os.path.basename(plan.run_dir)!r} already exists ({found}): continue it with "
+              "--checkpoint.resume latest (same --run.name), or choose another --run.name", file=sys.stderr)
+        return 2
     if under_torchrun():
         world = int(os.environ["WORLD_SIZE"])
         want = layout.stages if join else layout.fast_world_size
@@ -552,6 +597,16 @@ def main(argv: list[str] | None = None) -> int:
         cfg.run.name = os.path.basename(plan.run_dir)  # so that --config RUN_DIR/config.yaml names this run
         with open(os.path.join(plan.run_dir, "config.yaml"), "w") as f:
             f.write(to_yaml(cfg))
+    if join:  # fail fast, not after the store client's minutes of retries, if nothing listens there
+        from orchestration.anchor import store_address
+
+        host, port = store_address(cfg)
+        try:
+            socket.create_connection((host, port), timeout=10).close()
+        except OSError as e:
+            print(f"error: --anchor.store {host}:{port}: cannot connect ({e.strerror or e}); is the fast circuit "
+                  "running? (its launcher prints the address)", file=sys.stderr)
+            return 2
     try:
         if join:
             res = run_local(run_anchor_row_rank, layout.stages, (cfg, plan), start_method=cfg.mesh.start_method,
@@ -569,17 +624,22 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[anchor] the fast circuit's store is 127.0.0.1:{port}; a new anchor row joins it with: "
                   f"python -m orchestration.train --config {os.path.join(plan.run_dir, 'config.yaml')} "
                   f"--anchor.join --anchor.store 127.0.0.1:{port}", file=sys.stderr, flush=True)
-        run_local(run_rank, cfg.world_size, (cfg, plan), start_method=cfg.mesh.start_method,
-                  threads=cfg.mesh.threads_per_rank, describe=layout.describe, optional=anchors,
-                  restarts=cfg.anchor.restarts if anchors else 0, port=port)
+        res = run_local(run_rank, cfg.world_size, (cfg, plan), start_method=cfg.mesh.start_method,
+                        threads=cfg.mesh.threads_per_rank, describe=layout.describe, optional=anchors,
+                        restarts=cfg.anchor.restarts if anchors else 0, port=port)
+        if res and res[0] and res[0].get("interrupted"):
+            return 130  # stopped by Ctrl-C / SIGTERM after saving: the shell's convention
     except MeshFailure as e:
         print(f"\nerror: the mesh stopped: {e}", file=sys.stderr)
         if e.details:
             print(e.details, file=sys.stderr)
-        latest = os.path.join(plan.ckpt_dir, ckpt.LATEST)
-        if os.path.isfile(latest):
-            print(f"last complete checkpoint: {ckpt.resolve('latest', plan.ckpt_dir)} "
-                  f"(resume with --checkpoint.resume latest --checkpoint.dir {plan.ckpt_dir})", file=sys.stderr)
+        try:
+            last = ckpt.resolve("latest", plan.ckpt_dir)
+        except ValueError:
+            last = None  # none, or `latest` names a checkpoint that is gone
+        if last:
+            print(f"last complete checkpoint: {last} (continue with: python -m orchestration.train --config "
+                  f"{os.path.join(plan.run_dir, 'config.yaml')} --checkpoint.resume latest)", file=sys.stderr)
         return 1
     return 0
 

@@ -53,7 +53,8 @@ def test_every_preset_loads_and_matches_its_row():
     (["--dp.mode", "ring"], "--dp.mode must be"),
     (["--anchor.join"], "--anchor.join needs --anchor.enabled"),
     (["--preset", "m95-ap", "--anchor.join"], "--anchor.join needs --anchor.store host:port"),
-    (["--preset", "m95-ap", "--anchor.store", "localhost"], "--anchor.store must be host:port"),
+    (["--preset", "m95-ap", "--anchor.join", "--anchor.store", "localhost"], "--anchor.store must be host:port"),
+    (["--preset", "m95-ap", "--anchor.store", "10.0.0.2:29500"], "--anchor.store is for --anchor.join"),
 ])
 def test_bad_values_name_the_flag(argv, message):
     with pytest.raises(ValueError) as ei:

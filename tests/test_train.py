@@ -2,6 +2,7 @@
 a killed rank, and bad input refused before any process starts."""
 import json
 import os
+import re
 import time
 
 import pytest
@@ -100,6 +101,60 @@ def test_bad_input_is_refused_before_spawning(tiny, tmp_path, capsys, monkeypatc
     assert message in capsys.readouterr().err
 
 
+def test_a_finished_run_is_never_clobbered_and_resume_must_match(tiny, tmp_path, capfd):
+    """Re-running an existing run name without --checkpoint.resume is refused (it would
+    append to its metrics and prune its checkpoints); resuming with a config whose state
+    cannot be loaded (another optimizer, another layer split) is refused up front."""
+    base = _args(tiny, tmp_path, "--mesh.rows", "1", "--mesh.stages", "2", "--train.steps", "2",
+                 "--run.eval_sequences", "0")
+    assert main(base) == 0
+    last = ckpt.resolve("latest", str(tmp_path / "t" / "checkpoints"))
+    capfd.readouterr()
+    assert main(base) == 2
+    assert "run 't' already exists" in capfd.readouterr().err
+    assert ckpt.resolve("latest", str(tmp_path / "t" / "checkpoints")) == last  # untouched
+    more = [*base[:base.index("--train.steps")], "--train.steps", "3", *base[base.index("--train.steps") + 2:],
+            "--checkpoint.resume", "latest"]
+    assert main([*more, "--train.optimizer", "spectral"]) == 2
+    assert "was written with --train.optimizer adamw, this run has spectral" in capfd.readouterr().err
+    assert main([*more, "--mesh.layers_per_stage", "3,1"]) == 2
+    assert "--mesh.layers_per_stage [2, 2], this run has [3, 1]" in capfd.readouterr().err
+    assert main(more) == 0  # the matching resume still works
+    assert "resumed from" in capfd.readouterr().err
+
+
+def test_pruning_never_deletes_the_checkpoint_just_written(tmp_path):
+    root = tmp_path / "ck"
+    for step in (6, 10, 3):  # stale step_6 / step_10 from another run, then this run's step_3
+        (root / f"step_{step:08d}").mkdir(parents=True)
+    ckpt._prune(str(root), 2, protect="step_00000003")
+    assert sorted(os.listdir(root)) == ["step_00000003", "step_00000010"]
+
+
+def test_model_without_weights_and_join_without_fast_circuit_are_refused(tiny, tmp_path, capsys):
+    import shutil
+
+    from orchestration.launch import free_port
+
+    bare = tmp_path / "noweights"
+    bare.mkdir()
+    for f in os.listdir(tiny / "model"):
+        if not f.endswith(".safetensors") and not f.endswith(".json.index") and "safetensors" not in f:
+            shutil.copy(tiny / "model" / f, bare / f)
+    assert main(_args(tiny, tmp_path, "--model.path", str(bare))) == 2
+    assert "cannot load the model weights" in capsys.readouterr().err
+    t0 = time.monotonic()
+    assert main(_args(tiny, tmp_path, "--mesh.rows", "2", "--anchor.enabled", "--train.optimizer", "spectral",
+                      "--anchor.join", "--anchor.store", f"127.0.0.1:{free_port()}")) == 2
+    assert "cannot connect" in capsys.readouterr().err and time.monotonic() - t0 < 30
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
+def test_nccl_without_cuda_is_refused(tiny, tmp_path, capsys):
+    assert main(_args(tiny, tmp_path, "--mesh.backend", "nccl")) == 2
+    assert "--mesh.backend nccl needs CUDA GPUs" in capsys.readouterr().err
+
+
 def test_unknown_architecture_is_refused(tiny, tmp_path, capsys):
     bad = tmp_path / "gpt2"
     bad.mkdir()
@@ -109,9 +164,12 @@ def test_unknown_architecture_is_refused(tiny, tmp_path, capsys):
     assert "cannot be split into stages" in capsys.readouterr().err
 
 
-def test_ctrl_c_saves_a_checkpoint_and_resume_continues(tiny, tmp_path):
-    """SIGINT to the whole process group (what a terminal's Ctrl-C does): every rank stops at
-    the same step boundary, a checkpoint is written, and --checkpoint.resume latest continues."""
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm-to-launcher"])
+def test_ctrl_c_saves_a_checkpoint_and_resume_continues(tiny, tmp_path, how):
+    """SIGINT to the whole process group (what a terminal's Ctrl-C does), or SIGTERM to the
+    launcher alone (a scheduler / container stop): every rank stops at the same step
+    boundary, a checkpoint is written, the exit code is 130, and the printed command
+    (--config RUN/config.yaml --checkpoint.resume latest) continues the run."""
     import signal
     import subprocess
     import sys
@@ -127,18 +185,22 @@ def test_ctrl_c_saves_a_checkpoint_and_resume_continues(tiny, tmp_path):
         while time.monotonic() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
             time.sleep(0.2)
         assert metrics.exists(), "the run never started"
-        os.killpg(proc.pid, signal.SIGINT)
+        if how == "ctrl-c":
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            os.kill(proc.pid, signal.SIGTERM)
         out, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, err
-    assert "interrupted: checkpoint saved at step" in out
+    assert proc.returncode == 130, err
+    m = re.search(r"interrupted: checkpoint saved at step \d+ in \S+; continue with: python -m orchestration.train "
+                  r"(--config \S+ --checkpoint.resume latest)", out)
+    assert m, out
     ck = ckpt.resolve("latest", str(tmp_path / "t" / "checkpoints"))
     stopped = ckpt.read_meta(ck)["step"]
     assert 3 <= stopped < 100000
-    cfg, _ = parse_args(argv[:argv.index("--train.steps")] + ["--train.steps", str(stopped + 2),
-                                                                "--checkpoint.resume", "latest"])
+    cfg, _ = parse_args(m.group(1).split() + ["--train.steps", str(stopped + 2)])
     plan = prepare(cfg)
     res = run_local(run_rank, 2, (cfg, plan), timeout_s=120)
     assert len(res[1]["losses"]) == 2
