@@ -2,6 +2,7 @@
 import gzip
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -221,3 +222,185 @@ def test_token_dataset_validates():
         data.TokenDataset(torch.zeros(2, 3, dtype=torch.int32))
     with pytest.raises(TypeError):
         data.TokenDataset([[1, 2]])
+
+
+# ------------------------------------------------------------------ broken tokenizers
+def _word_level(vocab, **kw):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, **kw)
+
+
+def test_tokenizerless_model_dir_and_degenerate_tokenizers_raise(tmp_path, bpe):
+    from tokenizers import Tokenizer, models
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 300}))
+    (model_dir / "model.safetensors").write_bytes(b"")
+    bpe.save_pretrained(str(tmp_path / "only_config"))  # tokenizer_config.json without tokenizer.json:
+    (tmp_path / "only_config" / "tokenizer.json").unlink()  # transformers 5 builds a len-1 tokenizer
+    for d in (model_dir, tmp_path / "only_config"):
+        with pytest.raises(ValueError, match=r"no tokenizer \(tokenizer.json / tokenizer.model / vocab files\) in "
+                           + str(d)):
+            data.load_tokenizer(d)
+        with pytest.raises(ValueError, match="no tokenizer"):
+            data.build_token_dataset(DOCS, d, seq_len=8)
+    Tokenizer(models.BPE()).save(str(tmp_path / "only_config" / "tokenizer.json"))  # file there, but empty
+    with pytest.raises(ValueError, match="degenerate tokenizer"):
+        data.load_tokenizer(tmp_path / "only_config")
+    with pytest.raises(ValueError, match="degenerate tokenizer"):  # probe -> one repeated id
+        data.load_tokenizer(_word_level({"[UNK]": 0, "zzz": 1}))
+
+
+def test_single_id_stream_is_rejected():
+    tok = _word_level({"[UNK]": 0, "Hello": 1, "world": 2})  # passes the probe, no eos
+    with pytest.raises(ValueError, match=r"every one of its 40 tokens is id 0 \(fewer than 2 distinct ids\)"):
+        data.build_token_dataset(["foo bar baz qux " * 10], tok, seq_len=8)
+    assert data.build_token_dataset(["Hello foo world bar " * 10], tok, seq_len=8).tokens.unique().tolist() == [0, 1, 2]
+
+
+# ------------------------------------------------------------------ pieces: same ids as whole documents
+# Cut candidates next to every awkward neighbour: blank lines, indentation, CRLF, tabs,
+# non-ASCII, digits, the special token's text, a line break right after a contraction.
+TRICKY = ("def f(x):\n    return x\n\n\nclass A:\n\tpass\r\nüñí ✓ 日本語\nit's\n'll be 12345\n"
+          "<|endoftext|>\nend.\n  \n x\n") * 12
+
+
+def _whole_stream(tok, docs):
+    stream = []
+    for ids in data.encode_documents(tok, docs):
+        stream += ids + [tok.eos_token_id]
+    return stream
+
+
+def _tokenizers(bpe):
+    import os
+    toks = [bpe]
+    base = os.path.expanduser("~/.cache/meshkern/base-v1")
+    if os.path.isfile(os.path.join(base, "tokenizer.json")):  # the trainer's default model
+        toks.append(data.load_tokenizer(base))
+    return toks
+
+
+def test_pieces_give_the_ids_of_whole_documents(monkeypatch, bpe):
+    monkeypatch.setattr(data, "_PIECE_CHARS", 50)  # TRICKY (~1 K chars) -> ~20 pieces
+    monkeypatch.setattr(data, "_BATCH_CHARS", 120)  # and pieces of one document in several batches
+    docs = [TRICKY, "short doc", DOCS[1] * 20, TRICKY[7:]]
+    for tok in _tokenizers(bpe):
+        assert data._cuts_are_exact(tok)
+        pieces = data._pieces(tok, TRICKY, True)
+        assert len(pieces) > 10 and "".join(pieces) == TRICKY
+        whole = _whole_stream(tok, docs)
+        got = data.build_token_dataset(docs, tok, seq_len=16)
+        n = len(whole) // 16
+        assert got.tokens.flatten().tolist() == whole[: n * 16]
+        capped = data.encode_stream(tok, docs, separator=tok.eos_token_id, max_tokens=333)
+        assert capped.dtype == np.int32 and capped.tolist() == whole[:333]
+
+
+def test_pieces_not_cut_for_a_metaspace_tokenizer(monkeypatch):
+    # SentencePiece-style pre-tokenizers mark the start of every encoded string: cutting
+    # would add a mark per piece, so such tokenizers are encoded whole (same ids again).
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
+    from transformers import PreTrainedTokenizerFast
+    t = Tokenizer(models.BPE(unk_token="<unk>"))
+    t.pre_tokenizer = pre_tokenizers.Metaspace()
+    t.decoder = decoders.Metaspace()
+    t.train_from_iterator([TRICKY] + DOCS, trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "</s>"],
+                                                               show_progress=False))
+    tok = PreTrainedTokenizerFast(tokenizer_object=t, eos_token="</s>", unk_token="<unk>")
+    monkeypatch.setattr(data, "_PIECE_CHARS", 50)
+    assert not data._cuts_are_exact(tok)
+    assert data._pieces(tok, TRICKY, True) == [TRICKY]  # the per-cut check alone also refuses
+    assert data.encode_stream(tok, [TRICKY, DOCS[0]], separator=tok.eos_token_id).tolist() == \
+        _whole_stream(tok, [TRICKY, DOCS[0]])
+
+
+# ------------------------------------------------------------------ token cache
+def _no_encoding(*a, **k):
+    raise AssertionError("tokenized although the cache should have answered")
+
+
+def test_token_cache_hit_and_invalidation(tmp_path, monkeypatch, capsys, bpe):
+    import os
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text(DOCS[0] * 3)
+    (src / "b.txt").write_text(DOCS[1] * 3)
+    cache = tmp_path / "cache"
+    first = data.build_token_dataset(src, bpe, seq_len=16, token_cache=cache)
+    assert [p.suffix for p in cache.iterdir()] == [".safetensors"]  # one file, no tmp left
+    real = data.encode_stream
+    monkeypatch.setattr(data, "encode_stream", _no_encoding)
+    again = data.build_token_dataset(src, bpe, seq_len=16, token_cache=cache)
+    assert torch.equal(again.tokens, first.tokens) and again.tokens.dtype == torch.int64
+    for changed in [dict(seq_len=8), dict(max_tokens=48), dict(on_decode_error="skip"),
+                    dict(text_field="body")]:  # every packing argument is in the key
+        with pytest.raises(AssertionError, match="tokenized although"):
+            data.build_token_dataset(src, bpe, **{"seq_len": 16, **changed}, token_cache=cache)
+    assert capsys.readouterr().err == ""  # key misses, not a rejected file
+    st = (src / "a.txt").stat()
+    os.utime(src / "a.txt", ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))  # touch
+    with pytest.raises(AssertionError, match="tokenized although"):
+        data.build_token_dataset(src, bpe, seq_len=16, token_cache=cache)
+    other = data.train_bpe(DOCS * 5, vocab_size=280)  # a different tokenizer is another key
+    with pytest.raises(AssertionError, match="tokenized although"):
+        data.build_token_dataset(DOCS, other, seq_len=16, token_cache=cache)
+    monkeypatch.setattr(data, "encode_stream", real)
+    data.build_token_dataset(DOCS, bpe, seq_len=16, token_cache=cache)
+    (src / "c.txt").write_text("a new file")
+    with pytest.raises(AssertionError, match="tokenized although"):  # new file in the directory
+        monkeypatch.setattr(data, "encode_stream", _no_encoding)
+        data.build_token_dataset(src, bpe, seq_len=16, token_cache=cache)
+    assert torch.equal(data.build_token_dataset(DOCS, bpe, seq_len=16, token_cache=cache).tokens,
+                       data.TokenDataset(data.pack(data.encode_documents(bpe, DOCS), 16, separator=0)).tokens)
+
+
+def test_token_cache_ignores_damaged_files(tmp_path, capsys, bpe):
+    cache = tmp_path / "cache"
+    want = data.build_token_dataset(DOCS, bpe, seq_len=16, token_cache=cache).tokens
+    (f,) = cache.iterdir()
+    good = f.read_bytes()
+    for damage in [good[: len(good) // 2], b"not a safetensors file", b""]:
+        f.write_bytes(damage)
+        got = data.build_token_dataset(DOCS, bpe, seq_len=16, token_cache=cache).tokens
+        assert torch.equal(got, want)
+        assert "ignoring unusable token cache" in capsys.readouterr().err
+        assert f.read_bytes() == good  # rebuilt
+    from safetensors.torch import save_file
+    save_file({"tokens": torch.full((2, 16), 10_000, dtype=torch.int32)}, str(f))  # ids past the vocab
+    assert torch.equal(data.build_token_dataset(DOCS, bpe, seq_len=16, token_cache=cache).tokens, want)
+    assert "ids < 300" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ decode policy and flag wording
+def test_directory_skips_binary_files_with_one_warning(tmp_path, capsys):
+    (tmp_path / "pkg" / "__pycache__").mkdir(parents=True)
+    (tmp_path / "pkg" / "mod.py").write_text("x = 1\n")
+    for i in range(5):
+        (tmp_path / "pkg" / "__pycache__" / f"m{i}.pyc").write_bytes(b"\xa7\r\r\n\x00\x00" + bytes([i]))
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    assert data.load_texts(tmp_path) == ["x = 1\n"]
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "left out 6 of 7 files" in err[0] and "and 3 more" in err[0]
+    assert "pkg/__pycache__/m0.pyc" in err[0]
+    with pytest.raises(ValueError, match=r"latin1.txt: not valid UTF-8 .* --data.on_decode_error skip"):
+        data.load_texts(tmp_path, on_decode_error="raise")
+    with pytest.raises(ValueError, match=r"latin1.txt: not valid UTF-8 .* --data.on_decode_error skip"):
+        data.load_texts(tmp_path / "latin1.txt")  # a file named on its own raises under auto
+    with pytest.raises(ValueError, match="leaves no text"):
+        data.load_texts(tmp_path / "latin1.txt", on_decode_error="skip")
+    with pytest.raises(ValueError, match=r"--data.on_decode_error must be one of auto, raise, skip"):
+        data.load_texts(tmp_path, on_decode_error="ignore")
+
+
+def test_field_errors_name_the_cli_flag(tmp_path):
+    p = tmp_path / "d.jsonl"
+    p.write_text(json.dumps({"body": "x"}) + "\n")
+    with pytest.raises(ValueError, match=r"choose one with --data.text_field"):
+        data.load_texts(p)
+    datasets = pytest.importorskip("datasets")
+    with pytest.raises(ValueError, match=r"choose one with --data.text_field"):
+        data.load_texts(datasets.Dataset.from_dict({"body": ["x"]}))
