@@ -567,7 +567,7 @@ def build_token_dataset(source, tokenizer, seq_len: int, *, text_field: str = "t
     :func:`load_tokenizer`), pack into ``[N, seq_len]`` int64 rows (documents separated
     by the tokenizer's eos). ``max_tokens`` caps the stream before packing.
 
-    ``token_cache``: a directory; the packed rows are stored there (``tokens-<key>.safetensors``,
+    ``token_cache``: a directory (``~`` expanded, created on first write); the packed rows are stored there (``tokens-<key>.safetensors``,
     written atomically) under a key of everything that decides them -- the source (path and
     the (relative path, size, mtime_ns) of every file; a datasets object's fingerprint; the
     text itself for lists and ``corpus:``/``task:`` sources), the tokenizer's serialized
@@ -659,7 +659,7 @@ def _cache_path(cache_dir, source_key, tok, seq_len, max_tokens, text_field, spl
            "separator": separator_id(tok), "seq_len": seq_len, "max_tokens": max_tokens,
            "text_field": text_field, "split": split, "on_decode_error": on_decode_error}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
-    return Path(cache_dir) / f"tokens-{digest}.safetensors"
+    return Path(cache_dir).expanduser() / f"tokens-{digest}.safetensors"
 
 
 def _read_cache(path: Path, seq_len: int, vocab: int) -> torch.Tensor | None:
