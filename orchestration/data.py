@@ -327,10 +327,7 @@ def _check_tokenizer(tok, where: str):
 
 
 def _encode_one(tok, text: str) -> list[int]:
-    backend = getattr(tok, "backend_tokenizer", None)
-    if backend is not None:
-        return backend.encode(text, add_special_tokens=False).ids
-    return list(tok.encode(text, add_special_tokens=False))
+    return encode_documents(tok, [text])[0]
 
 
 def separator_id(tokenizer) -> int | None:
@@ -367,7 +364,8 @@ _BATCH_DOCS = 4096  # many small documents (jsonl rows): bound the per-call list
 _CUT = re.compile(r"(?<=\S)\n(?=\S)")
 _WINDOW = 64
 _CUT_TRIES = 32
-_CUT_PROBE = ["Hello world.", "The quick 123, 's fox;", "def f(x):", "\treturn x  # ü ✓", "日本語 text"]
+# Lines start and end with a non-space character, like the cuts _CUT makes.
+_CUT_PROBE = ["Hello world.", "The quick 123, 's fox;", "def f(x):", "return x  # ü ✓", "日本語 text"]
 
 
 def _cuts_are_exact(tok) -> bool:
@@ -411,7 +409,6 @@ def encode_stream(tokenizer, docs: Sequence[str], *, separator: int | None = Non
     Same ids as encoding each document whole (``encode_documents``): long documents are
     encoded in pieces only where that is exact (see _pieces). Memory: the int32 stream
     plus the transient of one ~1 M-character batch; KeyboardInterrupt is taken between batches."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
     exact = _cuts_are_exact(tokenizer)
     parts: list[np.ndarray] = []
     total = 0
@@ -420,12 +417,8 @@ def encode_stream(tokenizer, docs: Sequence[str], *, separator: int | None = Non
     ends: list[bool] = []  # ends[i]: batch[i] is the last piece of its document
 
     def flush() -> int:
-        if backend is not None:
-            ids = [e.ids for e in backend.encode_batch(batch, add_special_tokens=False)]
-        else:
-            ids = [tokenizer.encode(x, add_special_tokens=False) for x in batch]
         n = 0
-        for piece_ids, end in zip(ids, ends):
+        for piece_ids, end in zip(encode_documents(tokenizer, batch), ends):
             parts.append(np.asarray(piece_ids, dtype=np.int32))
             n += len(piece_ids)
             if end and sep is not None:
