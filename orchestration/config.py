@@ -54,6 +54,9 @@ class DataConfig:
     seq_len: int = _f(128, "tokens per packed sequence")
     eval_fraction: float = _f(0.05, "held-out fraction of the sequences (for evaluation, never trained on)")
     max_sequences: int = _f(0, "cap on the number of packed sequences (0: no cap)")
+    text_field: str = _f("text", "field/column holding the text (.jsonl, .json/.csv/.parquet, saved HF datasets)")
+    on_decode_error: str = _f("auto", "files that are not UTF-8 text: auto (skip inside a directory, error for one file), raise, skip")
+    token_cache: str = _f("auto", "directory caching the packed tokens per source/tokenizer/settings (auto: $MESHKERN_CACHE/tokens or ~/.cache/meshkern/tokens; empty: off)")
 
 
 @dataclass
@@ -338,6 +341,8 @@ def validate(cfg: Config) -> Config:
     _need(cfg.model.dtype in ("float32", "bfloat16"), f"--model.dtype must be float32 or bfloat16, got {cfg.model.dtype!r}")
     _need(cfg.data.seq_len >= 2, f"--data.seq_len must be >= 2, got {cfg.data.seq_len}")
     _need(0.0 <= cfg.data.eval_fraction < 1.0, "--data.eval_fraction must be in [0, 1)")
+    _need(cfg.data.on_decode_error in ("auto", "raise", "skip"),
+          f"--data.on_decode_error must be auto, raise or skip, got {cfg.data.on_decode_error!r}")
     _need(t.steps >= 1, f"--train.steps must be >= 1, got {t.steps}")
     _need(t.batch_size >= 1 and t.microbatches >= 1, "--train.batch_size and --train.microbatches must be >= 1")
     _need(t.batch_size % t.microbatches == 0,

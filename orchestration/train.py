@@ -119,7 +119,12 @@ def prepare(cfg: Config, *, load_model: bool = True) -> Plan:
     if not source.startswith(("corpus:", "task:")) and not os.path.exists(source):
         raise FileNotFoundError(f"--data.source {source!r} does not exist")
     max_tokens = cfg.data.max_sequences * cfg.data.seq_len if cfg.data.max_sequences else None
-    ds = data_mod.build_token_dataset(source, path, cfg.data.seq_len, max_tokens=max_tokens)
+    cache = cfg.data.token_cache
+    if cache == "auto":
+        cache = str(models.cache_root() / "tokens")
+    ds = data_mod.build_token_dataset(source, path, cfg.data.seq_len, max_tokens=max_tokens,
+                                      text_field=cfg.data.text_field, on_decode_error=cfg.data.on_decode_error,
+                                      token_cache=cache or None)
     if cfg.data.eval_fraction > 0:
         train_ds, eval_ds = ds.split(cfg.data.eval_fraction, seed=cfg.train.seed)
     else:
