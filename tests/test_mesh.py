@@ -123,6 +123,41 @@ def test_optional_rank_may_die_without_stopping_the_others(capsys):
     assert "rank 2 exited with code -9; the rest of the mesh continues" in capsys.readouterr().err
 
 
+def _restart_worker(rank, world, marker):
+    """Optional ranks 2 and 3 form a group; rank 3's first incarnation dies, rank 2's
+    first incarnation would run long (it must be terminated and started again with 3)."""
+    first = not os.path.exists(f"{marker}.{rank}")
+    open(f"{marker}.{rank}", "a").close()
+    if rank == 3 and first:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if rank == 2 and first:
+        time.sleep(60)
+    time.sleep(2.0 if rank < 2 else 0.2)  # required ranks outlive the restart
+    return (rank, "again" if not first else "first")
+
+
+def test_dead_optional_group_is_restarted_while_required_ranks_run(tmp_path, capsys):
+    t0 = time.monotonic()
+    res = run_local(_restart_worker, 4, (str(tmp_path / "m"),), timeout_s=60, optional={2, 3}, restarts=1)
+    assert res == [(0, "first"), (1, "first"), (2, "again"), (3, "again")]
+    assert time.monotonic() - t0 < 30  # rank 2's first incarnation was terminated, not waited for
+    assert "rank 3 exited with code -9; restarting ranks [2, 3] (restart 1 of 1)" in capsys.readouterr().err
+
+
+def _unreachable_worker(rank, world):
+    if rank == 1:
+        raise ConnectionError("cannot reach the fast circuit's store")
+    time.sleep(1.0)
+    return rank
+
+
+def test_connection_error_is_not_restarted(capsys):
+    res = run_local(_unreachable_worker, 2, timeout_s=60, optional={1}, restarts=3)
+    assert res == [0, None]
+    err = capsys.readouterr().err
+    assert "restarting" not in err and "ConnectionError: cannot reach" in err
+
+
 def _stalls_worker(rank, world):
     m = init_mesh(MeshLayout(1, 2), timeout_s=4)
     t = torch.ones(2)
