@@ -778,6 +778,7 @@ class FastHook:
         self.start = None
         self.steps_seen = 0
         self.last_applied_step = None
+        self.joined_step = None
         self.link = "up"          # up | lost | finished
         self.prior_on = True
         self.stalled = False
@@ -920,7 +921,8 @@ class FastHook:
             elif ev[0] == "joined":
                 self.generation = ev[1]
                 self.c["joins"] += 1
-                if self.link != "up" or ev[1] > 1:
+                if self.link != "up" or ev[1] > 1:  # a rejoin (the first join counts from the start)
+                    self.joined_step = step
                     self.link = "up"
                     self._log(f"step {step}: anchor row generation {ev[1]} joined; its updates are applied "
                               "as they arrive")
@@ -1013,7 +1015,8 @@ class FastHook:
 
     def _watch(self, step: int) -> None:
         """Stall detection: no update applied for more than max_staleness fast steps."""
-        since = step - (self.last_applied_step if self.last_applied_step is not None else self.start)
+        ref = [v for v in (self.last_applied_step, self.start, self.joined_step) if v is not None]
+        since = step - max(ref)  # a newly joined anchor row gets max_staleness steps of its own
         if self.link == "up" and not self.stalled and since > self.max_stale:
             self.stalled = True
             self._log(f"step {step}: no anchor update for {since} fast steps (anchor stalled or too slow); "
