@@ -21,13 +21,14 @@ by H/K (= 1/(1-p) when (1-p)*H is an integer; the exact inverse keep probability
 pair (e.g. the receiver's unpack); the backward of that op carries the same factor.
 
 Backends: ``backend="auto"|"cpp"|"cuda"|"triton"|"reference"`` or the
-``MESHKERN_BACKEND`` environment variable (see ``meshkern._backend``). All backends
+``MESHKERN_BACKEND`` environment variable; None means "auto". All backends
 return bit-identical results. Supported dtypes: float16, bfloat16, float32, float64.
 Non-contiguous inputs are copied to contiguous first.
 """
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import operator
 
 import torch
@@ -41,6 +42,36 @@ __all__ = ["MaskKey", "kept_dims", "mask_indices", "pack", "unpack"]
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _MAX_H = 2**31 - 1  # draw_below needs j + 1 <= 2**31
 _MAX_ROWS = 2**32  # the token row is one 32-bit Philox counter word
+
+
+def _as_int(value) -> int | None:
+    """``value`` as a Python int if it is a plain integer (int, numpy integer, SymInt),
+    else None. Bools, floats, strings and tensors are not integers here."""
+    if isinstance(value, (bool, Tensor)):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def _as_float(value) -> float | None:
+    """``value`` as a Python float if it is a plain real number (int, float, numpy scalar),
+    else None (bools, tensors, strings)."""
+    if isinstance(value, (bool, Tensor)) or not isinstance(value, numbers.Real):
+        return None
+    return float(value)
+
+
+def _backend_arg(backend) -> str:
+    """The op-schema form of a ``backend=`` argument: None means "auto" (as in
+    meshkern._backend.resolve); anything but None or a str is a TypeError."""
+    if backend is None:
+        return "auto"
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a str ('auto', 'cpp', 'cuda', 'triton', 'reference') or None, "
+                        f"got {type(backend).__name__}")
+    return backend
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,10 +112,12 @@ def kept_dims(H: int, p: float) -> int:
     H < 1, or K < 1 (p too close to 1 for this H)."""
     if isinstance(H, torch.SymInt):  # under torch.compile: K is a function of H, specialize
         H = int(H)
-    if isinstance(H, bool) or not isinstance(H, int) or not 1 <= H <= _MAX_H:
+    Hi, pf = _as_int(H), _as_float(p)  # numpy scalars count as plain numbers
+    if Hi is None or not 1 <= Hi <= _MAX_H:
         raise ValueError(f"hidden size H must be an int in [1, {_MAX_H}], got {H!r}")
-    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
+    if pf is None or not 0.0 <= pf < 1.0:
         raise ValueError(f"drop probability p must be a float in [0, 1), got {p!r}")
+    H, p = Hi, pf
     K = round((1.0 - p) * H)
     if K < 1:
         raise ValueError(f"p={p} keeps K=round((1-p)*H)={K} < 1 of H={H} dims; lower p")
@@ -263,19 +296,35 @@ def _check_key(key) -> MaskKey:
     return key
 
 
-def mask_indices(key: MaskKey, T: int, H: int, p: float, *, device="cpu", backend: str = "auto") -> Tensor:
+def _check_device(device) -> torch.device:
+    """``device`` as a torch.device that this torch build can allocate on; else ValueError
+    naming it (instead of torch's AssertionError "Torch not compiled with CUDA enabled")."""
+    device = torch.device(device)
+    if device.type not in ("cpu", "meta") and not torch.compiler.is_compiling():
+        try:
+            torch.empty(0, device=device)
+        except (RuntimeError, AssertionError) as e:
+            raise ValueError(f"device={str(device)!r} is not usable with this torch build "
+                             f"({torch.__version__}): {e}") from None
+    return device
+
+
+def mask_indices(key: MaskKey, T: int, H: int, p: float, *, device="cpu", backend: str | None = "auto") -> Tensor:
     """int64 [T, K]: the dims kept for token rows 0..T-1 (ascending, distinct), K = kept_dims(H, p).
 
     Row r is what ``pack``/``unpack`` keep for flattened row r. Deterministic in
-    (key, T, H, p): identical on every backend and device.
+    (key, T, H, p): identical on every backend and device. T, H: ints (numpy ints too);
+    p: a real number. ValueError for a device this torch build cannot use.
     """
     _check_key(key)
-    if isinstance(T, bool) or not isinstance(T, int) or T < 0:
+    Ti = _as_int(T)
+    if Ti is None or Ti < 0:
         raise ValueError(f"T must be a non-negative int, got {T!r}")
-    return _indices_op(*key.words(), T, H, float(p), torch.device(device), backend)
+    kept_dims(H, p)
+    return _indices_op(*key.words(), Ti, _as_int(H), _as_float(p), _check_device(device), _backend_arg(backend))
 
 
-def pack(h: Tensor, key: MaskKey, p: float, *, rescale: bool = False, backend: str = "auto") -> Tensor:
+def pack(h: Tensor, key: MaskKey, p: float, *, rescale: bool = False, backend: str | None = "auto") -> Tensor:
     """[..., T, H] -> [..., T, K]: each token's kept values, in ascending dim order.
 
     Differentiable (backward = unpack of the gradient). Index generation is fused
@@ -286,11 +335,11 @@ def pack(h: Tensor, key: MaskKey, p: float, *, rescale: bool = False, backend: s
     _check_key(key)
     _check_float(h, "h")
     kept_dims(h.shape[-1], p)
-    return _pack_op(h, *key.words(), float(p), bool(rescale), backend)
+    return _pack_op(h, *key.words(), float(p), bool(rescale), _backend_arg(backend))
 
 
 def unpack(v: Tensor, key: MaskKey, H: int, p: float, *, rescale: bool = False,
-           backend: str = "auto") -> Tensor:
+           backend: str | None = "auto") -> Tensor:
     """[..., T, K] -> [..., T, H]: values put back at the kept dims, zeros elsewhere.
 
     Differentiable (backward = pack of the gradient). ValueError if v's last dim is
@@ -299,4 +348,4 @@ def unpack(v: Tensor, key: MaskKey, H: int, p: float, *, rescale: bool = False,
     """
     _check_key(key)
     _check_unpack(v, H, p)
-    return _unpack_op(v, *key.words(), int(H), float(p), bool(rescale), backend)
+    return _unpack_op(v, *key.words(), int(H), float(p), bool(rescale), _backend_arg(backend))

@@ -239,3 +239,35 @@ def test_empty_inputs(backend):
     assert pack(torch.empty(0, 40), KEY, 0.75, backend=backend).shape == (0, 10)
     assert unpack(torch.empty(2, 0, 10), KEY, 40, 0.75, backend=backend).shape == (2, 0, 40)
     assert mask_indices(KEY, 0, 40, 0.75, backend=backend).shape == (0, 10)
+
+
+def test_numpy_scalars_are_plain_numbers():
+    np = pytest.importorskip("numpy")
+    h = torch.randn(3, 40)
+    v = pack(h, KEY, 0.5)
+    assert torch.equal(pack(h, KEY, np.float32(0.5)), v)
+    assert torch.equal(unpack(v, KEY, np.int64(40), np.float64(0.5)), unpack(v, KEY, 40, 0.5))
+    assert torch.equal(mask_indices(KEY, np.int64(3), np.int32(40), np.float32(0.5)), mask_indices(KEY, 3, 40, 0.5))
+    assert kept_dims(np.int64(2048), np.float32(0.75)) == 512
+    # bools and tensors are not numbers here
+    for H, p in ((True, 0.5), (40, False), (torch.tensor(40), 0.5), (40, torch.tensor(0.5))):
+        with pytest.raises(ValueError, match="H must be|p must be"):
+            kept_dims(H, p)
+    with pytest.raises(ValueError, match="T must be"):
+        mask_indices(KEY, True, 40, 0.5)
+
+
+def test_backend_none_means_auto_and_bad_types_are_named():
+    h = torch.randn(3, 40)
+    assert torch.equal(pack(h, KEY, 0.5, backend=None), pack(h, KEY, 0.5))
+    v = pack(h, KEY, 0.5)
+    assert torch.equal(unpack(v, KEY, 40, 0.5, backend=None), unpack(v, KEY, 40, 0.5))
+    assert torch.equal(mask_indices(KEY, 3, 40, 0.5, backend=None), mask_indices(KEY, 3, 40, 0.5))
+    with pytest.raises(TypeError, match="backend must be a str"):
+        pack(h, KEY, 0.5, backend=1)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch build without CUDA")
+def test_unusable_device_is_named():
+    with pytest.raises(ValueError, match="device='cuda'"):
+        mask_indices(KEY, 2, 40, 0.5, device="cuda")
