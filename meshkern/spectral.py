@@ -48,6 +48,7 @@ import torch
 from torch import Tensor
 
 from meshkern import _backend
+from meshkern.mask import _as_float, _as_int, _backend_arg
 
 GROUP = "spectral"
 
@@ -69,7 +70,8 @@ def _check_float(name: str, t: Tensor, allowed=_FLOATS) -> None:
         raise TypeError(f"{name} must have a dtype in {[str(d) for d in allowed]}, got {t.dtype}")
 
 
-def _check_project_args(G, U, S, V, tau, alpha) -> None:
+def _check_project_args(G, U, S, V, tau, alpha) -> tuple[float, float]:
+    """Validates the shapes/dtypes/devices; returns (tau, alpha) as Python floats."""
     for name, t in (("G", G), ("U", U), ("S", S), ("V", V)):
         _check_float(name, t)
     if G.dim() != 3:
@@ -84,10 +86,61 @@ def _check_project_args(G, U, S, V, tau, alpha) -> None:
         raise ValueError(f"V must be [B={B}, n={n}, r={r}], got shape {tuple(V.shape)}")
     if not (U.device == S.device == V.device == G.device):
         raise ValueError(f"G, U, S, V must be on one device, got {G.device}, {U.device}, {S.device}, {V.device}")
-    if not (isinstance(tau, (int, float)) and math.isfinite(tau) and tau >= 0):
+    tau_f, alpha_f = _as_float(tau), _as_float(alpha)  # numpy scalars are plain numbers
+    if tau_f is None or not (math.isfinite(tau_f) and tau_f >= 0):
         raise ValueError(f"tau must be a finite number >= 0, got {tau!r}")
-    if not (isinstance(alpha, (int, float)) and 0.0 <= alpha <= 1.0):
+    if alpha_f is None or not 0.0 <= alpha_f <= 1.0:
         raise ValueError(f"alpha must lie in [0, 1], got {alpha!r}")
+    return tau_f, alpha_f
+
+
+# Seeds travel as one op-schema int (int64).
+_SEED_RANGE = (-(2**63), 2**63)
+
+
+def _check_svd_options(rank, oversample, power_iters, seed, ortho, method) -> tuple[int, int, int, int]:
+    """Validates randomized_svd's options (also used by meshkern.optim at construction);
+    returns (rank, oversample, power_iters, seed) as Python ints. ValueError naming the
+    argument; numpy integers count as ints, bools and floats do not."""
+    out = []
+    for name, val, lo in (("rank", rank, 1), ("oversample", oversample, 0), ("power_iters", power_iters, 0)):
+        v = _as_int(val)
+        if v is None or v < lo:
+            raise ValueError(f"{name} must be an int >= {lo}, got {val!r}")
+        out.append(v)
+    sd = _as_int(seed)
+    if sd is None or not _SEED_RANGE[0] <= sd < _SEED_RANGE[1]:
+        raise ValueError(f"seed must be an int in [-2**63, 2**63) (one int64), got {seed!r}")
+    if ortho not in ("qr", "cholqr2"):
+        raise ValueError(f"ortho must be 'qr' or 'cholqr2', got {ortho!r}")
+    if method not in ("randomized", "exact"):
+        raise ValueError(f"method must be 'randomized' or 'exact', got {method!r}")
+    return out[0], out[1], out[2], sd
+
+
+def _check_backend(backend, devices=()) -> str:
+    """Validates a ``backend=`` argument up front (meshkern.optim calls this at
+    construction, so a typo fails there and not at the first SVD refresh): None or a
+    name in meshkern._backend.BACKENDS / "auto" (any case). A forced backend must be
+    able to run on each of ``devices``. ValueError / TypeError naming ``backend``."""
+    backend = _backend_arg(backend)
+    name = backend.strip().lower()
+    if name in ("", "auto"):
+        return backend
+    if name not in _backend.BACKENDS:
+        raise ValueError(f"backend must be 'auto' or one of {_backend.BACKENDS}, got {backend!r}")
+    for dev in {torch.device(d) for d in devices}:
+        why = _backend.why_unavailable(name, GROUP, dev)
+        if why is not None:
+            raise ValueError(f"backend={backend!r} cannot run here: {why}")
+    return backend
+
+
+def _check_finite(t: Tensor, what: str) -> None:
+    """ValueError if ``t`` holds NaN or inf. Reads the data: call it inside a custom op's
+    implementation (it runs on real tensors there, also under torch.compile)."""
+    if not bool(torch.isfinite(t).all()):
+        raise ValueError(f"{what} contains non-finite values (NaN or inf)")
 
 
 def gains(S: Tensor, tau: float) -> Tensor:
@@ -99,16 +152,21 @@ def gains(S: Tensor, tau: float) -> Tensor:
 
 # ------------------------------------------------------------------ references (spec)
 def sym_eig_reference(A: Tensor) -> tuple[Tensor, Tensor]:
-    """torch.linalg.eigh, reordered to descending eigenvalues."""
-    w, W = torch.linalg.eigh(A)
+    """torch.linalg.eigh of (A + A^T) / 2, reordered to descending eigenvalues.
+
+    The symmetric part is what the Jacobi kernels read too (eigh alone would read only
+    the lower triangle); for a symmetric A it is A itself, bit for bit."""
+    w, W = torch.linalg.eigh(0.5 * (A + A.mT))
     return w.flip(-1), W.flip(-1)
 
 
 def project_reference(G: Tensor, U: Tensor, S: Tensor, V: Tensor, tau: float, alpha: float) -> tuple[Tensor, Tensor]:
-    """The unfused formula in fp32 (fp64 for fp64 G): (G_proj in G.dtype, ||G_filt||_F^2 per batch)."""
+    """The unfused formula in fp32 (fp64 for fp64 G): (G_proj in G.dtype, ||G_filt||_F^2 per batch).
+
+    U, S and V are cast to that working dtype first (the gains too are computed in it)."""
     wd = torch.float64 if G.dtype == torch.float64 else torch.float32
     g, u, v = G.to(wd), U.to(wd), V.to(wd)
-    d = gains(S, tau).to(wd)
+    d = gains(S.to(wd), tau)
     x = u.mT @ g @ v
     xf = d[:, :, None] * x * d[:, None, :]
     filt = u @ xf @ v.mT
@@ -168,6 +226,7 @@ def _project_backend(G, U, S, V, tau, alpha, out, backend) -> Tensor:
 # ------------------------------------------------------------------------- sym_eig
 @torch.library.custom_op("meshkern::sym_eig", mutates_args=())
 def _sym_eig_op(A: Tensor, sweeps: int, backend: str) -> tuple[Tensor, Tensor]:
+    _check_finite(A, "A")  # here, not in sym_eig: a data check inside the op traces under torch.compile
     w, W = _sym_eig_backend(A.contiguous(), sweeps, backend)
     return w.contiguous(), W.contiguous()
 
@@ -177,19 +236,32 @@ def _(A, sweeps, backend):
     return A.new_empty(A.shape[:2]), A.new_empty(A.shape)
 
 
-def sym_eig(A: Tensor, *, sweeps: int = DEFAULT_SWEEPS, backend: str = "auto") -> tuple[Tensor, Tensor]:
+def sym_eig(A: Tensor, *, sweeps: int = DEFAULT_SWEEPS, backend: str | None = "auto") -> tuple[Tensor, Tensor]:
     """Eigen-decomposition of a batch of small symmetric matrices A[B, k, k] (fp32/fp64).
 
-    Returns (w[B, k], W[B, k, k]) with w descending and A ~= W diag(w) W^T, W orthogonal.
-    Only the lower+upper average matters (A is read as symmetric). Deterministic for a
-    given backend; backends agree up to the fp rounding of ``sweeps`` Jacobi sweeps.
+    Returns (w[B, k], W[B, k, k]) in A's dtype, contiguous, with w descending and
+    S ~= W diag(w) W^T, W orthogonal, where S = (A + A^T) / 2 is the symmetric part of A:
+    every backend reads that (for a symmetric A, S is A), so a non-symmetric A gives the
+    same answer on all of them.
+
+    Errors: TypeError for a non-tensor or a dtype other than fp32/fp64; ValueError for a
+    shape other than [B, k, k], ``sweeps`` < 1, or an A holding NaN/inf (checked for
+    every backend: never NaN or a plausible-looking (inf, I) result); ValueError for a
+    forced backend's k limit (Triton k <= 128, CUDA k <= 78 fp32 / 55 fp64; "auto" then
+    uses torch.linalg.eigh); RuntimeError for a forced backend that cannot run here.
+    Deterministic for a given backend and input; backends agree up to the fp rounding of
+    ``sweeps`` Jacobi sweeps (the reference is torch.linalg.eigh). A non-contiguous A is
+    copied to a contiguous one first. ``backend``: "auto" (or None), "cpp", "cuda",
+    "triton", "reference"; the MESHKERN_BACKEND environment variable sets the default.
+    Traceable by torch.compile(fullgraph=True).
     """
     _check_float("A", A, (torch.float32, torch.float64))
     if A.dim() != 3 or A.shape[1] != A.shape[2]:
         raise ValueError(f"A must be a batch of square matrices [B, k, k], got shape {tuple(A.shape)}")
-    if not isinstance(sweeps, int) or sweeps < 1:
+    sw = _as_int(sweeps)
+    if sw is None or sw < 1:
         raise ValueError(f"sweeps must be an int >= 1, got {sweeps!r}")
-    return _sym_eig_op(A, sweeps, backend)
+    return _sym_eig_op(A, sw, _backend_arg(backend))
 
 
 # -------------------------------------------------------------------------- project
@@ -206,7 +278,9 @@ def _check_out(out, G: Tensor, inputs: dict) -> None:
         raise ValueError(f"out must be on G's device {G.device}, got {out.device}")
     if not out.is_contiguous():
         raise ValueError(f"out must be contiguous, got strides {out.stride()}")
-    if out.numel() == 0:
+    if out.numel() == 0 or torch.compiler.is_compiling():
+        # Storage identity cannot be traced; the op's own implementation checks it again
+        # on the real tensors (and under torch.compile functionalization copies anyway).
         return
     for name, t in inputs.items():
         if t.numel() and out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
@@ -214,8 +288,12 @@ def _check_out(out, G: Tensor, inputs: dict) -> None:
 
 
 def _run_project(G, U, S, V, tau, alpha, out, backend) -> Tensor:
-    return _project_backend(G.contiguous(), U.contiguous(), S.contiguous(), V.contiguous(), tau, alpha, out,
-                            backend).contiguous()
+    # The factors go to the working dtype (fp64 for fp64 G, else fp32) before any kernel:
+    # fp64 G with fp32 factors is then computed in fp64 on every backend, as the reference
+    # does (a no-op when the dtypes already match).
+    wd = torch.float64 if G.dtype == torch.float64 else torch.float32
+    U, S, V = (t.to(wd).contiguous() for t in (U, S, V))
+    return _project_backend(G.contiguous(), U, S, V, tau, alpha, out, backend).contiguous()
 
 
 @torch.library.custom_op("meshkern::spectral_project", mutates_args=())
@@ -261,14 +339,28 @@ def _(G, U, S, V, tau, alpha, out, backend):
 
 
 def project(G: Tensor, U: Tensor, S: Tensor, V: Tensor, tau: float = 1e-3, alpha: float = 0.3, *,
-            backend: str = "auto", return_stats: bool = False, out: Tensor | None = None):
+            backend: str | None = "auto", return_stats: bool = False, out: Tensor | None = None):
     """alpha*G + (1-alpha) * U diag(d) (U^T G V) diag(d) V^T with d = S/(S+tau).
 
     Shapes: G[B,m,n] (or [m,n]), U[B,m,r], S[B,r], V[B,n,r] (unbatched likewise). G may be
-    fp32, fp64, bf16 or fp16; accumulation is fp32 (fp64 for fp64) and the result has
-    G's dtype. U and V are assumed to have orthonormal columns (as randomized_svd gives).
+    fp32, fp64, bf16 or fp16; U, S, V any of those. U, S, V are first cast to the working
+    dtype, fp64 for fp64 G and fp32 otherwise, so accumulation is fp32 (fp64 for fp64 G,
+    whatever the factors' dtype; the Triton kernel accumulates in fp32 for every dtype)
+    and the result has G's dtype. U and V are assumed to have orthonormal columns (as
+    randomized_svd gives; not checked). Negative S count as 0 (d in [0, 1]).
     With ``return_stats=True`` also returns ||G_filt||_F^2 per batch entry (fp32).
-    Differentiable w.r.t. G. alpha=1 returns G exactly.
+    Differentiable w.r.t. G (U, S, V are constants). alpha=1 returns G exactly.
+    tau, alpha: Python or numpy real numbers.
+
+    Errors: TypeError for non-tensors or non-float dtypes; ValueError for mismatched
+    shapes or devices, tau not finite or < 0, alpha outside [0, 1]; RuntimeError for a
+    forced backend that cannot run here. NaN/inf: not checked (hot path: one more read of
+    G per step); a non-finite value in G or the factors of batch entry b makes entry b of
+    the result non-finite and leaves the other entries untouched.
+    Determinism: deterministic for a given backend, device and input (bit-equal across
+    CPU thread counts in our checks); backends agree to fp rounding. Non-contiguous
+    inputs are copied to contiguous ones first. Traceable by torch.compile(fullgraph=True),
+    with and without ``out``.
 
     ``out``: a contiguous tensor of G's shape, dtype and device, sharing no memory with
     G, U, S or V (else ValueError / TypeError). The result is written into it and ``out``
@@ -281,15 +373,16 @@ def project(G: Tensor, U: Tensor, S: Tensor, V: Tensor, tau: float = 1e-3, alpha
     squeeze = isinstance(G, Tensor) and G.dim() == 2
     if squeeze:
         G, U, S, V = G[None], U[None], S[None], V[None]
-    _check_project_args(G, U, S, V, tau, alpha)
+    tau, alpha = _check_project_args(G, U, S, V, tau, alpha)
+    backend = _backend_arg(backend)
     if out is None:
-        res, filt_sq = _project_op(G, U, S, V, float(tau), float(alpha), backend)
+        res, filt_sq = _project_op(G, U, S, V, tau, alpha, backend)
     else:
         _check_out(out, G[0] if squeeze else G, {"G": G, "U": U, "S": S, "V": V})
         if torch.is_grad_enabled() and (G.requires_grad or out.requires_grad):
             raise ValueError("project(out=...) is not differentiable; call it under torch.no_grad() or without out")
         res = out
-        filt_sq = _project_out_op(G, U, S, V, float(tau), float(alpha), out[None] if squeeze else out, backend)
+        filt_sq = _project_out_op(G, U, S, V, tau, alpha, out[None] if squeeze else out, backend)
     if squeeze:
         filt_sq = filt_sq[0]
         if out is None:
@@ -339,6 +432,9 @@ def _randomized_svd_impl(M: Tensor, rank: int, oversample: int, power_iters: int
     Bs = Q.mT @ A                      # [B, l, n]
     C = Bs @ Bs.mT                     # [B, l, l], eigenvalues = s^2
     C = 0.5 * (C + C.mT)
+    if not bool(torch.isfinite(C).all()):
+        raise ValueError(f"M's Gram matrix overflows {wd} (singular values near sqrt of the dtype's max): "
+                         f"scale M down or pass fp64")
     w, W = _sym_eig_op(C, DEFAULT_SWEEPS, backend)
     w, W = w[:, :r], W[:, :, :r]
     S = w.clamp_min(0).sqrt()
@@ -356,6 +452,7 @@ def _randomized_svd_impl(M: Tensor, rank: int, oversample: int, power_iters: int
 @torch.library.custom_op("meshkern::randomized_svd", mutates_args=())
 def _randomized_svd_op(M: Tensor, rank: int, oversample: int, power_iters: int, seed: int,
                        ortho: str, method: str, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    _check_finite(M, "M")  # here, not in randomized_svd: a data check inside the op traces under torch.compile
     return _randomized_svd_impl(M.contiguous(), rank, oversample, power_iters, seed, ortho, method, backend)
 
 
@@ -369,14 +466,24 @@ def _(M, rank, oversample, power_iters, seed, ortho, method, backend):
 
 def randomized_svd(M: Tensor, rank: int, *, oversample: int = 16, power_iters: int = 3, seed: int = 0,
                    ortho: str = "qr", method: str = "randomized",
-                   backend: str = "auto") -> tuple[Tensor, Tensor, Tensor]:
+                   backend: str | None = "auto") -> tuple[Tensor, Tensor, Tensor]:
     """Top-``rank`` singular triplets of each matrix in M[B, m, n] (or one [m, n]).
 
     Returns U[B,m,r], S[B,r] (descending, >= 0), V[B,n,r] with r = min(rank, m, n), in
     fp32 (fp64 for fp64 input), M ~= U diag(S) V^T on the top-r subspace. U and V have
     orthonormal columns (V's columns for s ~ 0 are zero). Deterministic for a given
-    ``seed`` and backend. ``method="exact"`` uses torch.linalg.svd. ``backend`` picks the
-    small symmetric-eigen kernel. Defaults (oversample 16, power_iters 3, QR) meet the 1%
+    ``seed``, backend and device (the test matrix comes from a torch.Generator seeded with
+    ``seed``). ``method="exact"`` uses torch.linalg.svd. ``backend`` ("auto" or None,
+    "cpp", "cuda", "triton", "reference") picks the small symmetric-eigen kernel.
+    rank, oversample, power_iters, seed: ints (numpy ints too). A non-contiguous M is
+    copied to a contiguous one first (M is never modified). Traceable by
+    torch.compile(fullgraph=True).
+
+    Errors: TypeError for a non-tensor or non-float M; ValueError for a shape other than
+    [m, n] / [B, m, n] with m, n >= 1, rank < 1, oversample or power_iters < 0, a seed
+    outside [-2**63, 2**63), an unknown ortho / method, an M holding NaN or inf (never a
+    NaN result), or an M whose Gram matrix overflows its working dtype; RuntimeError for
+    a forced backend that cannot run here. Defaults (oversample 16, power_iters 3, QR) meet the 1%
     top-r singular-value target on slowly decaying spectra (s_i = 1/(1+i), exp(-i/50):
     max error 0.1% / 0.25% at r=32 on [1024,1024]); for a very slow decay such as
     (1+i)^-0.5 they give ~1.7%, and oversample=32 brings it to 0.3% (bench --knobs).
@@ -387,16 +494,8 @@ def randomized_svd(M: Tensor, rank: int, *, oversample: int = 16, power_iters: i
     _check_float("M", M)
     if M.dim() != 3 or M.shape[1] < 1 or M.shape[2] < 1:
         raise ValueError(f"M must be a batch of matrices [B, m, n], got shape {tuple(M.shape)}")
-    for name, val, lo in (("rank", rank, 1), ("oversample", oversample, 0), ("power_iters", power_iters, 0)):
-        if not isinstance(val, int) or isinstance(val, bool) or val < lo:
-            raise ValueError(f"{name} must be an int >= {lo}, got {val!r}")
-    if ortho not in ("qr", "cholqr2"):
-        raise ValueError(f"ortho must be 'qr' or 'cholqr2', got {ortho!r}")
-    if method not in ("randomized", "exact"):
-        raise ValueError(f"method must be 'randomized' or 'exact', got {method!r}")
-    if not torch.isfinite(M).all():
-        raise ValueError("M contains non-finite values")
-    U, S, V = _randomized_svd_op(M, rank, oversample, power_iters, int(seed), ortho, method, backend)
+    rank, oversample, power_iters, seed = _check_svd_options(rank, oversample, power_iters, seed, ortho, method)
+    U, S, V = _randomized_svd_op(M, rank, oversample, power_iters, seed, ortho, method, _backend_arg(backend))
     return (U[0], S[0], V[0]) if squeeze else (U, S, V)
 
 

@@ -338,3 +338,83 @@ def test_opcheck(backend):
         M = _rand(2, 12, 10, seed=3)
         torch.library.opcheck(torch.ops.meshkern.randomized_svd.default,
                               (M, 4, 4, 1, 0, "qr", "randomized", backend))
+
+
+# ------------------------------------------------------- contracts from a user review
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sym_eig_reads_the_symmetric_part_and_rejects_non_finite(backend):
+    A = _rand(2, 5, 5, seed=11, dtype=torch.float64)  # not symmetric
+    w, W = sp.sym_eig(A, backend=backend)
+    Sym = 0.5 * (A + A.mT)
+    assert torch.allclose(w, torch.linalg.eigvalsh(Sym).flip(-1), atol=1e-10, rtol=0)
+    assert torch.allclose((W * w[:, None, :]) @ W.mT, Sym, atol=1e-10, rtol=0)
+    bad = [torch.eye(3)[None].clone() for _ in range(3)]
+    bad[0][0, 0, 1] = float("nan")
+    bad[1][0, 2, 2] = float("nan")
+    bad[2].fill_(float("inf"))
+    for A in bad:
+        with pytest.raises(ValueError, match="non-finite"):
+            sp.sym_eig(A, backend=backend)
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b.id != "triton"])  # Triton accumulates in fp32
+def test_project_fp64_G_with_fp32_factors_accumulates_in_fp64(backend):
+    U, S, V = _factors(2, 30, 20, 4)  # fp32 factors
+    G = _rand(2, 30, 20, seed=5, dtype=torch.float64)
+    got = sp.project(G, U, S, V, 1e-3, 0.3, backend=backend)
+    assert got.dtype == torch.float64
+    exp = _dense_formula(G, U, S, V, 1e-3, 0.3)  # the fp32 factors, exactly, in fp64
+    assert torch.allclose(got, exp, atol=1e-13, rtol=0), (got - exp).abs().max()
+    ref, _ = sp.project_reference(G, U, S, V, 1e-3, 0.3)
+    assert torch.allclose(got, ref, atol=1e-13, rtol=0)
+
+
+def test_numpy_scalars_and_backend_none():
+    np = pytest.importorskip("numpy")
+    M = _rand(6, 5, seed=7)
+    U, S, V = sp.randomized_svd(M, 2)
+    for a, b in zip(sp.randomized_svd(M, np.int64(2), oversample=np.int32(16), seed=np.int64(0), backend=None),
+                    (U, S, V)):
+        assert torch.equal(a, b)
+    G = _rand(6, 5, seed=8)
+    assert torch.equal(sp.project(G, U, S, V, tau=np.float32(0.5), alpha=np.float64(0.25), backend=None),
+                       sp.project(G, U, S, V, tau=0.5, alpha=0.25))
+    A = M.mT @ M
+    assert torch.equal(sp.sym_eig(A[None], sweeps=np.int64(10))[0], sp.sym_eig(A[None])[0])
+    with pytest.raises(ValueError, match="rank"):
+        sp.randomized_svd(M, True)
+    with pytest.raises(ValueError, match="tau"):
+        sp.project(G, U, S, V, tau=torch.tensor(0.5))
+    with pytest.raises(ValueError, match=r"seed must be an int in \[-2\*\*63, 2\*\*63\)"):
+        sp.randomized_svd(M, 2, seed=2**70)
+    with pytest.raises(TypeError, match="backend must be a str"):
+        sp.project(G, U, S, V, backend=0)
+    with pytest.raises(ValueError, match="overflows"):  # finite M, Gram matrix beyond fp32
+        sp.randomized_svd(torch.full((4, 4), 1e30), 2)
+
+
+def test_compile_fullgraph_project_out_randomized_svd_sym_eig():
+    """torch.compile(fullgraph=True) traces the public ops (no storage or data-dependent
+    checks in the traced Python); forward values equal eager."""
+    torch._dynamo.reset()
+    U, S, V = _factors(1, 12, 10, 3)
+    G = _rand(1, 12, 10, seed=9)
+
+    def with_out(G, out):
+        sp.project(G[0], U[0], S[0], V[0], 0.1, 0.3, out=out)
+        return out * 2
+
+    def svd_eig(M):
+        U, S, V = sp.randomized_svd(M, 2)
+        w, W = sp.sym_eig((M.mT @ M)[None])
+        return U, S, V, w, W
+
+    with torch.no_grad():
+        got = torch.compile(with_out, fullgraph=True, backend="aot_eager")(G, torch.empty(12, 10))
+        assert torch.equal(got, with_out(G, torch.empty(12, 10)))
+    M = _rand(12, 10, seed=10)
+    for a, b in zip(torch.compile(svd_eig, fullgraph=True, backend="aot_eager")(M), svd_eig(M)):
+        assert torch.equal(a, b)
+    # the op itself still validates under compile
+    with pytest.raises(ValueError, match="non-finite"):
+        torch.compile(svd_eig, fullgraph=True, backend="aot_eager")(torch.full((12, 10), float("nan")))
