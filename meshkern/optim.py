@@ -33,19 +33,42 @@ import torch
 from torch import Tensor
 
 from meshkern import spectral
+from meshkern.mask import _as_float, _as_int
 
 Factors = tuple[Tensor, Tensor, Tensor]
 
 
-def _check_prob(name: str, val: float, hi_open: bool = False) -> None:
-    ok = isinstance(val, (int, float)) and 0.0 <= val and (val < 1.0 if hi_open else val <= 1.0)
-    if not ok:
+def _check_prob(name: str, val: float, hi_open: bool = False) -> float:
+    v = _as_float(val)  # numpy scalars are plain numbers; bools and tensors are not
+    if v is None or not (0.0 <= v and (v < 1.0 if hi_open else v <= 1.0)):
         raise ValueError(f"{name} must lie in [0, 1{')' if hi_open else ']'}, got {val!r}")
+    return v
 
 
-def _check_staleness(staleness) -> None:
-    if not isinstance(staleness, int) or isinstance(staleness, bool) or staleness < 0:
+def _check_tau(tau) -> float:
+    v = _as_float(tau)
+    if v is None or not (math.isfinite(v) and v >= 0):
+        raise ValueError(f"tau must be a finite number >= 0, got {tau!r}")
+    return v
+
+
+def _check_staleness(staleness) -> int:
+    v = _as_int(staleness)
+    if v is None or v < 0:
         raise ValueError(f"staleness must be an int >= 0 (fast steps since the anchor's snapshot), got {staleness!r}")
+    return v
+
+
+def _check_svd_kwargs(rank, oversample, power_iters, seed, ortho, svd_method, backend, devices) -> dict:
+    """The SVD options of AnchorMomentum / SpectralAdamW, checked at construction (not at
+    the first refresh, possibly hours later): ValueError / TypeError naming the argument."""
+    if svd_method not in ("randomized", "exact"):
+        raise ValueError(f"svd_method must be 'randomized' or 'exact', got {svd_method!r}")
+    rank, oversample, power_iters, seed = spectral._check_svd_options(rank, oversample, power_iters, seed, ortho,
+                                                                     svd_method)
+    backend = spectral._check_backend(backend, devices)
+    return dict(rank=rank, oversample=oversample, power_iters=power_iters, seed=seed, ortho=ortho,
+                method=svd_method, backend=backend)
 
 
 class AnchorMomentum:
@@ -56,14 +79,20 @@ class AnchorMomentum:
     ``params_or_shapes`` (tensors or shapes); only 2-D entries with ``enabled`` true keep
     a momentum, the others ignore what they receive. Deterministic: the SVD seed is
     ``seed + refresh counter``, stored in the state dict.
+
+    Every argument is checked here (ValueError / TypeError naming it): beta_anc in
+    [0, 1), rank >= 1, oversample >= 0, power_iters >= 0, seed an int64, ortho "qr" /
+    "cholqr2", svd_method "randomized" / "exact", backend "auto" (or None) or a backend
+    name that can run on the parameters' devices.
     """
+
+    # Appended to rejection warnings (SpectralAdamW says how its lists are ordered).
+    _order_hint = ""
 
     def __init__(self, params_or_shapes: Iterable, beta_anc: float = 0.9, rank: int = 32, *,
                  oversample: int = 16, power_iters: int = 3, ortho: str = "qr", svd_method: str = "randomized",
                  seed: int = 0, backend: str = "auto", enabled: Sequence[bool] | None = None):
-        _check_prob("beta_anc", beta_anc, hi_open=True)
-        if not isinstance(rank, int) or rank < 1:
-            raise ValueError(f"rank must be an int >= 1, got {rank!r}")
+        beta_anc = _check_prob("beta_anc", beta_anc, hi_open=True)
         self.shapes: list[tuple[int, ...]] = []
         self.devices: list[torch.device] = []
         for x in params_or_shapes:
@@ -78,10 +107,9 @@ class AnchorMomentum:
         if len(enabled) != n:
             raise ValueError(f"enabled has {len(enabled)} entries for {n} parameters")
         self.enabled = [bool(e) and len(s) == 2 for e, s in zip(enabled, self.shapes)]
-        self.beta_anc, self.rank = float(beta_anc), rank
-        self.svd_kw = dict(oversample=oversample, power_iters=power_iters, ortho=ortho, method=svd_method,
-                           backend=backend)
-        self.seed = int(seed)
+        kw = _check_svd_kwargs(rank, oversample, power_iters, seed, ortho, svd_method, backend, self.devices)
+        self.beta_anc, self.rank, self.seed = beta_anc, kw.pop("rank"), kw.pop("seed")
+        self.svd_kw = kw
         self.m: list[Tensor | None] = [None] * n
         self._factors: list[Factors | None] = [None] * n
         self._stale: set[int] = set()
@@ -119,7 +147,8 @@ class AnchorMomentum:
         problems = self.validate(grads)
         if problems:
             warnings.warn("meshkern: rejected anchor gradients (" + "; ".join(problems[:4])
-                          + (f"; +{len(problems) - 4} more" if len(problems) > 4 else "") + "); kept old M_anc",
+                          + (f"; +{len(problems) - 4} more" if len(problems) > 4 else "") + "); kept old M_anc"
+                          + self._order_hint,
                           RuntimeWarning, stacklevel=3)
             self.rejected += 1
             return False
@@ -174,19 +203,29 @@ class AnchorMomentum:
         self.seed, self.beta_anc, self.rank = int(sd["seed"]), float(sd["beta_anc"]), int(sd["rank"])
 
 
-def spectral_param_groups(model: torch.nn.Module, *, filter_embeddings: bool = False) -> list[dict]:
+def spectral_param_groups(model: torch.nn.Module, *, filter_embeddings: bool = False,
+                          named: bool = False) -> list[dict]:
     """Param groups for SpectralAdamW: embedding / lm_head weights (nn.Embedding modules and
     any parameter named like ``lm_head``/``embed``) get ``spectral=filter_embeddings``.
-    Tied weights appear once. Order follows ``model.named_parameters()``."""
+    Parameters without requires_grad are left out; tied weights appear once.
+
+    Order: group 0 holds every other trainable parameter in ``model.named_parameters()``
+    order, group 1 (present only if there are any) the embedding / lm_head weights in that
+    order. So the optimizer's parameter order -- the order of the lists that
+    ``SpectralAdamW.observe_anchor`` takes, see ``SpectralAdamW.param_order()`` -- puts the
+    embeddings LAST and is in general not ``model.parameters()`` order. ``named=True``
+    gives ``(name, param)`` pairs instead of params (torch then keeps each group's
+    ``param_names``), so observe_anchor also takes a ``{name: grad}`` dict."""
     emb_ids = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     main, emb = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
+        entry = (name, p) if named else p
         if id(p) in emb_ids or "lm_head" in name or "embed" in name:
-            emb.append(p)
+            emb.append(entry)
         else:
-            main.append(p)
+            main.append(entry)
     groups = [{"params": main}]
     if emb:
         groups.append({"params": emb, "spectral": filter_embeddings})
@@ -221,10 +260,17 @@ class SpectralAdamW(torch.optim.AdamW):
     only; True / False: always / never. Bit-identical results either way; the cost is one
     gradient-sized tensor per filtered parameter kept allocated.
 
-    Anchor inputs are lists aligned with the flattened parameter order
-    ``[p for g in param_groups for p in g["params"]]``; None means nothing for that
-    parameter. A bad arrival (non-finite, wrong shape, wrong length) is rejected as a
-    whole: one warning, counted, no state changes, the call returns False.
+    Anchor inputs are lists aligned with ``param_order()``, the flattened parameter order
+    ``[p for g in param_groups for p in g["params"]]`` (with ``spectral_param_groups`` the
+    embeddings come last: not ``model.parameters()`` order), or dicts ``{param: value}``
+    (also ``{name: value}`` when the optimizer was given named parameters, e.g.
+    ``spectral_param_groups(model, named=True)`` or ``model.named_parameters()``); None or
+    a missing key means nothing for that parameter. A bad arrival (non-finite, wrong
+    shape, wrong length, unknown key) is rejected as a whole: one warning, counted, no
+    state changes, the call returns False.
+
+    Constructor arguments are all checked here (ValueError naming the argument), the SVD
+    options and ``backend`` included, so a typo does not wait for the first refresh.
     """
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
@@ -232,26 +278,24 @@ class SpectralAdamW(torch.optim.AdamW):
                  rank: int = 32, oversample: int = 16, power_iters: int = 3, ortho: str = "qr",
                  svd_method: str = "randomized", seed: int = 0, backend: str = "auto",
                  reuse_proj_buffer: bool | None = None, **adamw_kwargs):
-        if not (isinstance(tau, (int, float)) and math.isfinite(tau) and tau >= 0):
-            raise ValueError(f"tau must be a finite number >= 0, got {tau!r}")
-        _check_prob("alpha", alpha)
+        tau, alpha = _check_tau(tau), _check_prob("alpha", alpha)
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **adamw_kwargs)
         extra = {"tau": float(tau), "alpha": float(alpha), "spectral": True}
         self.defaults.update(extra)
         for g in self.param_groups:
             for k, v in extra.items():
                 g.setdefault(k, v)
-            if not (math.isfinite(g["tau"]) and g["tau"] >= 0):
-                raise ValueError(f"tau must be a finite number >= 0, got {g['tau']!r}")
-            _check_prob("alpha", g["alpha"])
+            g["tau"], g["alpha"] = _check_tau(g["tau"]), _check_prob("alpha", g["alpha"])
         if reuse_proj_buffer not in (None, True, False):
             raise ValueError(f"reuse_proj_buffer must be None, True or False, got {reuse_proj_buffer!r}")
-        self.backend = backend
         self.reuse_proj_buffer = reuse_proj_buffer
         params = self._flat_params()
         self._anchor = AnchorMomentum(params, beta_anc, rank, oversample=oversample, power_iters=power_iters,
                                       ortho=ortho, svd_method=svd_method, seed=seed, backend=backend,
                                       enabled=[self._eligible(g, p) for g, p in self._flat_groups()])
+        self._anchor._order_hint = ("; anchor lists follow SpectralAdamW.param_order() (or pass a dict "
+                                    "{param: grad})")
+        self.backend = self._anchor.svd_kw["backend"]
         self._prior: list[Factors | None] = [None] * len(params)  # factored priors received
         self._counters = {"arrivals": 0, "factored_arrivals": 0, "rejected": 0, "last_staleness": None,
                           "filtered_steps": 0}
@@ -264,6 +308,44 @@ class SpectralAdamW(torch.optim.AdamW):
 
     def _flat_params(self) -> list[Tensor]:
         return [p for g in self.param_groups for p in g["params"]]
+
+    def param_order(self) -> list[Tensor]:
+        """The parameters in the order of the lists observe_anchor / observe_factored_prior
+        take: ``[p for g in self.param_groups for p in g["params"]]``. With
+        ``spectral_param_groups`` this is not ``model.parameters()`` order (embeddings
+        last), so build anchor lists from it: ``[p.grad for p in opt.param_order()]``."""
+        return self._flat_params()
+
+    def _as_list(self, entries, what: str) -> tuple[list | None, str | None]:
+        """Lists and tuples pass through; a dict {param or name: value} becomes a list in
+        param_order() (missing keys: None). Returns (list, None) or (None, problem)."""
+        if not isinstance(entries, dict):
+            return entries, None
+        params = self._flat_params()
+        slot = {id(p): i for i, p in enumerate(params)}
+        for g in self.param_groups:
+            for name, p in zip(g.get("param_names", ()), g["params"]):
+                slot[name] = slot[id(p)]
+        out: list = [None] * len(params)
+        unknown = []
+        for k, v in entries.items():
+            i = slot.get(id(k) if isinstance(k, Tensor) else k) if isinstance(k, (Tensor, str)) else None
+            if i is None:
+                unknown.append(f"{type(k).__name__} {tuple(k.shape)}" if isinstance(k, Tensor) else repr(k))
+            else:
+                out[i] = v
+        if unknown:
+            names = "" if any("param_names" in g for g in self.param_groups) else \
+                " (name keys need named parameters, e.g. spectral_param_groups(model, named=True))"
+            return None, (f"{what} dict has {len(unknown)} key(s) that are not parameters of this optimizer: "
+                          + ", ".join(unknown[:4]) + names)
+        return out, None
+
+    def _reject(self, what: str, problems: list[str]) -> bool:
+        warnings.warn(f"meshkern: rejected {what} (" + "; ".join(problems[:4]) + ")" + self._anchor._order_hint,
+                      RuntimeWarning, stacklevel=3)
+        self._counters["rejected"] += 1
+        return False
 
     @staticmethod
     def _eligible(group: dict, p: Tensor) -> bool:
@@ -282,9 +364,13 @@ class SpectralAdamW(torch.optim.AdamW):
 
     # ---------------------------------------------------------------- anchor inputs
     def observe_anchor(self, grads: Sequence[Tensor | None], staleness: int) -> bool:
-        """Fold a delayed anchor gradient (list aligned with the parameters) into M_anc.
-        The SVD is refreshed at the next step. Returns False if rejected."""
-        _check_staleness(staleness)
+        """Fold a delayed anchor gradient into M_anc: a list aligned with ``param_order()``
+        or a dict {param (or name): grad}. The SVD is refreshed at the next step. Returns
+        False if rejected (one RuntimeWarning)."""
+        staleness = _check_staleness(staleness)
+        grads, problem = self._as_list(grads, "anchor gradients")
+        if problem is not None:
+            return self._reject("anchor gradients", [problem])
         problems = self._anchor.validate(grads)
         if not problems:
             for i, g in enumerate(grads):
@@ -301,9 +387,13 @@ class SpectralAdamW(torch.optim.AdamW):
         """Use (U[m,r], S[r], V[n,r]) computed elsewhere (AnchorMomentum.factors() on the
         anchor node) as the prior of each parameter; None keeps the current one.
         U and V must have orthonormal columns (not re-checked: O(m r^2)). Returns False,
-        with a warning and no change, for non-finite, negative-S or wrong-shape input."""
-        _check_staleness(staleness)
+        with a warning and no change, for non-finite, negative-S or wrong-shape input.
+        A list aligned with ``param_order()`` or a dict {param (or name): (U, S, V)}."""
+        staleness = _check_staleness(staleness)
         params = self._flat_params()
+        factors, problem = self._as_list(factors, "factored anchor prior")
+        if problem is not None:
+            return self._reject("factored anchor prior", [problem])
         problems = []
         if not isinstance(factors, (list, tuple)) or len(factors) != len(params):
             n = len(factors) if isinstance(factors, (list, tuple)) else type(factors).__name__
@@ -327,10 +417,7 @@ class SpectralAdamW(torch.optim.AdamW):
                 elif not all(bool(torch.isfinite(t).all()) for t in (U, S, V)) or bool((S < 0).any()):
                     problems.append(f"entry {i}: non-finite values or negative singular values")
         if problems:
-            warnings.warn("meshkern: rejected factored anchor prior (" + "; ".join(problems[:4]) + ")",
-                          RuntimeWarning, stacklevel=2)
-            self._counters["rejected"] += 1
-            return False
+            return self._reject("factored anchor prior", problems)
         for i, f in enumerate(factors):
             if f is not None and self._anchor.enabled[i]:
                 dev = params[i].device

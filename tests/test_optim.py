@@ -321,3 +321,68 @@ def test_reused_proj_buffer_is_bit_identical_to_fresh(backend):
     assert buf.shape == (3, 5) and buf.dtype == torch.float64 and reuse._proj_buf[0] is buf
     with pytest.raises(ValueError, match="reuse_proj_buffer"):
         SpectralAdamW(_params(), reuse_proj_buffer="yes")
+
+
+# ------------------------------------------------------- contracts from a user review
+@pytest.mark.parametrize("kwargs,name", [
+    (dict(backend="garbage"), "backend"), (dict(ortho="x"), "ortho"), (dict(svd_method="svd"), "svd_method"),
+    (dict(oversample=-1), "oversample"), (dict(power_iters=-2), "power_iters"), (dict(rank=True), "rank"),
+    (dict(seed=2**70), "seed"), (dict(rank=2.0), "rank"),
+])
+def test_constructor_arguments_are_checked_up_front(kwargs, name):
+    for make in (lambda: SpectralAdamW(_params(), **kwargs), lambda: AnchorMomentum(_params(), **kwargs)):
+        with pytest.raises(ValueError, match=name):
+            make()
+    with pytest.raises(TypeError, match="backend must be a str"):
+        SpectralAdamW(_params(), backend=3)
+    if not torch.cuda.is_available():  # a forced backend that cannot run on the params' device
+        with pytest.raises(ValueError, match="backend='cuda' cannot run here"):
+            AnchorMomentum(_params(), backend="cuda")
+
+
+def test_numpy_scalar_hyperparameters():
+    np = pytest.importorskip("numpy")
+    pa, pb = _params(), _params()
+    oa = SpectralAdamW(pa, tau=np.float32(0.5), alpha=np.float64(0.25), rank=np.int64(4), beta_anc=np.float32(0.5))
+    ob = SpectralAdamW(pb, tau=0.5, alpha=0.25, rank=4, beta_anc=0.5)
+    anchor = _grads(pa, 3)
+    assert oa.observe_anchor(anchor, np.int64(2)) and ob.observe_anchor(anchor, 2)
+    _step_both(pa, oa, pb, ob, 4)
+    assert all(torch.equal(a, b) for a, b in zip(pa, pb))
+
+
+def _emb_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Embedding(20, 8), torch.nn.Linear(8, 16), torch.nn.Linear(16, 20))
+
+
+def test_param_order_and_dict_anchor_inputs():
+    models = [_emb_model() for _ in range(3)]
+    opts = [SpectralAdamW(spectral_param_groups(models[0]), rank=4),
+            SpectralAdamW(spectral_param_groups(models[1]), rank=4),
+            SpectralAdamW(spectral_param_groups(models[2], named=True), rank=4)]
+    m0 = models[0]
+    order = opts[0].param_order()
+    assert order == [p for g in opts[0].param_groups for p in g["params"]]
+    assert order[-1] is m0[0].weight and list(map(id, order)) != list(map(id, m0.parameters()))  # embeddings last
+    x = torch.randint(0, 20, (4, 5))
+    for m in models:
+        m(x).sum().backward()
+    # model.parameters() order is not the optimizer's: rejected, and the warning says what to use
+    with pytest.warns(RuntimeWarning, match=r"param_order\(\)"):
+        assert opts[0].observe_anchor([p.grad.clone() for p in m0.parameters()], 0) is False
+    # the same gradients three ways: a list in param_order(), {param: grad}, {name: grad}
+    assert opts[0].observe_anchor([p.grad.clone() for p in opts[0].param_order()], 0)
+    assert opts[1].observe_anchor({p: p.grad.clone() for p in models[1].parameters()}, 0)
+    assert opts[2].observe_anchor({n: p.grad.clone() for n, p in models[2].named_parameters()}, 0)
+    for o in opts:
+        o.step()
+    for m in models[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(m0.parameters(), m.parameters()))
+    assert opts[0].anchor_stats()["filtered"] == 2
+    # unknown keys reject the whole arrival
+    with pytest.warns(RuntimeWarning, match="not parameters of this optimizer"):
+        assert opts[1].observe_anchor({"1.weight": torch.zeros(16, 8)}, 0) is False
+    with pytest.warns(RuntimeWarning, match="not parameters of this optimizer"):
+        assert opts[2].observe_factored_prior({torch.zeros(16, 8): None}, 0) is False
+    assert opts[1].anchor_stats()["rejected"] == 1
