@@ -109,6 +109,23 @@ def compressor_worker(rank: int, world: int, port: int, outdir: str, steps: int)
             res[f"{name}.err.{gk}"] = st["err"]
         counters(name, comp)
 
+    # One rank's input holds an Inf on call 0 only: every rank gets all-NaN for that call,
+    # then exactly what a compressor that never saw call 0 returns (state untouched).
+    for name, make in [("poison_psgd", lambda: PowerSGD(4, seed=7)), ("poison_sparse", lambda: SparseLoCo(1 / 16, chunk=64)),
+                       ("poison_int8", lambda: Int8(chunk=64)), ("poison_none", NoCompression)]:
+        hit, clean = make(), make()
+        for t in range(3):
+            x = inputs(rank, t)
+            if t == 0 and rank == 1:
+                x[0] = x[0].clone()
+                x[0][3, 5] = float("inf")
+            got = hit.all_reduce_mean(x, None, key="k")
+            want = clean.all_reduce_mean(x, None, key="k") if t > 0 else None
+            res[f"{name}.nan0"] = torch.tensor([all(bool(o.isnan().all()) for o in got)]) if t == 0 else res[f"{name}.nan0"]
+            if t > 0:
+                res[f"{name}.same{t}"] = torch.tensor([all(torch.equal(a, b) for a, b in zip(got, want))])
+        res[f"{name}.skipped"] = torch.tensor([hit.skipped, clean.skipped])
+
     one = [inputs(rank, 0, [(64, 48)])[0]]
     for name, comp in [("bytes_none", NoCompression()), ("bytes_psgd", PowerSGD(4))]:
         comp.all_reduce_mean(one, None)

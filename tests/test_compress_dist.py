@@ -163,3 +163,14 @@ def test_ring_byte_model_small_cases():
     # world 3, 10 elements -> chunks 4,3,3; rank 0 skips chunks 1,2 when sending
     assert ring_all_reduce_bytes(10, 1, 3, 0) == (20 - 3 - 3, 20 - 4 - 3)
     assert ring_all_reduce_bytes(10, 1, 1, 0) == (0, 0)
+
+
+@pytest.mark.parametrize("name", ["poison_psgd", "poison_sparse", "poison_int8", "poison_none"])
+def test_one_rank_nonfinite_input_is_skipped_everywhere_and_never_poisons_the_state(ranks, name):
+    """Rank 1 feeds an Inf on call 0: every rank returns all-NaN for that call (so callers
+    skip it alike), and calls 1-2 are bit-identical to a compressor that never saw call 0:
+    the error feedback / warm start were left untouched."""
+    for w in range(WORLD):
+        r = ranks[w]
+        assert bool(r[f"{name}.nan0"]) and bool(r[f"{name}.same1"]) and bool(r[f"{name}.same2"])
+        assert r[f"{name}.skipped"].tolist() == [1, 0]

@@ -152,6 +152,14 @@ def test_compressor_rejects_bad_arguments(world1):
         PowerSGD(2).all_reduce_mean([torch.zeros(4, 4, dtype=torch.long)], None)
     with pytest.raises(TypeError, match="torch.Tensor"):
         PowerSGD(2).all_reduce_mean([[1.0, 2.0]], None)
+    with pytest.raises(ValueError, match="unknown backend 'garbage'"):
+        PowerSGD(2, backend="garbage")
+    with pytest.raises(TypeError, match="compute_dtype"):
+        PowerSGD(2, compute_dtype=torch.int32)
+    with pytest.raises(TypeError, match="got one tensor"):
+        PowerSGD(2).all_reduce_mean(torch.zeros(4, 4), None)
+    with pytest.raises(ValueError, match="several devices"):
+        PowerSGD(2).all_reduce_mean([torch.zeros(4, 4), torch.zeros(4, 4, device="meta")], None)
 
 
 def test_garbage_from_a_peer_does_not_poison_error_feedback(world1, monkeypatch):

@@ -15,10 +15,20 @@ Guarantees every subclass keeps:
   can serve several independent streams (e.g. Streaming DiLoCo's fragments), and is
   saved/restored by ``state_dict`` / ``load_state_dict`` (tensors only, safe to load
   with ``weights_only=True``);
-- byte counters are exact and per rank (see "Byte accounting").
+- byte counters are exact and per rank (see "Byte accounting");
+- a non-finite input on ANY rank (NaN/Inf: a diverged replica or garbage) never reaches
+  the compressed exchange nor the state: the ranks first agree on a one-element flag
+  (a SUM all-reduce), and if any rank raised it every rank returns all-NaN tensors (so
+  the caller skips the round alike everywhere, as StreamingDiLoCo does) and keeps its
+  error feedback / warm-start state exactly as before the call (``skipped`` counts
+  these calls). Without this, one bad value folded into the error feedback would make
+  every later result NaN on every rank.
 
 Byte accounting. ``payload_bytes`` is the exact size of what this rank hands to
-collectives (the compressed message). ``bytes_sent`` / ``bytes_received`` are the bytes
+collectives (the compressed message). The one-float non-finite flag of every call is
+counted apart, in ``control_bytes_sent`` / ``control_bytes_received`` (at most 8 bytes
+per call and rank: negligible next to any message, kept out so the counters below stay
+the ring model of the payload). ``bytes_sent`` / ``bytes_received`` are the bytes
 this rank puts on / takes off its links when each collective runs as a ring, the
 bandwidth-optimal algorithm gloo and NCCL use for large messages: an all_reduce of N
 elements is split into ``world`` chunks (sizes as ``torch.tensor_split``), and each rank
@@ -91,6 +101,9 @@ class Compressor:
         self.bytes_received = 0
         self.payload_bytes = 0
         self.calls = 0
+        self.skipped = 0  # calls where some rank's input was non-finite (all-NaN result, state untouched)
+        self.control_bytes_sent = 0  # the per-call non-finite flag (see "Byte accounting")
+        self.control_bytes_received = 0
 
     # ---- public API -------------------------------------------------------------------
     def all_reduce_mean(self, tensors: Sequence[torch.Tensor], group=None, *, key: str = "default") -> list[torch.Tensor]:
@@ -100,6 +113,8 @@ class Compressor:
         Returns new tensors (inputs are not modified). ``key`` selects the state stream.
         Raises TypeError/ValueError for bad input, SyncError when a peer fails.
         """
+        if isinstance(tensors, torch.Tensor):
+            raise TypeError("tensors must be a list of tensors, got one tensor (wrap it: [t])")
         tensors = list(tensors)
         for i, t in enumerate(tensors):
             if not isinstance(t, torch.Tensor):
@@ -111,9 +126,28 @@ class Compressor:
         world, _ = _group_size_rank(group)
         if not tensors:
             return []
+        devices = {t.device for t in tensors}
+        if len(devices) > 1:
+            raise ValueError(f"tensors are on several devices {sorted(map(str, devices))}; put them on one")
         self.calls += 1
         with torch.no_grad():
+            if self._any_rank_nonfinite(tensors, group):
+                self.skipped += 1
+                return [torch.full_like(t, float("nan")) for t in tensors]
             return self._all_reduce_mean([t.detach() for t in tensors], group, world, key)
+
+    def _any_rank_nonfinite(self, tensors, group) -> bool:
+        """True on every rank if some rank's ``tensors`` hold NaN/Inf (one-element SUM
+        all-reduce; the flag travels in the tensors' dtype family on their device)."""
+        bad = any(not bool(torch.isfinite(t).all()) for t in tensors)
+        flag = torch.tensor([1.0 if bad else 0.0], dtype=torch.float32, device=tensors[0].device)
+        world, rank = _group_size_rank(group)
+        s, r = ring_all_reduce_bytes(1, 4, world, rank)
+        self.control_bytes_sent += s
+        self.control_bytes_received += r
+        if world > 1:
+            self._wait(dist.all_reduce(flag, group=group, async_op=True), "all_reduce of the non-finite flag")
+        return bool(flag.item() > 0)
 
     def payload_bytes_for(self, shapes: Sequence[Sequence[int]], dtype: torch.dtype = torch.float32) -> int:
         """Exact bytes this compressor hands to collectives for tensors of ``shapes``

@@ -14,10 +14,11 @@ Tensors for which rank r does not pay (``(n+m)*r*min_compression_rate >= n*m``) 
 The initial Q of every (key, shape group) comes from a generator seeded by ``seed``,
 the key and the shapes, so all replicas start from the same Q without sending it.
 Half-precision inputs are compressed in fp32 (``compute_dtype``) and cast back.
-Non-finite all-reduced factors (garbage from a peer; every rank sees the same sums)
-give a non-finite result for that shape group, which callers skip (StreamingDiLoCo
-does), while the error feedback keeps the whole unsent M and Q restarts from the seed:
-the state is never poisoned.
+A non-finite input on any rank never gets here (meshkern.compress.base: all ranks get
+all-NaN, the state is untouched). Non-finite all-reduced factors that arise anyway
+(overflow in the sums; every rank sees the same sums) give a non-finite result for that
+shape group, which callers skip (StreamingDiLoCo does), while the error feedback keeps
+the whole unsent M and Q restarts from the seed: the state is never poisoned.
 """
 from __future__ import annotations
 
@@ -106,6 +107,12 @@ class PowerSGD(Compressor):
             raise ValueError(f"unknown orthogonalization {orthogonalization!r}; choose one of {ORTHOGONALIZATIONS}")
         if min_compression_rate < 0:
             raise ValueError(f"min_compression_rate must be >= 0, got {min_compression_rate}")
+        if compute_dtype not in (torch.float32, torch.float64):
+            raise TypeError(f"compute_dtype must be torch.float32 or torch.float64, got {compute_dtype}")
+        from meshkern._backend import BACKENDS
+
+        if backend not in ("auto", None, *BACKENDS):  # availability is checked per call (device-dependent)
+            raise ValueError(f"unknown backend {backend!r}; choose auto or one of {BACKENDS}")
         self.rank = rank
         self.min_compression_rate = float(min_compression_rate)
         self.error_feedback = error_feedback
