@@ -234,6 +234,25 @@ def test_public_api_is_reexported():
     assert meshkern.pack is pack and meshkern.unpack is unpack and meshkern.MaskKey is MaskKey
 
 
+def test_package_lists_its_public_modules_and_imports_them_lazily():
+    import subprocess
+    import sys
+
+    for name in meshkern.__all__:
+        assert getattr(meshkern, name) is not None
+    assert meshkern.spectral.project is sys.modules["meshkern.spectral"].project
+    assert meshkern.optim.SpectralAdamW.__module__ == "meshkern.optim"
+    assert {"spectral", "optim", "compress", "diloco", "mask"} <= set(dir(meshkern))
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        meshkern.nope
+    # `import meshkern` stays cheap: the heavier modules load on first attribute access
+    code = ("import sys, meshkern; lazy = ['meshkern.' + m for m in ('spectral', 'optim', 'compress', 'diloco')]; "
+            "assert not [m for m in lazy if m in sys.modules], sys.modules.keys(); "
+            "assert meshkern.compress.PowerSGD and meshkern.diloco.StreamingDiLoCo; "
+            "assert all(m in sys.modules for m in ('meshkern.compress', 'meshkern.diloco'))")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
 @pytest.mark.parametrize("backend", cpu_backends())
 def test_empty_inputs(backend):
     assert pack(torch.empty(0, 40), KEY, 0.75, backend=backend).shape == (0, 10)
