@@ -8,8 +8,8 @@ momentum M_anc = U S V^T:
     G_proj = alpha * G + (1 - alpha) * U diag(d) (U^T G V) diag(d) V^T
 
 Public ops (torch.library custom ops in the ``meshkern`` namespace, each with a
-``backend`` argument: "auto" | "cpp" | "cuda" | "triton" | "reference", see
-meshkern._backend):
+``backend`` argument: "auto" (or None) | "cpp" | "cuda" | "triton" | "reference"; the
+MESHKERN_BACKEND environment variable sets the default, see meshkern._backend):
 
     sym_eig(A[B,k,k])                       -> (w[B,k] descending, W[B,k,k])   Jacobi
     randomized_svd(M[B,m,n], rank, ...)     -> (U[B,m,r], S[B,r], V[B,n,r])
@@ -128,7 +128,8 @@ def _check_backend(backend, devices=()) -> str:
     if name in ("", "auto"):
         return backend
     if name not in _backend.BACKENDS:
-        raise ValueError(f"backend must be 'auto' or one of {_backend.BACKENDS}, got {backend!r}")
+        raise ValueError(f"unknown backend {backend!r} (argument backend=); choose one of {_backend.BACKENDS} "
+                         f"or 'auto'")
     for dev in {torch.device(d) for d in devices}:
         why = _backend.why_unavailable(name, GROUP, dev)
         if why is not None:
@@ -240,9 +241,9 @@ def sym_eig(A: Tensor, *, sweeps: int = DEFAULT_SWEEPS, backend: str | None = "a
     """Eigen-decomposition of a batch of small symmetric matrices A[B, k, k] (fp32/fp64).
 
     Returns (w[B, k], W[B, k, k]) in A's dtype, contiguous, with w descending and
-    S ~= W diag(w) W^T, W orthogonal, where S = (A + A^T) / 2 is the symmetric part of A:
-    every backend reads that (for a symmetric A, S is A), so a non-symmetric A gives the
-    same answer on all of them.
+    A_sym ~= W diag(w) W^T, W orthogonal, where A_sym = (A + A^T) / 2 is the symmetric part
+    of A: every backend reads that (for a symmetric A, A_sym is A), so a non-symmetric A
+    gives the same answer on all of them.
 
     Errors: TypeError for a non-tensor or a dtype other than fp32/fp64; ValueError for a
     shape other than [B, k, k], ``sweeps`` < 1, or an A holding NaN/inf (checked for
@@ -261,7 +262,7 @@ def sym_eig(A: Tensor, *, sweeps: int = DEFAULT_SWEEPS, backend: str | None = "a
     sw = _as_int(sweeps)
     if sw is None or sw < 1:
         raise ValueError(f"sweeps must be an int >= 1, got {sweeps!r}")
-    return _sym_eig_op(A, sw, _backend_arg(backend))
+    return _sym_eig_op(A, sw, _check_backend(backend))
 
 
 # -------------------------------------------------------------------------- project
@@ -374,7 +375,7 @@ def project(G: Tensor, U: Tensor, S: Tensor, V: Tensor, tau: float = 1e-3, alpha
     if squeeze:
         G, U, S, V = G[None], U[None], S[None], V[None]
     tau, alpha = _check_project_args(G, U, S, V, tau, alpha)
-    backend = _backend_arg(backend)
+    backend = _check_backend(backend)
     if out is None:
         res, filt_sq = _project_op(G, U, S, V, tau, alpha, backend)
     else:
@@ -495,7 +496,7 @@ def randomized_svd(M: Tensor, rank: int, *, oversample: int = 16, power_iters: i
     if M.dim() != 3 or M.shape[1] < 1 or M.shape[2] < 1:
         raise ValueError(f"M must be a batch of matrices [B, m, n], got shape {tuple(M.shape)}")
     rank, oversample, power_iters, seed = _check_svd_options(rank, oversample, power_iters, seed, ortho, method)
-    U, S, V = _randomized_svd_op(M, rank, oversample, power_iters, seed, ortho, method, _backend_arg(backend))
+    U, S, V = _randomized_svd_op(M, rank, oversample, power_iters, seed, ortho, method, _check_backend(backend))
     return (U[0], S[0], V[0]) if squeeze else (U, S, V)
 
 

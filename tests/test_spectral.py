@@ -389,6 +389,8 @@ def test_numpy_scalars_and_backend_none():
         sp.randomized_svd(M, 2, seed=2**70)
     with pytest.raises(TypeError, match="backend must be a str"):
         sp.project(G, U, S, V, backend=0)
+    with pytest.raises(ValueError, match="unknown backend 'garbage'"):  # even where no kernel would run
+        sp.randomized_svd(M, 2, method="exact", backend="garbage")
     with pytest.raises(ValueError, match="overflows"):  # finite M, Gram matrix beyond fp32
         sp.randomized_svd(torch.full((4, 4), 1e30), 2)
 
