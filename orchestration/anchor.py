@@ -319,10 +319,8 @@ def store_address(cfg=None) -> tuple[str, int]:
     """(host, port) of the fast circuit's rendezvous store: ``--anchor.store host:port``
     if given, else MASTER_ADDR / MASTER_PORT (what orchestration.launch or torchrun set)."""
     spec = cfg.anchor.store if cfg is not None else ""
-    if spec:
+    if spec:  # checked by orchestration.config.validate
         host, _, port = spec.rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(f"--anchor.store must be host:port, got {spec!r}")
         return host, int(port)
     if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
         raise ValueError("the anchor needs the fast circuit's store: set --anchor.store host:port "
@@ -396,7 +394,6 @@ def join_anchor_row(layout, rank: int, cfg):
         raise TimeoutError(f"{layout.describe(rank)}: the other anchor stages of generation {generation} did not "
                            f"join within {cfg.mesh.timeout_s:g} s (restart every stage of the anchor row "
                            "together)") from None
-    mesh.store, mesh.generation = store, generation
     return mesh
 
 
@@ -509,8 +506,6 @@ def check_config(cfg) -> None:
                          "every update would be rejected")
     if a.transport not in TRANSPORTS:
         raise ValueError(f"--anchor.transport must be dense or factored, got {a.transport!r}")
-    if a.snapshot_codec not in SNAPSHOT_CODECS:
-        raise ValueError(f"--anchor.snapshot_codec must be one of {', '.join(SNAPSHOT_CODECS)}, got {a.snapshot_codec!r}")
 
 
 def parse_faults(spec: str) -> dict[str, dict[int, float]]:

@@ -72,6 +72,12 @@ class MeshLayout:
             raise ValueError(f"(row {row}, stage {stage}) is outside a {self.rows}x{self.stages} mesh")
         return row * self.stages + stage
 
+    def anchor_rank(self, stage: int) -> int:
+        """The anchor row's rank of ``stage`` (numbering of the whole mesh, as the launcher's)."""
+        if not self.anchor:
+            raise ValueError("this mesh layout has no anchor row")
+        return self.rank_of(self.rows - 1, stage)
+
     def is_anchor(self, rank: int) -> bool:
         return self.anchor and self.coords(rank)[0] == self.rows - 1
 
@@ -104,6 +110,8 @@ class Mesh:
     fast: object = None
     groups: dict = field(default_factory=dict)
     device: torch.device = torch.device("cpu")  # where this rank computes (cuda:LOCAL_RANK with NCCL)
+    store: object = None  # anchor row: its client of the fast circuit's store
+    generation: int = 0   # anchor row: its generation (orchestration.anchor.claim_generation)
 
     @property
     def is_anchor(self) -> bool:
@@ -210,7 +218,7 @@ def init_anchor_row(layout: MeshLayout, stage: int, store, generation: int, *, b
     if not dist.is_initialized():
         dist.init_process_group(resolve_backend(backend), store=dist.PrefixStore(f"meshkern/anchor/g{generation}/row", store),
                                 rank=stage, world_size=layout.stages, timeout=timedelta(seconds=timeout_s))
-    m = Mesh(layout, layout.rank_of(layout.rows - 1, stage), layout.rows - 1, stage)
+    m = Mesh(layout, layout.anchor_rank(stage), layout.rows - 1, stage, store=store, generation=generation)
     m.device = _device(dist.get_backend())
     return m
 

@@ -323,10 +323,16 @@ def run_rank(rank: int, world_size: int, cfg: Config, plan: Plan) -> dict:
         destroy_mesh()
 
 
+def continue_command(plan: Plan) -> str:
+    """The command that continues this run from its latest checkpoint."""
+    return (f"python -m orchestration.train --config {os.path.join(plan.run_dir, 'config.yaml')} "
+            "--checkpoint.resume latest")
+
+
 def run_anchor_row_rank(index: int, world_size: int, cfg: Config, plan: Plan) -> dict:
     """``--anchor.join`` (local launcher): process ``index`` is the anchor rank of stage ``index``."""
     layout = MeshLayout(cfg.mesh.rows, cfg.mesh.stages, True)
-    return run_rank(layout.rank_of(layout.rows - 1, index), world_size, cfg, plan)
+    return run_rank(layout.anchor_rank(index), world_size, cfg, plan)
 
 
 def _run(rank: int, cfg: Config, plan: Plan, mesh) -> dict:
@@ -494,9 +500,8 @@ def _run(rank: int, cfg: Config, plan: Plan, mesh) -> dict:
         s["links_path"] = links_path
         out["summary"] = s
         if interrupted:
-            print(f"interrupted: checkpoint saved at step {step + 1} in {last_ckpt}; continue with: python -m "
-                  f"orchestration.train --config {os.path.join(plan.run_dir, 'config.yaml')} --checkpoint.resume latest",
-                  flush=True)
+            print(f"interrupted: checkpoint saved at step {step + 1} in {last_ckpt}; continue with: "
+                  f"{continue_command(plan)}", flush=True)
         print(format_table(summary_rows(s), title="meshkern run summary"), flush=True)
     return out
 
@@ -595,7 +600,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[anchor] the fast circuit's store is {addr}; start the anchor row (one process per stage) "
                   f"with: torchrun --nproc-per-node {layout.stages} ... -m orchestration.train <this run's flags> "
                   f"--anchor.join --anchor.store {addr}", file=sys.stderr, flush=True)
-        run_rank(layout.rank_of(layout.rows - 1, rank) if join else rank, world, cfg, plan)
+        run_rank(layout.anchor_rank(rank) if join else rank, world, cfg, plan)
         return 0
     os.makedirs(plan.run_dir, exist_ok=True)
     if not join:
@@ -616,7 +621,7 @@ def main(argv: list[str] | None = None) -> int:
         if join:
             res = run_local(run_anchor_row_rank, layout.stages, (cfg, plan), start_method=cfg.mesh.start_method,
                             threads=cfg.mesh.threads_per_rank, optional=set(range(layout.stages)),
-                            describe=lambda r: layout.describe(layout.rank_of(layout.rows - 1, r)),
+                            describe=lambda r: layout.describe(layout.anchor_rank(r)),
                             restarts=cfg.anchor.restarts)
             for r in res:
                 if r is not None:
@@ -643,8 +648,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError:
             last = None  # none, or `latest` names a checkpoint that is gone
         if last:
-            print(f"last complete checkpoint: {last} (continue with: python -m orchestration.train --config "
-                  f"{os.path.join(plan.run_dir, 'config.yaml')} --checkpoint.resume latest)", file=sys.stderr)
+            print(f"last complete checkpoint: {last} (continue with: {continue_command(plan)})", file=sys.stderr)
         return 1
     return 0
 

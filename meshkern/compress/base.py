@@ -137,10 +137,11 @@ class Compressor:
             return self._all_reduce_mean([t.detach() for t in tensors], group, world, key)
 
     def _any_rank_nonfinite(self, tensors, group) -> bool:
-        """True on every rank if some rank's ``tensors`` hold NaN/Inf (one-element SUM
-        all-reduce; the flag travels in the tensors' dtype family on their device)."""
-        bad = any(not bool(torch.isfinite(t).all()) for t in tensors)
-        flag = torch.tensor([1.0 if bad else 0.0], dtype=torch.float32, device=tensors[0].device)
+        """True on every rank if some rank's ``tensors`` hold NaN/Inf (one-element fp32 SUM
+        all-reduce on the tensors' device)."""
+        # Built on the tensors' device without a host sync per tensor: one sync, at .item().
+        finite = torch.stack([torch.isfinite(t).all() for t in tensors]).all()
+        flag = (~finite).to(torch.float32).reshape(1)
         world, rank = _group_size_rank(group)
         s, r = ring_all_reduce_bytes(1, 4, world, rank)
         self.control_bytes_sent += s
