@@ -126,6 +126,16 @@ def why_unavailable(backend: str, group: str, device: torch.device) -> str | Non
     raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS} or 'auto'")
 
 
+def requested_name(requested: str | None, source: str = "backend=") -> str:
+    """A backend name as given (``backend=`` argument or MESHKERN_BACKEND), normalized:
+    "auto" for None / "" / "auto" (any case, spaces trimmed), else a name in BACKENDS.
+    ValueError naming ``source`` for an unknown name. Availability is not checked."""
+    name = (requested or "").strip().lower() or "auto"
+    if name != "auto" and name not in BACKENDS:
+        raise ValueError(f"unknown backend {requested!r} (from {source}); choose one of {BACKENDS} or 'auto'")
+    return name
+
+
 def resolve(group: str, device: torch.device, requested: str | None = None) -> str:
     """The backend that runs op group ``group`` for tensors on ``device``.
 
@@ -134,13 +144,10 @@ def resolve(group: str, device: torch.device, requested: str | None = None) -> s
     Raises ValueError for an unknown name, RuntimeError for a forced backend that
     cannot run here.
     """
-    explicit = requested is not None and requested.strip().lower() not in ("", "auto")
-    name = requested if explicit else os.environ.get(ENV_VAR, "auto")
-    name = name.strip().lower() or "auto"
+    name = requested_name(requested)
+    if name == "auto":
+        name = requested_name(os.environ.get(ENV_VAR), ENV_VAR)
     if name != "auto":
-        if name not in BACKENDS:
-            raise ValueError(f"unknown backend {name!r} (from {'backend=' if explicit else ENV_VAR}); "
-                             f"choose one of {BACKENDS} or 'auto'")
         why = why_unavailable(name, group, device)
         if why is not None:
             raise RuntimeError(f"backend {name!r} cannot run meshkern {group} ops here: {why}")

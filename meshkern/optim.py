@@ -25,7 +25,6 @@ filtered (plain AdamW on the noisy gradients: 2.665; on clean ones: 1.751).
 """
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Iterable, Sequence
 
@@ -42,13 +41,6 @@ def _check_prob(name: str, val: float, hi_open: bool = False) -> float:
     v = _as_float(val)  # numpy scalars are plain numbers; bools and tensors are not
     if v is None or not (0.0 <= v and (v < 1.0 if hi_open else v <= 1.0)):
         raise ValueError(f"{name} must lie in [0, 1{')' if hi_open else ']'}, got {val!r}")
-    return v
-
-
-def _check_tau(tau) -> float:
-    v = _as_float(tau)
-    if v is None or not (math.isfinite(v) and v >= 0):
-        raise ValueError(f"tau must be a finite number >= 0, got {tau!r}")
     return v
 
 
@@ -278,14 +270,14 @@ class SpectralAdamW(torch.optim.AdamW):
                  rank: int = 32, oversample: int = 16, power_iters: int = 3, ortho: str = "qr",
                  svd_method: str = "randomized", seed: int = 0, backend: str = "auto",
                  reuse_proj_buffer: bool | None = None, **adamw_kwargs):
-        tau, alpha = _check_tau(tau), _check_prob("alpha", alpha)
+        tau, alpha = spectral._check_tau(tau), _check_prob("alpha", alpha)
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **adamw_kwargs)
         extra = {"tau": float(tau), "alpha": float(alpha), "spectral": True}
         self.defaults.update(extra)
         for g in self.param_groups:
             for k, v in extra.items():
                 g.setdefault(k, v)
-            g["tau"], g["alpha"] = _check_tau(g["tau"]), _check_prob("alpha", g["alpha"])
+            g["tau"], g["alpha"] = spectral._check_tau(g["tau"]), _check_prob("alpha", g["alpha"])
         if reuse_proj_buffer not in (None, True, False):
             raise ValueError(f"reuse_proj_buffer must be None, True or False, got {reuse_proj_buffer!r}")
         self.reuse_proj_buffer = reuse_proj_buffer

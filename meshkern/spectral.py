@@ -86,9 +86,7 @@ def _check_project_args(G, U, S, V, tau, alpha) -> tuple[float, float]:
         raise ValueError(f"V must be [B={B}, n={n}, r={r}], got shape {tuple(V.shape)}")
     if not (U.device == S.device == V.device == G.device):
         raise ValueError(f"G, U, S, V must be on one device, got {G.device}, {U.device}, {S.device}, {V.device}")
-    tau_f, alpha_f = _as_float(tau), _as_float(alpha)  # numpy scalars are plain numbers
-    if tau_f is None or not (math.isfinite(tau_f) and tau_f >= 0):
-        raise ValueError(f"tau must be a finite number >= 0, got {tau!r}")
+    tau_f, alpha_f = _check_tau(tau), _as_float(alpha)  # numpy scalars are plain numbers
     if alpha_f is None or not 0.0 <= alpha_f <= 1.0:
         raise ValueError(f"alpha must lie in [0, 1], got {alpha!r}")
     return tau_f, alpha_f
@@ -118,18 +116,23 @@ def _check_svd_options(rank, oversample, power_iters, seed, ortho, method) -> tu
     return out[0], out[1], out[2], sd
 
 
+def _check_tau(tau) -> float:
+    """tau as a float (numpy scalars are plain numbers); ValueError unless finite and >= 0."""
+    v = _as_float(tau)
+    if v is None or not (math.isfinite(v) and v >= 0):
+        raise ValueError(f"tau must be a finite number >= 0, got {tau!r}")
+    return v
+
+
 def _check_backend(backend, devices=()) -> str:
     """Validates a ``backend=`` argument up front (meshkern.optim calls this at
     construction, so a typo fails there and not at the first SVD refresh): None or a
     name in meshkern._backend.BACKENDS / "auto" (any case). A forced backend must be
     able to run on each of ``devices``. ValueError / TypeError naming ``backend``."""
     backend = _backend_arg(backend)
-    name = backend.strip().lower()
-    if name in ("", "auto"):
+    name = _backend.requested_name(backend)
+    if name == "auto":
         return backend
-    if name not in _backend.BACKENDS:
-        raise ValueError(f"unknown backend {backend!r} (argument backend=); choose one of {_backend.BACKENDS} "
-                         f"or 'auto'")
     for dev in {torch.device(d) for d in devices}:
         why = _backend.why_unavailable(name, GROUP, dev)
         if why is not None:

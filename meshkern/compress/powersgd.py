@@ -109,10 +109,9 @@ class PowerSGD(Compressor):
             raise ValueError(f"min_compression_rate must be >= 0, got {min_compression_rate}")
         if compute_dtype not in (torch.float32, torch.float64):
             raise TypeError(f"compute_dtype must be torch.float32 or torch.float64, got {compute_dtype}")
-        from meshkern._backend import BACKENDS
+        from meshkern._backend import requested_name
 
-        if backend not in ("auto", None, *BACKENDS):  # availability is checked per call (device-dependent)
-            raise ValueError(f"unknown backend {backend!r}; choose auto or one of {BACKENDS}")
+        requested_name(backend)  # the name only: availability is checked per call (device-dependent)
         self.rank = rank
         self.min_compression_rate = float(min_compression_rate)
         self.error_feedback = error_feedback
@@ -207,7 +206,7 @@ class PowerSGD(Compressor):
         for (n, m, r), (idx, err, p, q, cd), q_sum in zip(groups, work, q_sums):
             q.copy_(q_sum.view(q.shape)).div_(world)
             keep_err = err if self.error_feedback else torch.zeros(0)
-            if bool(torch.isfinite(p).all()) and bool(torch.isfinite(q).all()):
+            if bool(torch.isfinite(p).all() & torch.isfinite(q).all()):  # one host sync
                 mhat = powersgd_reconstruct(p, q, err, backend=self.backend)
                 state[f"{n}x{m}x{r}"] = {"q": q, "err": keep_err}
             else:
