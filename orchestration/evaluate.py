@@ -131,6 +131,17 @@ def greedy_generate(model_or_stages, prompt_ids: Sequence[Sequence[int]], max_ne
     return out  # type: ignore[return-value]
 
 
+def _task_prompts(tok, task, n: int, seed: int | None):
+    """(examples, separator id, prompt ids): ``n`` examples of ``task`` (evaluation seed by
+    default), each prompt preceded by the document separator as in packed training data."""
+    from orchestration import data, tasks
+
+    exs = tasks.examples(task, n, seed=tasks.EVAL_SEED if seed is None else seed)
+    sep = data.separator_id(tok)
+    prefix = [sep] if sep is not None else []
+    return exs, sep, [prefix + tok.encode(e.prompt, add_special_tokens=False) for e in exs]
+
+
 def exact_match(model_or_stages, tokenizer, task, *, n: int = 100, seed: int | None = None,
                 max_new_tokens: int | None = None, batch_size: int = 32) -> dict:
     """Exact-match accuracy on ``n`` fresh examples of a synthetic task by greedy
@@ -145,10 +156,7 @@ def exact_match(model_or_stages, tokenizer, task, *, n: int = 100, seed: int | N
     from orchestration import data, tasks
 
     tok = data.load_tokenizer(tokenizer)
-    exs = tasks.examples(task, n, seed=tasks.EVAL_SEED if seed is None else seed)
-    sep = data.separator_id(tok)
-    prefix = [sep] if sep is not None else []
-    prompts = [prefix + tok.encode(e.prompt, add_special_tokens=False) for e in exs]
+    exs, sep, prompts = _task_prompts(tok, task, n, seed)
     if max_new_tokens is None:  # room for the longest answer + newline, plus slack
         max_new_tokens = max(len(tok.encode(" " + e.answer + "\n", add_special_tokens=False)) for e in exs) + 2
     stop = {sep} if sep is not None else set()
@@ -168,15 +176,13 @@ def answer_loss(model_or_stages, tokenizer, task, *, n: int = 100, seed: int | N
     prompt, over ``n`` fresh examples: a continuous companion to :func:`exact_match`,
     informative even where a small model's exact-match accuracy is still ~0.
     Returns ``{"loss", "tokens", "n"}``."""
-    from orchestration import data, tasks
+    from orchestration import data
 
     tok = data.load_tokenizer(tokenizer)
     fn = as_logits_fn(model_or_stages)
-    exs = tasks.examples(task, n, seed=tasks.EVAL_SEED if seed is None else seed)
-    sep = data.separator_id(tok)
+    exs, _, prompts = _task_prompts(tok, task, n, seed)
     rows = []
-    for e in exs:
-        p = ([sep] if sep is not None else []) + tok.encode(e.prompt, add_special_tokens=False)
+    for e, p in zip(exs, prompts):
         a = tok.encode(" " + e.answer + "\n", add_special_tokens=False)
         rows.append((p + a, len(p)))
     by_len: dict[int, list[tuple[list[int], int]]] = {}
@@ -279,6 +285,7 @@ def evaluate_model(model, tokenizer, *, data_sources=("corpus:prose", "corpus:py
     last data source)."""
     from orchestration import data
 
+    tokenizer = data.load_tokenizer(tokenizer)  # once, not per data source and task
     report: dict = {"held_out": {}, "exact_match": {}, "pruning": {}}
     held = {}
     for src in data_sources:

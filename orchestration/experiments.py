@@ -51,7 +51,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -643,7 +643,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     torch.set_num_threads(1)  # evaluation shares the machine with the trainer runs
     # SIGTERM (kill PID) unwinds like Ctrl-C, so the running trainer's group is killed too.
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     a.bandwidth_mbps = 200.0
     os.makedirs(os.path.join(a.out, RECORDS), exist_ok=True)
     os.makedirs(a.work, exist_ok=True)

@@ -1,12 +1,13 @@
 """Data: every text source, offline BPE, packing, split and sharding, clear errors."""
 import gzip
 import json
+import os
 
 import numpy as np
 import pytest
 import torch
 
-from orchestration import data
+from orchestration import data, models
 
 DOCS = ["The quick brown fox jumps over the lazy dog. " * 4,
         "def add(a, b):\n    return a + b\n" * 3,
@@ -276,9 +277,8 @@ def _whole_stream(tok, docs):
 
 
 def _tokenizers(bpe):
-    import os
     toks = [bpe]
-    base = os.path.expanduser("~/.cache/meshkern/base-v1")
+    base = str(models.cache_root() / models.BASE_MODEL_VERSION)
     if os.path.isfile(os.path.join(base, "tokenizer.json")):  # the trainer's default model
         toks.append(data.load_tokenizer(base))
     return toks
@@ -324,7 +324,6 @@ def _no_encoding(*a, **k):
 
 
 def test_token_cache_hit_and_invalidation(tmp_path, monkeypatch, capsys, bpe):
-    import os
     src = tmp_path / "src"
     src.mkdir()
     (src / "a.txt").write_text(DOCS[0] * 3)
