@@ -33,6 +33,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from bench.spectral_bench import llama_layer_shapes
 from meshkern.compress import Int8, NoCompression, PowerSGD, SparseLoCo
 from meshkern.compress.base import ring_all_gather_bytes, ring_all_reduce_bytes
 from meshkern.compress.powersgd_ops import ef_project_reference, powersgd_ef_project
@@ -41,9 +42,8 @@ HIDDEN, FFN, HEADS, KV_HEADS, LAYERS, VOCAB = 2048, 8192, 32, 8, 16, 128256
 
 
 def layer_shapes(hidden=HIDDEN, ffn=FFN, heads=HEADS, kv=KV_HEADS):
-    kvd = hidden // heads * kv
-    return [(hidden, hidden), (kvd, hidden), (kvd, hidden), (hidden, hidden),
-            (ffn, hidden), (ffn, hidden), (hidden, ffn), (hidden,), (hidden,)]
+    """One Llama decoder layer's parameter shapes (bench.spectral_bench's table)."""
+    return llama_layer_shapes(hidden, ffn, heads, kv, layers=1)
 
 
 def model_shapes():

@@ -41,6 +41,7 @@ import time
 import torch
 
 import meshkern
+from bench.spectral_bench import _sync
 from meshkern import MaskKey, kept_dims
 from meshkern import _backend
 
@@ -49,11 +50,6 @@ DEFAULT_SHAPES = [(4096, 2048)]
 FULL_SHAPES = [(4096, 1024), (4096, 2048), (2048, 4096)]
 DEFAULT_PS = [0.95]
 FULL_PS = [0.9, 0.95, 0.99]
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def interleaved_medians(fns: dict, repeats: dict, device: torch.device, clock=time.perf_counter) -> dict:
