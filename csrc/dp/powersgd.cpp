@@ -23,6 +23,8 @@
 #include <algorithm>
 #include <vector>
 
+#include "parallel.h"
+
 namespace meshkern {
 namespace dp {
 namespace {
@@ -32,9 +34,6 @@ void check(const at::Tensor& big, const at::Tensor& q, const char* name) {
   TORCH_CHECK(big.is_contiguous() && q.is_contiguous(), name, ": expected contiguous tensors");
   TORCH_CHECK(big.scalar_type() == q.scalar_type(), name, ": dtypes differ");
 }
-
-// Rows per parallel chunk: ~32K multiply-adds per chunk (ATen's GRAIN_SIZE idea).
-int64_t grain(int64_t work_per_row) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, work_per_row)); }
 
 template <typename scalar_t>
 void ef_project_kernel(const scalar_t* G, scalar_t* E, const scalar_t* Q, scalar_t* P, int64_t B, int64_t n,

@@ -18,13 +18,11 @@
 #include <vector>
 
 #include "mask_host.h"
+#include "parallel.h"
 
 namespace meshkern {
 namespace mask {
 namespace {
-
-// Rows per parallel chunk: ~32K elements of work per chunk (ATen's GRAIN_SIZE idea).
-int64_t grain(int64_t H) { return std::max<int64_t>(1, 32768 / H); }
 
 // Runs Floyd's selection for every row and calls visit(row, dim, k) for each kept dim
 // of the row in ascending order (k = 0..K-1).
