@@ -346,6 +346,23 @@ def is_store_error(e: BaseException) -> bool:
     return type(e).__name__ in ("DistStoreError", "DistNetworkError") or "timeout" in str(e).lower()
 
 
+class FastCircuitGone(RuntimeError):
+    """The fast circuit's store closed its connection: the fast circuit finished (or
+    failed) before this anchor process got where it was going. Not a timeout: the store
+    went away, nothing was waited out."""
+
+
+def _store_failure(e: BaseException, timed_out: str, gone: str) -> Exception:
+    """The error to raise for store error ``e``: FastCircuitGone(``gone``) if the store
+    closed (DistNetworkError), else TimeoutError(``timed_out``). Raises ``e`` itself if it
+    is no store error (a programming error must surface)."""
+    if type(e).__name__ == "DistNetworkError":
+        return FastCircuitGone(gone)
+    if not is_store_error(e):
+        raise e
+    return TimeoutError(timed_out)
+
+
 def _pair(store, generation: int, stage: int, row: int, end: int, timeout_s: float):
     """The gloo pair link (fast replica ``row`` of ``stage`` <-> anchor ``stage``) of one
     generation. Its rendezvous waits at most ``timeout_s``; transfers wait LINK_TIMEOUT
@@ -389,18 +406,19 @@ def join_anchor_row(layout, rank: int, cfg):
         mesh = init_anchor_row(layout, stage, store, generation, backend=cfg.mesh.backend,
                                timeout_s=cfg.mesh.timeout_s)
     except Exception as e:
-        if not is_store_error(e):
-            raise
-        raise TimeoutError(f"{layout.describe(rank)}: the other anchor stages of generation {generation} did not "
-                           f"join within {cfg.mesh.timeout_s:g} s (restart every stage of the anchor row "
-                           "together)") from None
+        raise _store_failure(
+            e, f"{layout.describe(rank)}: the other anchor stages of generation {generation} did not join within "
+               f"{cfg.mesh.timeout_s:g} s (restart every stage of the anchor row together)",
+            f"{layout.describe(rank)}: the fast circuit's store closed before anchor-row generation {generation} "
+            "formed (the fast circuit finished or failed)") from None
     return mesh
 
 
 def link_to_fast(mesh, fast_rows: int, timeout_s: float) -> list:
     """Anchor side: one pair link per fast replica of this stage (replica order), each
     made once that replica said it waits for this generation; TimeoutError names a
-    replica that did not within ``timeout_s``."""
+    replica that did not within ``timeout_s``; FastCircuitGone if the fast circuit's
+    store closed first (a short run can finish before its anchor row links)."""
     store, g, s = mesh.store, mesh.generation, mesh.stage
     store.set(f"{PREFIX}g{g}/open/{s}", "1")
     pgs = []
@@ -409,11 +427,11 @@ def link_to_fast(mesh, fast_rows: int, timeout_s: float) -> list:
             store.wait([f"{PREFIX}g{g}/here/{s}/{r}"], timedelta(seconds=timeout_s))
             pgs.append(_pair(store, g, s, r, ANCHOR, timeout_s))
         except Exception as e:
-            if not is_store_error(e):
-                raise
-            raise TimeoutError(f"anchor generation {g}, stage {s}: "
-                               f"{mesh.layout.describe(mesh.layout.rank_of(r, s))} did not link within "
-                               f"{timeout_s:g} s") from None
+            who = mesh.layout.describe(mesh.layout.rank_of(r, s))
+            raise _store_failure(
+                e, f"anchor generation {g}, stage {s}: {who} did not link within {timeout_s:g} s",
+                f"anchor generation {g}, stage {s}: the fast circuit's store closed before {who} linked (the "
+                "fast circuit finished or failed)") from None
     return pgs
 
 
@@ -657,6 +675,8 @@ def run_anchor_rank(ctx) -> dict:
             k += 1
             if a.state_every and k % a.state_every == 0:
                 save_state(path, run_id, k, layout, momentum)
+    except FastCircuitGone:  # e.g. a short run that finished before this row linked
+        rec["stopped"] = "the fast circuit ended before this anchor row linked"
     except Exception as e:  # a fast rank or anchor peer is gone: the run ended or broke
         if not (is_peer_error(e) or is_store_error(e)):
             raise

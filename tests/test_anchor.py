@@ -323,10 +323,13 @@ def test_int8_snapshot_stream_keeps_both_views_identical():
 
 
 # ------------------------------------------------------------------ restart and rejoin
-def _pause_while_lost(monkeypatch, limit_s=60.0):
-    """Test instrumentation (inherited by forked ranks): a fast rank that has lost its anchor
-    waits in ``poll`` until a new anchor generation has joined, so that the rejoin happens
-    mid-run however fast the tiny model trains (the real hook never waits)."""
+def _pause_while_lost(monkeypatch, limit_s=120.0):
+    """Test instrumentation (inherited by forked ranks): a fast rank waits in ``poll`` until
+    an anchor generation has joined, both before the first one links and after it lost
+    one, so that the first link and a rejoin happen mid-run however fast the tiny model
+    trains and however slowly a loaded machine starts the anchor row (the real hook never
+    waits). Event-driven: it returns as soon as the link thread reports the join;
+    ``limit_s`` only bounds a test that is failing anyway."""
     import time
 
     orig = A.FastHook.poll
@@ -334,7 +337,7 @@ def _pause_while_lost(monkeypatch, limit_s=60.0):
     def poll(self, step):
         end = time.monotonic() + limit_s
         self._drain(step)
-        while self.link == "lost" and time.monotonic() < end:
+        while (self.generation == 0 or self.link == "lost") and time.monotonic() < end:
             self._drain(step, block_s=0.2)
         return orig(self, step)
 
@@ -411,7 +414,7 @@ def test_anchor_row_joins_a_running_fast_circuit_by_command(tiny, tmp_path, monk
     from orchestration.train import main
 
     monkeypatch.setenv("MESHKERN_ANCHOR_FAULT", "die:1")  # generation 1 only
-    _pause_while_lost(monkeypatch, limit_s=120.0)
+    _pause_while_lost(monkeypatch)
     argv = _argv(tiny, tmp_path, "join", "--train.steps", "40", "--anchor.snapshot_every", "1",
                  "--anchor.max_staleness", "40", "--anchor.restarts", "0")
     codes = []
@@ -442,8 +445,12 @@ def test_anchor_row_joins_a_running_fast_circuit_by_command(tiny, tmp_path, monk
 
 def test_resumed_run_restores_the_anchor_state(tiny, tmp_path):
     """A fast circuit resumed from its checkpoint starts a new anchor row, which continues
-    from the saved round counter and factored momentum instead of from zero."""
-    common = ("--anchor.snapshot_every", "1", "--anchor.transport", "factored", "--checkpoint.every", "3")
+    from the saved round counter and factored momentum instead of from zero. Delay mode:
+    the fast ranks wait for each due update, so both 4-step runs get anchor rounds however
+    slowly the anchor row starts (in asynchronous mode a short run may end before its
+    anchor row links)."""
+    common = ("--anchor.snapshot_every", "1", "--anchor.delay", "1", "--anchor.transport", "factored",
+              "--checkpoint.every", "3", "--mesh.timeout_s", "120")
     _, plan, res, _ = _run(_argv(tiny, tmp_path, "resume", "--train.steps", "4", *common))
     done = min(r["rounds"] for r in res[2:])
     assert done >= 1 and all(r["restored"] == "" for r in res[2:])
@@ -454,6 +461,44 @@ def test_resumed_run_restores_the_anchor_state(tiny, tmp_path):
     assert [r["step"] for r in recs2] == list(range(1, 8))  # one metrics file: steps 1-4, then 5-7 resumed
     for s, r in enumerate(res2[2:]):
         assert r["restored"] == f"restored round {saved[s]['round']} from {A.state_path(plan2, s)}"
+
+
+def test_anchor_that_outlives_the_fast_circuit_says_so():
+    """The fast circuit's store (fast rank 0) closes while an anchor stage waits for its fast
+    replicas to link, as when a short run finishes before its anchor row linked: the wait
+    ends with FastCircuitGone, not with a false "did not link within T s" TimeoutError
+    (run_anchor_rank turns FastCircuitGone into a clean stop)."""
+    import datetime
+    import multiprocessing as mp
+    import types
+
+    import torch.distributed as dist
+
+    from orchestration.launch import free_port
+
+    port = free_port()
+    ready = mp.get_context("fork").Event()
+    quit_ = mp.get_context("fork").Event()
+
+    def server():
+        master = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                               timeout=datetime.timedelta(seconds=60))
+        ready.set()
+        quit_.wait(60)
+        del master  # the process exits: the store closes
+
+    proc = mp.get_context("fork").Process(target=server)
+    proc.start()
+    try:
+        assert ready.wait(60)
+        store = A.side_store(("127.0.0.1", port), 60)
+        mesh = types.SimpleNamespace(store=store, generation=1, stage=0, layout=MeshLayout(2, 2, True))
+        quit_.set()
+        with pytest.raises(A.FastCircuitGone, match="store closed before rank 0 .* linked"):
+            A.link_to_fast(mesh, 1, timeout_s=60)
+    finally:
+        quit_.set()
+        proc.join(30)
 
 
 def test_generations_form_whatever_the_start_order():
