@@ -544,15 +544,16 @@ def parse_faults(spec: str) -> dict[str, dict[int, float]]:
 
 def round_batch(cfg, plan, index: int) -> torch.Tensor:
     """The anchor's batch of round ``index``: ``anchor.microbatches`` micro-batches of the
-    fast circuit's micro-batch size, from the anchor row's own data shard
-    (orchestration.train.data_shard) by its own seeded sampler; the same on every anchor stage."""
-    from orchestration.train import BatchSampler, data_shard
+    fast circuit's micro-batch size, drawn from the whole training set by the anchor's own
+    seeded sampler (it takes no fast replica's shard, so adding the anchor row changes no
+    fast replica's data); the same on every anchor stage."""
+    from orchestration.train import BatchSampler
 
     mb = cfg.train.batch_size // cfg.train.microbatches
     n = mb * cfg.anchor.microbatches
-    rows = data_shard(cfg, plan, cfg.mesh.rows - 1)
+    rows = plan.train_rows
     if len(rows) < n:
-        raise ValueError(f"the anchor needs {n} sequences per round, its data shard has {len(rows)}")
+        raise ValueError(f"the anchor needs {n} sequences per round, the training set has {len(rows)}")
     return BatchSampler(rows, n, cfg.train.seed + 104_729)(index)
 
 

@@ -53,6 +53,7 @@ class DataConfig:
     source: str = _f("", "text file/dir, .jsonl, or saved HF dataset (empty: the embedded adaptation corpus, domain B)")
     seq_len: int = _f(128, "tokens per packed sequence")
     eval_fraction: float = _f(0.05, "held-out fraction of the sequences (for evaluation, never trained on)")
+    split_seed: int = _f(0, "seed of the held-out choice; independent of --train.seed, so every seed of an experiment scores the same held-out set")
     max_sequences: int = _f(0, "cap on the number of packed sequences (0: no cap)")
     text_field: str = _f("text", "field/column holding the text (.jsonl, .json/.csv/.parquet, saved HF datasets)")
     on_decode_error: str = _f("auto", "files that are not UTF-8 text: auto (skip inside a directory, error for one file), raise, skip")

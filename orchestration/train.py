@@ -126,13 +126,13 @@ def prepare(cfg: Config, *, load_model: bool = True) -> Plan:
                                       text_field=cfg.data.text_field, on_decode_error=cfg.data.on_decode_error,
                                       token_cache=cache or None)
     if cfg.data.eval_fraction > 0:
-        train_ds, eval_ds = ds.split(cfg.data.eval_fraction, seed=cfg.train.seed)
+        train_ds, eval_ds = ds.split(cfg.data.eval_fraction, seed=cfg.data.split_seed)
     else:
         train_ds, eval_ds = ds, None
-    per_row = len(train_ds) // cfg.mesh.rows
+    per_row = len(train_ds) // cfg.fast_rows
     if per_row < cfg.train.batch_size:
         raise ValueError(f"--data.source {source}: {len(train_ds)} training sequences of {cfg.data.seq_len} tokens "
-                         f"give each of {cfg.mesh.rows} replicas {per_row}, fewer than --train.batch_size "
+                         f"give each of {cfg.fast_rows} fast replicas {per_row}, fewer than --train.batch_size "
                          f"{cfg.train.batch_size}; use more text, a shorter --data.seq_len or a smaller batch")
     if hf_cfg.vocab_size <= int(ds.tokens.max()):
         raise ValueError(f"--data.source tokens reach id {int(ds.tokens.max())} but the model's vocab is {hf_cfg.vocab_size}")
@@ -218,9 +218,11 @@ def lr_at(step: int, cfg: Config) -> float:
 
 
 def data_shard(cfg: Config, plan: Plan, row: int) -> torch.Tensor:
-    """Training rows of mesh row ``row``: one disjoint strided shard per row (the anchor
-    row, when on, gets its own: rows[rows-1::rows]); data.TokenDataset.shard's rule."""
-    return plan.train_rows[row::cfg.mesh.rows]
+    """Training rows of fast replica ``row``: one disjoint strided shard per fast replica
+    (data.TokenDataset.shard's rule). The anchor row takes no shard (it samples the whole
+    training set with its own seed: orchestration.anchor.round_batch), so for a given seed
+    the fast replicas see the same batches with and without the anchor row."""
+    return plan.train_rows[row::cfg.fast_rows]
 
 
 class BatchSampler:
@@ -238,6 +240,12 @@ class BatchSampler:
             g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
             self._perm, self._perm_epoch = torch.randperm(len(self.rows), generator=g), epoch
         return self.rows[self._perm[i * self.B:(i + 1) * self.B]]
+
+
+def replica_sampler(cfg: Config, plan: Plan, row: int) -> BatchSampler:
+    """The batches fast replica ``row`` trains on: its shard, its own seed (a function of
+    --train.seed and the row only, not of the anchor setting)."""
+    return BatchSampler(data_shard(cfg, plan, row), cfg.train.batch_size, cfg.train.seed + 7919 * row)
 
 
 class NullAnchor:
@@ -366,7 +374,7 @@ def _run(rank: int, cfg: Config, plan: Plan, mesh) -> dict:
     mask_seed = (t.seed << 16) | mesh.row
     pipe = PipelineExecutor(stage, actions, codec=codec, prev_rank=mesh.prev_rank, next_rank=mesh.next_rank,
                             rank=rank, seed=mask_seed, counter=counter)
-    sampler = BatchSampler(data_shard(cfg, plan, mesh.row), t.batch_size, t.seed + 7919 * mesh.row)
+    sampler = replica_sampler(cfg, plan, mesh.row)
 
     n_fast = cfg.fast_rows
     allreduce = diloco = None

@@ -12,7 +12,7 @@ from orchestration import checkpoint as ckpt
 from orchestration.config import parse_args
 from orchestration.launch import MeshFailure, run_local
 from orchestration.mesh import MeshLayout
-from orchestration.train import main, prepare, run_rank
+from orchestration.train import main, prepare, replica_sampler, run_rank
 
 
 def _args(tiny, tmp_path, *extra):
@@ -271,3 +271,43 @@ def test_garbage_activations_from_a_peer_skip_the_step_not_corrupt_weights(tiny,
     last = ckpt.resolve("latest", plan.ckpt_dir)
     for r in (0, 1):
         assert all(torch.isfinite(v).all() for v in ckpt.load_rank_state(last, r)["stage"].values())
+
+
+def test_fast_replicas_see_the_same_data_with_and_without_the_anchor_row(tiny, tmp_path):
+    """M95+AP (2 fast replicas + the anchor row) and M95 (2 fast replicas) with one seed: each
+    fast replica trains on the very same batches in the same order (two epochs' worth);
+    the replicas' shards are disjoint and cover the training rows; the anchor's batches come
+    from the training rows only (never the held-out ones)."""
+    from orchestration import anchor
+
+    common = _args(tiny, tmp_path, "--train.seed", "3", "--mesh.stages", "2", "--anchor.microbatches", "2")
+    cfg_ap, _ = parse_args([*common, "--preset", "m95-ap", "--mesh.rows", "3"])
+    cfg_m, _ = parse_args([*common, "--preset", "m95", "--mesh.rows", "2"])
+    plan_ap, plan_m = prepare(cfg_ap, load_model=False), prepare(cfg_m, load_model=False)
+    assert cfg_ap.fast_rows == cfg_m.fast_rows == 2
+    assert torch.equal(plan_ap.train_rows, plan_m.train_rows)
+    shards = []
+    for row in range(2):
+        a, m = replica_sampler(cfg_ap, plan_ap, row), replica_sampler(cfg_m, plan_m, row)
+        steps = 2 * a.per_epoch + 1
+        assert all(torch.equal(a(s), m(s)) for s in range(steps))
+        shards.append({tuple(r.tolist()) for s in range(a.per_epoch) for r in a(s)})
+    train = {tuple(r.tolist()) for r in plan_m.train_rows}
+    held = {tuple(r.tolist()) for r in plan_m.eval_rows}
+    assert not shards[0] & shards[1]
+    assert len(shards[0] | shards[1]) >= len(train) - 2 * cfg_m.train.batch_size  # all but each epoch's remainder
+    got = {tuple(r.tolist()) for k in range(20) for r in anchor.round_batch(cfg_ap, plan_ap, k)}
+    assert got <= train and not got & held and len(got) > cfg_ap.train.batch_size
+
+
+def test_held_out_split_does_not_depend_on_the_training_seed(tiny, tmp_path):
+    """Every seed of an experiment scores the same held-out rows; --data.split_seed (not
+    --train.seed) chooses them."""
+    plans = {}
+    for seed, split in ((0, 0), (1, 0), (7, 0), (0, 1)):
+        cfg, _ = parse_args(_args(tiny, tmp_path, "--train.seed", str(seed), "--data.split_seed", str(split)))
+        plans[seed, split] = prepare(cfg, load_model=False)
+    base = plans[0, 0]
+    for key in ((1, 0), (7, 0)):
+        assert torch.equal(plans[key].eval_rows, base.eval_rows) and torch.equal(plans[key].train_rows, base.train_rows)
+    assert not torch.equal(plans[0, 1].eval_rows, base.eval_rows)
