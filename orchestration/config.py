@@ -44,7 +44,8 @@ class MeshConfig:
 
 @dataclass
 class ModelConfig:
-    path: str = _f("", "local Hugging Face checkpoint directory (empty: the default base model, built on first use)")
+    path: str = _f("", "local Hugging Face checkpoint directory, a .gguf file, or a built-in name (smollm2-135m; "
+                   "converted once into the cache) (empty: the default base model, built on first use)")
     dtype: str = _f("float32", "parameter dtype: float32 or bfloat16")
 
 

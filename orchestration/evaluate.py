@@ -314,7 +314,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m orchestration.evaluate",
                                  description="Held-out loss/perplexity, synthetic-task exact match "
                                              "and magnitude-pruning robustness of a local HF model.")
-    ap.add_argument("--model", default=None, help="checkpoint directory (default: the cached base model)")
+    ap.add_argument("--model", default=None, help="checkpoint directory, .gguf file or built-in name "
+                    "(smollm2-135m); default: the cached base model")
     ap.add_argument("--tokenizer", default=None, help="tokenizer path (default: the model's own)")
     ap.add_argument("--data", default="corpus:prose,corpus:python",
                     help="comma-separated sources: paths, corpus:<domain>, task:<name>")
@@ -332,8 +333,11 @@ def main(argv=None):
     torch.set_num_threads(a.threads)
     from orchestration import models, tasks
 
-    path = a.model or models.default_base_model()
-    model, tok_path = models.load_causal_lm(path)
+    try:  # the trainer's resolution: default, built-in name (smollm2-135m), .gguf or a directory
+        path = models.resolve_model(a.model)
+        model, tok_path = models.load_causal_lm(path)
+    except (ValueError, FileNotFoundError) as e:
+        ap.error(str(e))
     tokenizer = a.tokenizer or tok_path
     if tokenizer is None:
         ap.error(f"{path} holds no tokenizer; pass --tokenizer")

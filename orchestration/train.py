@@ -85,7 +85,7 @@ def prepare(cfg: Config, *, load_model: bool = True) -> Plan:
 
     _backend.load_all()  # load (or warn about) the extensions once here; forked ranks inherit it
 
-    path = cfg.model.path or models.default_base_model(progress=True)
+    path = models.resolve_model(cfg.model.path, progress=True)  # default, built-in name, .gguf or a directory
     if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"--model.path {path!r} is not a Hugging Face checkpoint directory (no config.json)")
     try:
