@@ -293,6 +293,7 @@ class SpectralAdamW(torch.optim.AdamW):
                           "filtered_steps": 0}
         self._energy: tuple[Tensor, Tensor] | None = None  # (sum ||G_filt||^2, sum ||G||^2) of last step
         self._proj_buf: dict[int, Tensor] = {}  # G_proj buffer per flat parameter index (not state)
+        self._prior_enabled = True  # False: every update is plain AdamW (set_prior_enabled)
 
     # ------------------------------------------------------------------ bookkeeping
     def _flat_groups(self):
@@ -355,6 +356,29 @@ class SpectralAdamW(torch.optim.AdamW):
         return [p if p is not None else f for p, f in zip(self._prior, from_m)]
 
     # ---------------------------------------------------------------- anchor inputs
+    def observe_anchor_update(self, update, staleness: int, *, factored: bool = False) -> bool:
+        """The one entry point for what an anchor sends, whatever its transport: anchor
+        gradients (``factored=False``: ``observe_anchor``) or the anchor's own top-r
+        factors (``factored=True``: ``observe_factored_prior``). Same input forms, same
+        return value (False: rejected, with a warning, nothing changed)."""
+        if factored:
+            return self.observe_factored_prior(update, staleness)
+        return self.observe_anchor(update, staleness)
+
+    @property
+    def prior_enabled(self) -> bool:
+        """Whether the anchor prior filters the gradients (see ``set_prior_enabled``)."""
+        return self._prior_enabled
+
+    def set_prior_enabled(self, on: bool) -> None:
+        """Switches the anchor prior off (every step is then exactly AdamW's, as with
+        alpha = 1, and skips the projection) or back on. The anchor momentum and the
+        priors received are kept, and so are the groups' ``alpha``. Saved in the state
+        dict. A trainer switches it off while its anchor is stalled or lost."""
+        if not isinstance(on, bool):
+            raise TypeError(f"set_prior_enabled takes a bool, got {type(on).__name__}")
+        self._prior_enabled = on
+
     def observe_anchor(self, grads: Sequence[Tensor | None], staleness: int) -> bool:
         """Fold a delayed anchor gradient into M_anc: a list aligned with ``param_order()``
         or a dict {param (or name): grad}. The SVD is refreshed at the next step. Returns
@@ -466,8 +490,9 @@ class SpectralAdamW(torch.optim.AdamW):
         kept = total = None
         try:
             for i, ((group, p), f) in enumerate(zip(self._flat_groups(), facs)):
-                if f is None or p.grad is None or p.grad.is_sparse or group["alpha"] == 1.0:
-                    continue  # alpha = 1 (prior switched off): G_proj = G exactly, skip the work
+                if not self._prior_enabled or f is None or p.grad is None or p.grad.is_sparse \
+                        or group["alpha"] == 1.0:
+                    continue  # prior off or alpha = 1: G_proj = G exactly, skip the work
                 g = p.grad
                 U, S, V = f
                 gp, fsq = spectral.project(g, U, S, V, group["tau"], group["alpha"], backend=self.backend,
@@ -491,7 +516,7 @@ class SpectralAdamW(torch.optim.AdamW):
         sd = super().state_dict()
         sd["spectral"] = {"anchor": self._anchor.state_dict(),
                           "prior": {i: list(f) for i, f in enumerate(self._prior) if f is not None},
-                          "counters": dict(self._counters),
+                          "counters": dict(self._counters), "prior_enabled": self._prior_enabled,
                           "energy": None if self._energy is None else [t.clone() for t in self._energy]}
         return sd
 
@@ -508,6 +533,7 @@ class SpectralAdamW(torch.optim.AdamW):
             i = int(i)
             self._prior[i] = tuple(t.detach().to(params[i].device).clone() for t in f)
         self._counters = dict(spec["counters"])
+        self._prior_enabled = bool(spec.get("prior_enabled", True))
         self._energy = None if spec["energy"] is None else tuple(t.clone() for t in spec["energy"])
 
 

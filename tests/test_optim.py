@@ -189,10 +189,53 @@ def test_alpha_one_group_is_plain_adamw_with_a_prior():
     opt = SpectralAdamW(pb, lr=1e-2, rank=4, foreach=False)
     assert opt.observe_anchor(_grads(pb, 3), 1)
     for g in opt.param_groups:
-        g["alpha"] = 1.0  # how the trainer switches the prior off
+        g["alpha"] = 1.0  # a group without a filter
     for s in range(2):
         _step_both(pa, ref, pb, opt, s)
     assert all(torch.equal(a, b) for a, b in zip(pa, pb))
+
+
+def test_prior_switched_off_is_plain_adamw_and_back_on_filters_again():
+    """set_prior_enabled(False) (how the trainer switches the prior off while its anchor
+    is stalled or lost) is plain AdamW bit for bit with a prior present; the groups' alpha
+    is untouched, the switch is saved in the state dict, and switching it back on
+    filters again."""
+    pa, pb = _params(6), _params(6)
+    ref = torch.optim.AdamW(pa, lr=1e-2, foreach=False)
+    opt = SpectralAdamW(pb, lr=1e-2, rank=4, foreach=False)
+    assert opt.observe_anchor_update(_grads(pb, 3), 1) and opt.prior_enabled
+    opt.set_prior_enabled(False)
+    for s in range(2):
+        _step_both(pa, ref, pb, opt, s)
+    assert all(torch.equal(a, b) for a, b in zip(pa, pb))
+    assert all(g["alpha"] == 0.3 for g in opt.param_groups)
+    sd = opt.state_dict()
+    assert sd["spectral"]["prior_enabled"] is False
+    again = SpectralAdamW(_params(6), lr=1e-2, rank=4, foreach=False)
+    again.load_state_dict(sd)
+    assert again.prior_enabled is False
+    opt.set_prior_enabled(True)
+    _step_both(pa, ref, pb, opt, 2)
+    assert not all(torch.equal(a, b) for a, b in zip(pa, pb))
+    with pytest.raises(TypeError):
+        opt.set_prior_enabled(1)
+
+
+def test_observe_anchor_update_takes_both_transports():
+    """observe_anchor_update is observe_anchor (gradients) or observe_factored_prior
+    (factors), by ``factored``; the same acceptance and rejection."""
+    params = _params(5)
+    grads = _grads(params, 4)
+    oa, ob = SpectralAdamW(params, rank=3), SpectralAdamW(params, rank=3)
+    assert oa.observe_anchor_update(grads, 2) and ob.observe_anchor(grads, 2)
+    assert oa.anchor_stats()["arrivals"] == ob.anchor_stats()["arrivals"] == 1
+    mom = AnchorMomentum(params, 0.9, 3)
+    mom.update(grads)
+    f = mom.factors()
+    assert oa.observe_anchor_update(f, 1, factored=True)
+    assert oa.anchor_stats()["factored_arrivals"] == 1
+    with pytest.warns(RuntimeWarning):
+        assert oa.observe_anchor_update(grads, 1, factored=True) is False
 
 
 def test_bad_hyperparameters():
