@@ -6,10 +6,10 @@ NAME.yaml) < ``--config FILE`` (YAML or JSON) < individual flags. Every field is
 have a short alias (``--model``, ``--data``, ``--steps``, ``--resume``). ``--help`` lists
 all of them with their defaults.
 
-``validate(cfg)`` checks everything that can be checked without spawning a process
-(shapes of the mesh, divisibility of the batch, names of codecs/compressors, ranges);
-``orchestration.train`` also checks the model and data paths before any rank starts.
-Every problem is a ValueError that names the flag.
+``validate(cfg)`` is the one place for every rule on the configuration itself (shapes of
+the mesh, divisibility of the batch, names of codecs/compressors, ranges, the anchor's
+settings); ``orchestration.train.prepare`` checks it against the model and data it reads
+before any rank starts. Every problem is a ValueError that names the flag.
 """
 from __future__ import annotations
 
@@ -172,8 +172,9 @@ class Config:
 
 
 SECTIONS = [f.name for f in dataclasses.fields(Config) if f.name != "preset"]
-CODECS = ("dense", "mask", "topk", "int8", "int4", "bottleneck")
 COMPRESSORS = ("none", "powersgd", "sparseloco", "int8")
+ANCHOR_TRANSPORTS = ("dense", "factored")  # orchestration.anchor.wire numbers them on the wire
+SNAPSHOT_CODECS = ("full", "int8")  # orchestration.anchor.snapshot.SnapshotCoder
 ALIASES = {  # short flag -> dotted field
     "model": "model.path", "data": "data.source", "steps": "train.steps",
     "resume": "checkpoint.resume", "rows": "mesh.rows", "stages": "mesh.stages",
@@ -354,13 +355,25 @@ def validate(cfg: Config) -> Config:
     _need(t.optimizer in ("adamw", "spectral"), f"--train.optimizer must be adamw or spectral, got {t.optimizer!r}")
     _need(t.lr > 0 and 0 <= t.min_lr_ratio <= 1 and t.warmup_steps >= 0, "--train.lr/min_lr_ratio/warmup_steps out of range")
     _need(t.clip_grad_norm >= 0, "--train.clip_grad_norm must be >= 0")
+    from orchestration.codecs import CODECS  # the one list of boundary codecs
+
     _need(b.codec in CODECS, f"--boundary.codec must be one of {', '.join(CODECS)}, got {b.codec!r}")
     _need(0.0 <= b.p < 1.0, f"--boundary.p must be in [0, 1), got {b.p}")
     _need(dp.mode in ("allreduce", "diloco", "none"), f"--dp.mode must be allreduce, diloco or none, got {dp.mode!r}")
     _need(dp.compressor in COMPRESSORS, f"--dp.compressor must be one of {', '.join(COMPRESSORS)}, got {dp.compressor!r}")
     _need(dp.sync_every >= 1 and dp.fragments >= 1, "--dp.sync_every and --dp.fragments must be >= 1")
-    _need(a.transport in ("dense", "factored"), f"--anchor.transport must be dense or factored, got {a.transport!r}")
-    _need(a.snapshot_codec in ("full", "int8"), f"--anchor.snapshot_codec must be full or int8, got {a.snapshot_codec!r}")
+    _need(a.transport in ANCHOR_TRANSPORTS,
+          f"--anchor.transport must be {' or '.join(ANCHOR_TRANSPORTS)}, got {a.transport!r}")
+    _need(a.snapshot_codec in SNAPSHOT_CODECS,
+          f"--anchor.snapshot_codec must be {' or '.join(SNAPSHOT_CODECS)}, got {a.snapshot_codec!r}")
+    if a.enabled:
+        _need(t.optimizer == "spectral", "--anchor.enabled needs --train.optimizer spectral (SpectralAdamW consumes "
+                                         f"the anchor updates), got {t.optimizer!r}")
+        _need(a.snapshot_every >= 1 and a.microbatches >= 1,
+              "--anchor.snapshot_every and --anchor.microbatches must be >= 1")
+        _need(a.max_staleness >= 0 and a.delay >= 0, "--anchor.max_staleness and --anchor.delay must be >= 0")
+        _need(a.delay <= a.max_staleness, f"--anchor.delay {a.delay} exceeds --anchor.max_staleness "
+                                          f"{a.max_staleness}: every update would be rejected")
     _need(a.state_every >= 0 and a.restarts >= 0, "--anchor.state_every and --anchor.restarts must be >= 0")
     _need(not a.join or a.enabled, "--anchor.join needs --anchor.enabled (the config of the running fast circuit)")
     _need(not a.join or bool(a.store), "--anchor.join needs --anchor.store host:port (printed by the fast circuit's launcher)")

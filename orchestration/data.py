@@ -449,6 +449,37 @@ def encode_stream(tokenizer, docs: Sequence[str], *, separator: int | None = Non
 
 
 # --------------------------------------------------------------------- the dataset
+def shard_rows(rows: torch.Tensor, index: int, count: int) -> torch.Tensor:
+    """The sharding rule: rows ``index, index + count, ...`` (``count`` disjoint strided
+    shards covering every row). TokenDataset.shard and the trainer's data-parallel
+    replicas both use it."""
+    return rows[index::count]
+
+
+def epoch_permutation(n: int, seed: int, epoch: int) -> torch.Tensor:
+    """The order in which epoch ``epoch`` visits ``n`` rows: a permutation seeded by
+    (seed, epoch) alone. TokenDataset.batches and BatchSampler both use it."""
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+
+
+class BatchSampler:
+    """Stateless: the batch of step s is a pure function of (rows, seed, s), so a resumed
+    run sees exactly the batches the uninterrupted run would have seen. Each epoch
+    visits ``rows`` in ``epoch_permutation(len(rows), seed, epoch)`` and drops the last
+    partial batch (TokenDataset.batches' order, addressable by step)."""
+
+    def __init__(self, rows: torch.Tensor, batch_size: int, seed: int):
+        self.rows, self.B, self.seed = rows, batch_size, seed
+        self.per_epoch = len(rows) // batch_size
+        self._perm_epoch, self._perm = -1, None
+
+    def __call__(self, step: int) -> torch.Tensor:
+        epoch, i = divmod(step, self.per_epoch)
+        if epoch != self._perm_epoch:
+            self._perm, self._perm_epoch = epoch_permutation(len(self.rows), self.seed, epoch), epoch
+        return self.rows[self._perm[i * self.B:(i + 1) * self.B]]
+
+
 class TokenDataset(torch.utils.data.Dataset):
     """Packed token sequences: ``tokens`` is int64 ``[N, seq_len]``, N >= 1.
 
@@ -510,7 +541,7 @@ class TokenDataset(torch.utils.data.Dataset):
         if len(self) < count:
             raise ValueError(f"cannot shard {len(self)} rows {count} ways (a shard would be empty); "
                              "use more data or a shorter seq_len")
-        return TokenDataset(self.tokens[index::count])
+        return TokenDataset(shard_rows(self.tokens, index, count))
 
     def batches(self, batch_size: int, *, seed: int = 0, epochs: int | None = None
                 ) -> Iterator[torch.Tensor]:
@@ -521,8 +552,7 @@ class TokenDataset(torch.utils.data.Dataset):
             raise ValueError(f"batch_size must be in [1, {len(self)}] (rows in this dataset), got {batch_size!r}")
         epoch = 0
         while epochs is None or epoch < epochs:
-            g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-            perm = torch.randperm(len(self), generator=g)
+            perm = epoch_permutation(len(self), seed, epoch)
             for start in range(0, len(self) - batch_size + 1, batch_size):
                 yield self.tokens[perm[start:start + batch_size]]
             epoch += 1

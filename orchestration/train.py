@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 from orchestration import checkpoint as ckpt
 from orchestration.config import Config, parse_args, to_yaml
+from orchestration.data import BatchSampler, shard_rows
 from orchestration.launch import MeshFailure, free_port, run_local
 from orchestration.mesh import MeshLayout, init_mesh, destroy_mesh
 from orchestration.metrics import (AXES, JsonlWriter, LinkCounter, format_table, held_out_loss,  # noqa: F401
@@ -108,13 +109,6 @@ def prepare(cfg: Config, *, load_model: bool = True) -> Plan:
             raise ValueError(f"--mesh.stages {cfg.mesh.stages}: {e}") from None
     if cfg.mesh.backend == "nccl" and not torch.cuda.is_available():
         raise ValueError("--mesh.backend nccl needs CUDA GPUs, and torch sees none (torch.cuda.is_available() is False)")
-    if cfg.anchor.enabled:
-        try:
-            from orchestration import anchor
-        except ImportError:
-            raise ValueError("--anchor.enabled: the anchor circuit (orchestration/anchor.py) is not available") from None
-        anchor.check_config(cfg)
-
     source = cfg.data.source or DEFAULT_DATA
     if not source.startswith(("corpus:", "task:")) and not os.path.exists(source):
         raise FileNotFoundError(f"--data.source {source!r} does not exist")
@@ -219,27 +213,10 @@ def lr_at(step: int, cfg: Config) -> float:
 
 def data_shard(cfg: Config, plan: Plan, row: int) -> torch.Tensor:
     """Training rows of fast replica ``row``: one disjoint strided shard per fast replica
-    (data.TokenDataset.shard's rule). The anchor row takes no shard (it samples the whole
+    (orchestration.data.shard_rows). The anchor row takes no shard (it samples the whole
     training set with its own seed: orchestration.anchor.round_batch), so for a given seed
     the fast replicas see the same batches with and without the anchor row."""
-    return plan.train_rows[row::cfg.fast_rows]
-
-
-class BatchSampler:
-    """Stateless: the batch of step s is a pure function of (rows, seed, s), so a resumed
-    run sees exactly the batches the uninterrupted run would have seen."""
-
-    def __init__(self, rows: torch.Tensor, batch_size: int, seed: int):
-        self.rows, self.B, self.seed = rows, batch_size, seed
-        self.per_epoch = len(rows) // batch_size
-        self._perm_epoch, self._perm = -1, None
-
-    def __call__(self, step: int) -> torch.Tensor:
-        epoch, i = divmod(step, self.per_epoch)
-        if epoch != self._perm_epoch:
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self._perm, self._perm_epoch = torch.randperm(len(self.rows), generator=g), epoch
-        return self.rows[self._perm[i * self.B:(i + 1) * self.B]]
+    return shard_rows(plan.train_rows, row, cfg.fast_rows)
 
 
 def replica_sampler(cfg: Config, plan: Plan, row: int) -> BatchSampler:
@@ -251,11 +228,11 @@ def replica_sampler(cfg: Config, plan: Plan, row: int) -> BatchSampler:
 class NullAnchor:
     """The anchor hook when the anchor is off: never anything to fold in.
 
-    The contract ``orchestration.anchor.make_fast_hook(ctx: RankContext)`` implements on
+    The contract ``orchestration.anchor.FastHook(ctx: RankContext)`` implements on
     fast ranks (polled once per fast step, on the critical path, so it must never block
-    on the anchor): ``poll(step)`` -> None or (grads aligned with
-    ``ctx.optimizer``'s flattened params, staleness in fast steps), folded in with
-    ``optimizer.observe_anchor`` before the inner step; ``after_step(step)`` (e.g. serve
+    on the anchor): ``poll(step)`` hands whatever arrived to ``ctx.optimizer`` itself
+    (``SpectralAdamW.observe_anchor_update``, both transports) before the inner step,
+    and switches the prior off and on (``set_prior_enabled``); ``after_step(step)`` (e.g. serve
     a parameter snapshot); ``bytes_sent`` (this rank's anchor-axis bytes, both ways it
     sends); ``stats()`` -> flat dict logged as ``anchor_<key>``; ``close()`` at the end
     of training (tell the anchor row to stop). Anchor ranks run
@@ -265,9 +242,8 @@ class NullAnchor:
 
     bytes_sent = 0
 
-    def poll(self, step: int):
-        """Returns (grads aligned with the optimizer's params, staleness) or None."""
-        return None
+    def poll(self, step: int) -> None:
+        pass
 
     def after_step(self, step: int) -> None:
         pass
@@ -395,7 +371,7 @@ def _run(rank: int, cfg: Config, plan: Plan, mesh) -> dict:
     if cfg.anchor.enabled:
         from orchestration import anchor
 
-        hook = anchor.make_fast_hook(ctx)
+        hook = anchor.FastHook(ctx)
 
     start = 0
     if plan.resume_from:
@@ -450,9 +426,7 @@ def _run(rank: int, cfg: Config, plan: Plan, mesh) -> dict:
                 p.grad = g
             counter.set_total("dp", allreduce.bytes_sent)
         gnorm = _clip(params, t.clip_grad_norm, mesh.pp)
-        got = hook.poll(step)
-        if got is not None:
-            opt.observe_anchor(*got)
+        hook.poll(step)  # folds in what the anchor sent (anchor on)
         if math.isfinite(gnorm):
             opt.step()
         else:

@@ -1,0 +1,188 @@
+"""The fast rank's link thread (docs/anchor.md, "Fast ranks never wait for the anchor").
+
+One daemon thread per fast rank does all of the rank's anchor traffic, with blocking
+point-to-point on a gloo pair link of its own: it links with each anchor-row generation
+of its stage in turn, serves snapshot requests (replica 0) and receives updates. It shares
+exactly three things with the trainer's thread:
+
+    events      a queue it fills: ("joined", G), ("lost", why), ("update", Arrival),
+                ("rejected", reason, version), ("error", exception)
+    snapshots   the versions replica 0 may serve, under ``cv`` (``offer`` fills it)
+    *_bytes     counters it only adds to (read by the trainer's thread)
+
+Only link failures (``links.is_link_failure``: a broken connection, a timeout, a store
+that went away, a peer that broke the protocol) mean "anchor lost"; anything else is a
+programming error, handed to the trainer's thread as an "error" event and raised there.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+
+from orchestration.anchor.links import (ANCHOR, FAST, PREFIX, FastCircuitGone, is_link_failure, pair_link,
+                                        side_store, store_address)
+from orchestration.anchor.snapshot import SnapshotCoder
+from orchestration.anchor.wire import (CODE_DTYPES, DRAIN_FACTOR, DTYPE_CODES, F_DTYPE, F_KIND, F_MAGIC, F_MS,
+                                       F_NUMEL, F_ROUND, F_VERSION, GRAD, HEADER_BYTES, HEADER_LEN, MAGIC, REQ,
+                                       SNAP, STOP, ProtocolError, Rejected, gloo_reason, header, recv, send)
+
+
+@dataclass
+class Arrival:
+    """One anchor update as received by a fast rank's link thread."""
+
+    round: int
+    version: int
+    payload: torch.Tensor
+    round_ms: int
+    nbytes: int
+
+
+class FastLink:
+    """The link thread of fast replica ``row`` of ``stage`` (see the module docstring).
+
+    ``layout``: the expected GRAD payload (wire.Layout); ``numel``: the stage's parameter
+    count (snapshots); ``serves``: this rank answers snapshot requests (replica 0);
+    ``newest_first``: serve the newest snapshot >= the request (asynchronous mode) rather
+    than the oldest (delay mode)."""
+
+    def __init__(self, *, stage: int, row: int, layout, numel: int, snapshot_codec: str, serves: bool,
+                 newest_first: bool, timeout_s: float):
+        self.stage, self.row, self.layout, self.numel = stage, row, layout, numel
+        self.snapshot_codec, self.serves, self.newest_first, self.timeout_s = snapshot_codec, serves, newest_first, timeout_s
+        self.events: queue.Queue = queue.Queue()
+        self.cv = threading.Condition()
+        self.snapshots: dict[int, torch.Tensor] = {}
+        self.closing = False
+        self.pg = None  # the current generation's pair link
+        self.coder = None
+        self.wire_bytes = 0      # both directions of this rank's anchor link (axis "anchor")
+        self.snapshot_bytes = 0
+        self.update_bytes = 0
+        self.snapshots_sent = 0
+        self.thread = threading.Thread(target=self._run, name=f"anchor-link-{stage}", daemon=True)
+        self.thread.start()
+
+    # ------------------------------------------------------------ trainer's thread
+    def offer(self, version: int, flat: torch.Tensor, keep_older: bool) -> None:
+        """Makes snapshot ``version`` (flat CPU parameters, never mutated) servable."""
+        with self.cv:
+            if not keep_older:
+                self.snapshots.clear()
+            self.snapshots[version] = flat
+            self.cv.notify_all()
+
+    def close(self) -> None:
+        """Stops serving snapshots (an anchor waiting for one gets STOP); the thread is a
+        daemon and ends with the process or the broken connection."""
+        with self.cv:
+            self.closing = True
+            self.cv.notify_all()
+        self.thread.join(timeout=1.0)
+
+    # ------------------------------------------------------------ the link thread
+    def _run(self) -> None:
+        try:
+            self._link()
+        except BaseException as e:  # a programming error: the trainer's thread raises it
+            self.events.put(("error", e))
+
+    def _link(self) -> None:
+        """Links with each anchor generation of this stage in turn, for the whole run: waits
+        until one opens, links, serves it until it breaks ("lost"), then waits for the next
+        (a restarted anchor row). Ends at close or when the fast circuit's store is gone."""
+        store, gen, s = None, 0, self.stage
+        while not self.closing:
+            try:
+                if store is None:
+                    store = side_store(store_address(), self.timeout_s)
+                    store.compare_set(f"{PREFIX}run_id", "", os.urandom(8).hex())  # the first fast rank's wins
+                latest = int(store.add(f"{PREFIX}rowgen", 0))
+                if latest <= gen:  # no new anchor of this stage: look again soon
+                    time.sleep(0.2)  # (polling, not a timed-out store.wait: c10d logs every timeout)
+                    continue
+                gen = latest  # the newest; older ones that never opened are skipped
+                store.wait([f"{PREFIX}g{gen}/open/{s}"], timedelta(seconds=self.timeout_s))
+                store.set(f"{PREFIX}g{gen}/here/{s}/{self.row}", "1")
+                pg = pair_link(store, gen, s, self.row, FAST, self.timeout_s)
+            except Exception as e:
+                if not (self.closing or is_link_failure(e)):
+                    raise
+                if self.closing or type(e).__name__ == "DistNetworkError" or isinstance(e, ConnectionError):
+                    return  # the store (fast rank 0) is gone: the run is over
+                continue  # that generation never opened / never linked: wait for the next one
+            self.pg = pg
+            self.coder = SnapshotCoder(self.snapshot_codec, self.numel)
+            self.events.put(("joined", gen))
+            try:
+                if self._serve_link():
+                    return  # the fast circuit finished: STOP sent
+            except Exception as e:
+                if self.closing:
+                    return
+                if not is_link_failure(e):
+                    raise
+                self.events.put(("lost", gloo_reason(e)))
+
+    def _serve_link(self) -> bool:
+        """Serves the current anchor generation until its link breaks (raises) or the fast
+        circuit finishes (returns True after sending STOP)."""
+        while True:
+            h = recv(HEADER_LEN, torch.int64, ANCHOR, self.pg)
+            self.wire_bytes += HEADER_BYTES
+            kind = int(h[F_KIND]) if int(h[F_MAGIC]) == MAGIC else -1
+            if kind == REQ and self.serves:
+                if not self._serve(int(h[F_VERSION])):
+                    return True
+            elif kind == GRAD:
+                self._receive_update(h)
+            else:
+                raise ProtocolError(f"anchor protocol: unexpected header {h.tolist()}")
+
+    def _receive_update(self, h: torch.Tensor) -> None:
+        try:
+            self.layout.check_header(h)
+        except Rejected as r:
+            n, code = int(h[F_NUMEL]), int(h[F_DTYPE])
+            if r.reason != "shape" or code not in CODE_DTYPES or not 0 <= n <= DRAIN_FACTOR * self.layout.numel + 4096:
+                raise ProtocolError(f"anchor protocol: {r}") from None
+            junk = recv(n, CODE_DTYPES[code], ANCHOR, self.pg)  # drain: keep the stream aligned
+            self.wire_bytes += junk.numel() * junk.element_size()
+            self.events.put(("rejected", r.reason, int(h[F_VERSION])))
+            return
+        payload = recv(self.layout.numel, self.layout.dtype, ANCHOR, self.pg)
+        nbytes = payload.numel() * payload.element_size()
+        self.wire_bytes += nbytes
+        self.update_bytes += nbytes + HEADER_BYTES
+        self.events.put(("update", Arrival(int(h[F_ROUND]), int(h[F_VERSION]), payload, int(h[F_MS]), nbytes)))
+
+    def _serve(self, want: int) -> bool:
+        """Answers a REQ: the snapshot with version >= want (the newest in asynchronous
+        mode, the oldest in delay mode), waiting until there is one; STOP when closing."""
+        with self.cv:
+            while not self.closing and not any(v >= want for v in self.snapshots):
+                self.cv.wait()
+            if self.closing:
+                snap = None
+            else:
+                pick = [v for v in self.snapshots if v >= want]
+                version = max(pick) if self.newest_first else min(pick)
+                snap = self.snapshots[version]
+                for v in [v for v in self.snapshots if v < version]:
+                    del self.snapshots[v]
+        if snap is None:
+            self.wire_bytes += send([header(STOP)], ANCHOR, self.pg)
+            return False
+        code, payload = self.coder.encode(snap)
+        h = header(SNAP, version=version, transport=code, numel=payload.numel(), dtype=DTYPE_CODES[payload.dtype])
+        n = send([h, payload], ANCHOR, self.pg)
+        self.wire_bytes += n
+        self.snapshot_bytes += n
+        self.snapshots_sent += 1
+        return True

@@ -1,0 +1,152 @@
+"""Side links between the anchor row and the fast circuit (docs/anchor.md, "Worlds and
+links"): the fast circuit's rendezvous store, anchor-row generations, the two-process gloo
+pair links, and which errors mean "the link is gone" (``is_link_failure``)."""
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from orchestration.anchor.wire import ProtocolError
+from orchestration.launch import is_peer_error
+
+# Keys under PREFIX in the fast circuit's rendezvous store, per stage column s:
+#   rowgen            counter: the newest anchor-row generation (its stage 0 opens it)
+#   g<G>/claim/s      counter: taken by the one stage-s process of generation G
+#   g<G>/open/s       anchor s of generation G is up and links to the fast ranks
+#   g<G>/here/s/r     fast replica r of stage s waits to link with generation G
+#   g<G>/link/s/r/    the pair link's gloo rendezvous (fast end 0, anchor end 1)
+#   g<G>/row/         generation G's anchor-row world (orchestration.mesh.init_anchor_row)
+#   run_id            a token of this fast circuit, kept with the anchor's saved state
+PREFIX = "meshkern/anchor/"
+FAST, ANCHOR = 0, 1  # the two ends of a pair link
+
+
+def store_address(cfg=None) -> tuple[str, int]:
+    """(host, port) of the fast circuit's rendezvous store: ``--anchor.store host:port``
+    if given, else MASTER_ADDR / MASTER_PORT (what orchestration.launch or torchrun set)."""
+    spec = cfg.anchor.store if cfg is not None else ""
+    if spec:  # checked by orchestration.config.validate
+        host, _, port = spec.rpartition(":")
+        return host, int(port)
+    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        raise ValueError("the anchor needs the fast circuit's store: set --anchor.store host:port "
+                         "(or MASTER_ADDR / MASTER_PORT)")
+    return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+
+
+def side_store(address: tuple[str, int], timeout_s: float):
+    """A client of the fast circuit's store (never its master, never counted among its
+    workers); ``timeout_s`` bounds connecting and each blocking get/wait.
+    ConnectionError names the address when it cannot be reached."""
+    host, port = address
+    try:
+        return dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                             timeout=timedelta(seconds=timeout_s))
+    except Exception as e:
+        raise ConnectionError(f"cannot reach the fast circuit's store at {host}:{port} within {timeout_s:g} s "
+                              f"({type(e).__name__}: {str(e).splitlines()[0][:160]})") from None
+
+
+def is_store_error(e: BaseException) -> bool:
+    """A store wait that timed out or a store that went away."""
+    return type(e).__name__ in ("DistStoreError", "DistNetworkError") or "timeout" in str(e).lower()
+
+
+def is_link_failure(e: BaseException) -> bool:
+    """True for what a broken or misbehaving link raises (a closed connection, a timeout, a
+    store that went away, a peer that broke the protocol); False for a programming error,
+    which must surface instead of passing for "anchor lost"."""
+    return (isinstance(e, (ProtocolError, ConnectionError, TimeoutError, FastCircuitGone))
+            or is_peer_error(e) or is_store_error(e))
+
+
+class FastCircuitGone(RuntimeError):
+    """The fast circuit's store closed its connection: the fast circuit finished (or
+    failed) before this anchor process got where it was going. Not a timeout: the store
+    went away, nothing was waited out."""
+
+
+def store_failure(e: BaseException, timed_out: str, gone: str) -> Exception:
+    """The error to raise for store error ``e``: FastCircuitGone(``gone``) if the store
+    closed (DistNetworkError), else TimeoutError(``timed_out``). Raises ``e`` itself if it
+    is no store error (a programming error must surface)."""
+    if type(e).__name__ == "DistNetworkError":
+        return FastCircuitGone(gone)
+    if not is_store_error(e):
+        raise e
+    return TimeoutError(timed_out)
+
+
+def pair_link(store, generation: int, stage: int, row: int, end: int, timeout_s: float):
+    """The gloo pair link (fast replica ``row`` of ``stage`` <-> anchor ``stage``) of one
+    generation. Its rendezvous waits at most ``timeout_s``; transfers wait LINK_TIMEOUT
+    (passed to every ``wait``): a slow anchor is not a dead one."""
+    pre = dist.PrefixStore(f"{PREFIX}g{generation}/link/{stage}/{row}", store)
+    return dist.ProcessGroupGloo(pre, end, 2, timedelta(seconds=timeout_s))
+
+
+def claim_generation(store, stage: int, timeout_s: float) -> int:
+    """The anchor-row generation this new anchor process of ``stage`` joins. Stage 0 opens
+    a new one (1 for the first anchor row of this fast circuit, 2 for the first restart,
+    ...); a stage s > 0 takes the newest generation whose stage-s slot is still free,
+    waiting up to ``timeout_s`` for a stage 0 to open one. So whatever order the stages of
+    a row are (re)started in, and however often one of them failed before, every stage
+    of one row lands in one generation. TimeoutError if no stage 0 opened one in time."""
+    if stage == 0:
+        gen = int(store.add(f"{PREFIX}rowgen", 1))
+        store.add(f"{PREFIX}g{gen}/claim/0", 1)
+        return gen
+    end = time.monotonic() + timeout_s
+    while True:
+        gen = int(store.add(f"{PREFIX}rowgen", 0))
+        if gen > 0 and int(store.add(f"{PREFIX}g{gen}/claim/{stage}", 1)) == 1:
+            return gen
+        if time.monotonic() > end:
+            raise TimeoutError(f"anchor stage {stage}: no anchor stage 0 opened a new anchor-row generation within "
+                               f"{timeout_s:g} s (start every stage of the anchor row)")
+        time.sleep(0.2)  # polling, not a timed-out store.wait: c10d logs every timeout
+
+
+def join_anchor_row(layout, rank: int, cfg):
+    """Anchor rank ``rank``: connects to the fast circuit's store, takes the next
+    generation of its stage and joins that generation's anchor-row world; returns the
+    orchestration.mesh.Mesh (``store`` and ``generation`` set)."""
+    from orchestration.mesh import init_anchor_row
+
+    _, stage = layout.coords(rank)
+    store = side_store(store_address(cfg), cfg.mesh.timeout_s)
+    generation = claim_generation(store, stage, cfg.mesh.timeout_s)
+    try:
+        mesh = init_anchor_row(layout, stage, store, generation, backend=cfg.mesh.backend,
+                               timeout_s=cfg.mesh.timeout_s)
+    except Exception as e:
+        raise store_failure(
+            e, f"{layout.describe(rank)}: the other anchor stages of generation {generation} did not join within "
+               f"{cfg.mesh.timeout_s:g} s (restart every stage of the anchor row together)",
+            f"{layout.describe(rank)}: the fast circuit's store closed before anchor-row generation {generation} "
+            "formed (the fast circuit finished or failed)") from None
+    return mesh
+
+
+def link_to_fast(mesh, fast_rows: int, timeout_s: float) -> list:
+    """Anchor side: one pair link per fast replica of this stage (replica order), each
+    made once that replica said it waits for this generation; TimeoutError names a
+    replica that did not within ``timeout_s``; FastCircuitGone if the fast circuit's
+    store closed first (a short run can finish before its anchor row links)."""
+    store, g, s = mesh.store, mesh.generation, mesh.stage
+    store.set(f"{PREFIX}g{g}/open/{s}", "1")
+    pgs = []
+    for r in range(fast_rows):
+        try:
+            store.wait([f"{PREFIX}g{g}/here/{s}/{r}"], timedelta(seconds=timeout_s))
+            pgs.append(pair_link(store, g, s, r, ANCHOR, timeout_s))
+        except Exception as e:
+            who = mesh.layout.describe(mesh.layout.rank_of(r, s))
+            raise store_failure(
+                e, f"anchor generation {g}, stage {s}: {who} did not link within {timeout_s:g} s",
+                f"anchor generation {g}, stage {s}: the fast circuit's store closed before {who} linked (the "
+                "fast circuit finished or failed)") from None
+    return pgs

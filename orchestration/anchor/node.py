@@ -1,0 +1,221 @@
+"""The anchor node: one anchor rank's loop over rounds (docs/anchor.md): pull a snapshot
+of its stage from fast replica 0, run an unmasked forward/backward over its own batches
+through the anchor row's pipeline, send the result to every fast replica of its column.
+Also its fault injection (MESHKERN_ANCHOR_FAULT, --run.fail_rank) and its saved state
+(round counter, factored momentum) for restarts."""
+from __future__ import annotations
+
+import math
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from meshkern.optim import AnchorMomentum, spectral_param_groups
+from orchestration.anchor.links import FAST, PREFIX, FastCircuitGone, is_store_error, link_to_fast
+from orchestration.anchor.snapshot import SnapshotCoder
+from orchestration.anchor.wire import (CODE_DTYPES, F_DTYPE, F_KIND, F_LAYOUT, F_MAGIC, F_NUMEL, F_TRANSPORT,
+                                       F_VERSION, HEADER_BYTES, HEADER_LEN, MAGIC, REQ, SNAP, STOP, Layout,
+                                       ProtocolError, eligible_params, header, recv, send)
+from orchestration.codecs import make_codec
+from orchestration.data import BatchSampler
+from orchestration.launch import is_peer_error
+from orchestration.pipeline import PipelineExecutor
+from orchestration.schedule import make_schedule
+
+
+def parse_faults(spec: str) -> dict[str, dict[int, float]]:
+    """``"nan:1,stall:3=30"`` -> {"nan": {1: 0.0}, "stall": {3: 30.0}} (docs/anchor.md, "Fault injection")."""
+    out: dict[str, dict[int, float]] = {}
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        try:
+            kind, rest = item.split(":", 1)
+            rnd, _, arg = rest.partition("=")
+            if kind not in ("nan", "shape", "stall", "die"):
+                raise ValueError
+            out.setdefault(kind, {})[int(rnd)] = float(arg) if arg else 0.0
+        except ValueError:
+            raise ValueError(f"MESHKERN_ANCHOR_FAULT: bad item {item!r}; use kind:round[=seconds] with kind "
+                             "nan, shape, stall or die") from None
+    return out
+
+
+def round_batch(cfg, plan, index: int) -> torch.Tensor:
+    """The anchor's batch of round ``index``: ``anchor.microbatches`` micro-batches of the
+    fast circuit's micro-batch size, drawn from the whole training set by the anchor's own
+    seeded sampler (it takes no fast replica's shard, so adding the anchor row changes no
+    fast replica's data); the same on every anchor stage."""
+    mb = cfg.train.batch_size // cfg.train.microbatches
+    n = mb * cfg.anchor.microbatches
+    rows = plan.train_rows
+    if len(rows) < n:
+        raise ValueError(f"the anchor needs {n} sequences per round, the training set has {len(rows)}")
+    return BatchSampler(rows, n, cfg.train.seed + 104_729)(index)
+
+
+def state_path(plan, stage: int) -> str:
+    """Where anchor ``stage`` keeps its state: the checkpoint directory of the run."""
+    return os.path.join(plan.ckpt_dir, "anchor", f"stage_{stage:02d}.pt")
+
+
+def save_state(path: str, run_id: str, next_round: int, layout: Layout, momentum) -> None:
+    """Atomically writes the anchor's state (tensors and plain values only): the next round
+    (its data position), the payload layout and, with factored transport, its AnchorMomentum."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    st = {"run_id": run_id, "round": next_round, "layout": layout.hash,
+          "momentum": None if momentum is None else momentum.state_dict()}
+    tmp = f"{path}.tmp{os.getpid()}"
+    torch.save(st, tmp)
+    os.replace(tmp, path)
+
+
+def load_state(path: str, run_id: str, layout: Layout, momentum, resuming: bool):
+    """The saved state if it belongs here, else None: same payload layout, and saved by an
+    anchor of this very fast circuit (``run_id``: a rejoin) or any run when the fast
+    circuit was resumed from a checkpoint. Loads the momentum into ``momentum``; returns
+    (next round, why it was (not) used)."""
+    if not os.path.isfile(path):
+        return None, "no saved anchor state"
+    st = torch.load(path, weights_only=True)  # never unpickle: tensors and plain values only
+    if not resuming and st.get("run_id") != run_id:
+        return None, f"{path} is from another run: starting fresh"
+    if st.get("layout") != layout.hash or (momentum is None) != (st.get("momentum") is None):
+        return None, f"{path} does not match this stage's anchor layout/transport: starting fresh"
+    if momentum is not None:
+        momentum.load_state_dict(st["momentum"])
+    return int(st["round"]), f"restored round {int(st['round'])} from {path}"
+
+
+def run_anchor_rank(ctx) -> dict:
+    """Runs anchor rank (anchor row, stage ``ctx.mesh.stage``, generation
+    ``ctx.mesh.generation``, joined with ``join_anchor_row``) until the fast circuit
+    finishes or a link breaks; returns its record (rounds, losses, bytes, why it stopped).
+
+    A restarted anchor (generation > 1) picks up the saved state of its stage (round
+    counter and, with factored transport, the anchor momentum; written after every
+    ``anchor.state_every`` rounds) and asks for the newest snapshot."""
+    try:  # Ctrl-C is for the fast circuit (it checkpoints); the anchor ends with it
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:
+        pass
+    cfg, mesh, stage, plan = ctx.cfg, ctx.mesh, ctx.stage, ctx.plan
+    a, t = cfg.anchor, cfg.train
+    params = ctx.params
+    pdtype = params[0].dtype
+    named = eligible_params(stage, spectral_param_groups(stage))
+    layout = Layout.build(named, a.transport, t.spectral_rank, pdtype)
+    momentum = (AnchorMomentum([p for _, p in named], t.beta_anc, t.spectral_rank, seed=t.seed)
+                if a.transport == "factored" else None)
+    pipe = PipelineExecutor(stage, make_schedule(t.schedule, cfg.mesh.stages, a.microbatches)[mesh.stage],
+                            codec=make_codec("dense"), prev_rank=mesh.prev_rank, next_rank=mesh.next_rank,
+                            rank=mesh.stage, seed=t.seed, counter=ctx.counter, group=None)
+    first = mesh.generation == 1  # fault injection acts on the first anchor row only
+    faults = parse_faults(os.environ.get("MESHKERN_ANCHOR_FAULT", "")) if first else {}
+    rec = {"rank": mesh.rank, "anchor": True, "generation": mesh.generation, "rounds": 0, "versions": [],
+           "losses": [], "round_s": [], "bytes_to_fast": 0, "bytes_from_fast": 0, "stopped": "", "restored": ""}
+    want, k = 0, 0
+    coder = SnapshotCoder(a.snapshot_codec, sum(p.numel() for p in params))
+    try:
+        links = link_to_fast(mesh, cfg.fast_rows, cfg.mesh.timeout_s)
+        run_id = mesh.store.get(f"{PREFIX}run_id").decode()
+        path = state_path(plan, mesh.stage)
+        if mesh.generation > 1 or plan.resume_from:
+            got, rec["restored"] = load_state(path, run_id, layout, momentum, bool(plan.resume_from))
+            k = got or 0
+        while True:
+            got = _pull_snapshot(mesh, links[0], want, params, coder, rec)
+            if got is None:
+                rec["stopped"] = "the fast circuit finished"
+                break
+            version = got
+            if rec["rounds"] == 0 and mesh.stage == 0:
+                print(f"[anchor] row generation {mesh.generation} linked with {len(links)} fast replicas; first "
+                      f"snapshot: version {version}", file=sys.stderr, flush=True)
+            if first and mesh.rank == cfg.run.fail_rank and version >= cfg.run.fail_step >= 0:
+                os.kill(os.getpid(), signal.SIGKILL)  # fault injection: die like a crashed node
+            if k in faults.get("die", {}):
+                os.kill(os.getpid(), signal.SIGKILL)
+            t0 = time.perf_counter()
+            for p in params:
+                p.grad = None
+            stats = pipe.step(version, round_batch(cfg, plan, k), num_microbatches=a.microbatches)
+            payload = layout.encode([p.grad for _, p in named], momentum)
+            ms = int(1000 * (time.perf_counter() - t0))
+            hdr = layout.grad_header(k, version, ms)
+            if k in faults.get("nan", {}):
+                payload = payload.clone()
+                payload[payload.numel() // 2] = float("nan")
+            if k in faults.get("shape", {}):
+                payload = torch.cat([payload, torch.zeros(3, dtype=payload.dtype)])
+                hdr[F_NUMEL], hdr[F_LAYOUT] = payload.numel(), layout.hash ^ 1
+            if k in faults.get("stall", {}):
+                secs = faults["stall"][k]
+                end = time.monotonic() + secs
+                while math.isinf(secs) or time.monotonic() < end:
+                    time.sleep(0.5)
+            for pg in links:
+                rec["bytes_to_fast"] += send([hdr, payload], FAST, pg)
+            rec["rounds"] += 1
+            rec["versions"].append(version)
+            rec["round_s"].append(ms / 1000)
+            if mesh.is_last:
+                rec["losses"].append(stats.loss)
+            want = version + a.snapshot_every
+            k += 1
+            if a.state_every and k % a.state_every == 0:
+                save_state(path, run_id, k, layout, momentum)
+    except FastCircuitGone:  # e.g. a short run that finished before this row linked
+        rec["stopped"] = "the fast circuit ended before this anchor row linked"
+    except Exception as e:  # a fast rank or anchor peer is gone: the run ended or broke
+        if not (is_peer_error(e) or is_store_error(e)):
+            raise
+        rec["stopped"] = f"link closed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+    rec["bytes"] = ctx.counter.totals()
+    return rec
+
+
+def _pull_snapshot(mesh, link, want: int, params, coder: SnapshotCoder, rec) -> int | None:
+    """Loads the stage parameters of snapshot version >= ``want`` from fast replica 0
+    (``link``, decoded by ``coder``), the same version on every anchor stage (agreed over
+    the anchor row's world); None when the fast circuit ended."""
+    target, version, flat, stop = want, None, None, False
+    while True:
+        if not stop and (version is None or version < target):
+            rec["bytes_to_fast"] += send([header(REQ, version=target)], FAST, link)
+            h = recv(HEADER_LEN, torch.int64, FAST, link)
+            rec["bytes_from_fast"] += HEADER_BYTES
+            if int(h[F_MAGIC]) != MAGIC or int(h[F_KIND]) not in (SNAP, STOP):
+                raise ProtocolError(f"anchor protocol: expected SNAP/STOP from replica 0, got header {h.tolist()}")
+            if int(h[F_KIND]) == STOP:
+                stop = True
+            else:
+                n, code = int(h[F_NUMEL]), int(h[F_DTYPE])
+                if code not in CODE_DTYPES or not 0 < n <= 4 * coder.numel + 4096:
+                    raise ProtocolError(f"anchor protocol: snapshot of {n} elements, dtype code {code}, from "
+                                       f"replica 0; this stage has {coder.numel} parameters")
+                payload = recv(n, CODE_DTYPES[code], FAST, link)
+                rec["bytes_from_fast"] += payload.numel() * payload.element_size()
+                flat = coder.decode(int(h[F_TRANSPORT]), payload)
+                version = int(h[F_VERSION])
+        mine = torch.tensor([1 if stop else 0, -1 if version is None else version], dtype=torch.int64,
+                            device=mesh.device)
+        if mesh.layout.stages > 1:
+            everyone = [torch.zeros_like(mine) for _ in range(mesh.layout.stages)]
+            dist.all_gather(everyone, mine)
+        else:
+            everyone = [mine]
+        if any(int(e[0]) for e in everyone):
+            return None
+        versions = [int(e[1]) for e in everyone]
+        if min(versions) == max(versions):
+            break
+        target = max(versions)
+    o = 0
+    with torch.no_grad():
+        for p in params:
+            p.copy_(flat[o:o + p.numel()].view_as(p))
+            o += p.numel()
+    return version
