@@ -28,50 +28,20 @@ Non-contiguous inputs are copied to contiguous first.
 from __future__ import annotations
 
 import dataclasses
-import numbers
 import operator
 
 import torch
 from torch import Tensor
 
 from meshkern import _backend
+from meshkern._checks import as_float as _as_float, as_int as _as_int, backend_arg as _backend_arg  # noqa: F401
+from meshkern._checks import float_tensor
 from meshkern import reference_mask as _ref
 
 __all__ = ["MaskKey", "kept_dims", "mask_indices", "pack", "unpack"]
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _MAX_H = 2**31 - 1  # draw_below needs j + 1 <= 2**31
 _MAX_ROWS = 2**32  # the token row is one 32-bit Philox counter word
-
-
-def _as_int(value) -> int | None:
-    """``value`` as a Python int if it is a plain integer (int, numpy integer, SymInt),
-    else None. Bools, floats, strings and tensors are not integers here."""
-    if isinstance(value, (bool, Tensor)):
-        return None
-    try:
-        return operator.index(value)
-    except TypeError:
-        return None
-
-
-def _as_float(value) -> float | None:
-    """``value`` as a Python float if it is a plain real number (int, float, numpy scalar),
-    else None (bools, tensors, strings)."""
-    if isinstance(value, (bool, Tensor)) or not isinstance(value, numbers.Real):
-        return None
-    return float(value)
-
-
-def _backend_arg(backend) -> str:
-    """The op-schema form of a ``backend=`` argument: None means "auto" (as in
-    meshkern._backend.resolve); anything but None or a str is a TypeError."""
-    if backend is None:
-        return "auto"
-    if not isinstance(backend, str):
-        raise TypeError(f"backend must be a str ('auto', 'cpp', 'cuda', 'triton', 'reference') or None, "
-                        f"got {type(backend).__name__}")
-    return backend
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,15 +108,6 @@ def _key_words(seed_lo, seed_hi, boundary, step, microbatch):
     return seed_lo, seed_hi, step, (boundary << 16) | microbatch
 
 
-def _check_float(x: Tensor, what: str) -> None:
-    if not isinstance(x, Tensor):
-        raise TypeError(f"{what} must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"{what} must be float16/bfloat16/float32/float64, got {x.dtype}")
-    if x.dim() < 1:
-        raise ValueError(f"{what} must have at least one dim ([..., dims]), got a 0-d tensor")
-
-
 def _rows(x: Tensor) -> int:
     n = x.shape[:-1].numel()
     if n > _MAX_ROWS:
@@ -203,7 +164,7 @@ def _(seed_lo, seed_hi, boundary, step, microbatch, T, H, p, device, backend):
 @torch.library.custom_op("meshkern::mask_pack", mutates_args=())
 def _pack_op(h: Tensor, seed_lo: int, seed_hi: int, boundary: int, step: int, microbatch: int,
              p: float, rescale: bool, backend: str) -> Tensor:
-    _check_float(h, "h")
+    float_tensor("h", h, min_dim=1)
     words = _key_words(seed_lo, seed_hi, boundary, step, microbatch)
     H = h.shape[-1]
     K = kept_dims(H, p)
@@ -220,7 +181,7 @@ def _pack_op(h: Tensor, seed_lo: int, seed_hi: int, boundary: int, step: int, mi
 
 @_pack_op.register_fake
 def _(h, seed_lo, seed_hi, boundary, step, microbatch, p, rescale, backend):
-    _check_float(h, "h")
+    float_tensor("h", h, min_dim=1)
     K = kept_dims(h.shape[-1], p)
     return h.new_empty(*h.shape[:-1], K)
 
@@ -242,7 +203,7 @@ def _unpack_op(v: Tensor, seed_lo: int, seed_hi: int, boundary: int, step: int, 
 
 
 def _check_unpack(v: Tensor, H: int, p: float) -> int:
-    _check_float(v, "v")
+    float_tensor("v", v, min_dim=1)
     K = kept_dims(H, p)
     if v.shape[-1] != K:
         raise ValueError(f"v has {v.shape[-1]} values per token but H={H}, p={p} keeps K={K}: "
@@ -333,7 +294,7 @@ def pack(h: Tensor, key: MaskKey, p: float, *, rescale: bool = False, backend: s
     ``rescale=True`` multiplies by H/K (see module docstring).
     """
     _check_key(key)
-    _check_float(h, "h")
+    float_tensor("h", h, min_dim=1)
     kept_dims(h.shape[-1], p)
     return _pack_op(h, *key.words(), float(p), bool(rescale), _backend_arg(backend))
 

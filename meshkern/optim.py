@@ -25,6 +25,7 @@ filtered (plain AdamW on the noisy gradients: 2.665; on clean ones: 1.751).
 """
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Iterable, Sequence
 
@@ -32,7 +33,7 @@ import torch
 from torch import Tensor
 
 from meshkern import spectral
-from meshkern.mask import _as_float, _as_int
+from meshkern._checks import as_float as _as_float, as_int as _as_int
 
 Factors = tuple[Tensor, Tensor, Tensor]
 
@@ -193,6 +194,16 @@ class AnchorMomentum:
         self._stale = {int(i) for i in sd["stale"]}
         self.updates, self.rejected, self.refreshes = int(sd["updates"]), int(sd["rejected"]), int(sd["refreshes"])
         self.seed, self.beta_anc, self.rank = int(sd["seed"]), float(sd["beta_anc"]), int(sd["rank"])
+
+
+def warmup_cosine_lr(step: int, *, lr: float, steps: int, warmup_steps: int, min_lr_ratio: float) -> float:
+    """The learning rate of step ``step`` (0-based): linear warmup to ``lr`` over
+    ``warmup_steps`` steps, then cosine decay to ``lr * min_lr_ratio`` at step ``steps``
+    (held there after). The trainer's and the base-model pretraining's schedule."""
+    if step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    frac = min(1.0, (step - warmup_steps) / max(1, steps - warmup_steps))
+    return lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
 def spectral_param_groups(model: torch.nn.Module, *, filter_embeddings: bool = False,
@@ -537,4 +548,4 @@ class SpectralAdamW(torch.optim.AdamW):
         self._energy = None if spec["energy"] is None else tuple(t.clone() for t in spec["energy"])
 
 
-__all__ = ["SpectralAdamW", "AnchorMomentum", "spectral_param_groups"]
+__all__ = ["SpectralAdamW", "AnchorMomentum", "spectral_param_groups", "warmup_cosine_lr"]

@@ -48,6 +48,7 @@ import torch
 from torch import Tensor
 
 from meshkern import _backend
+from meshkern.linalg import cholesky_qr2
 from meshkern.mask import _as_float, _as_int, _backend_arg
 
 GROUP = "spectral"
@@ -396,24 +397,12 @@ def project(G: Tensor, U: Tensor, S: Tensor, V: Tensor, tau: float = 1e-3, alpha
 
 # ------------------------------------------------------------------- randomized SVD
 def _orthonormalize(Y: Tensor, ortho: str) -> Tensor:
-    """Orthonormal basis Q[B, m, l] of the columns of Y[B, m, l] (l <= m)."""
+    """Orthonormal basis Q[B, m, l] of the columns of Y[B, m, l] (l <= m): Householder QR,
+    or Cholesky-QR2 (meshkern.linalg.cholesky_qr2: GEMM-only, falls back to QR on entries
+    it cannot make orthonormal)."""
     if ortho == "qr":
         return torch.linalg.qr(Y).Q
-    # Cholesky-QR2: Q1 = Y R1^-1 with R1 = chol(Y^T Y)^T, then once more on Q1 to repair
-    # the loss of orthogonality (Yamamoto et al. 2015). GEMM-only, hence fast on GPUs.
-    Q = Y
-    for _ in range(2):
-        L, info = torch.linalg.cholesky_ex(Q.mT @ Q)
-        ok = (info == 0) & torch.isfinite(L).flatten(1).all(dim=1)
-        eye = torch.eye(L.shape[-1], dtype=L.dtype, device=L.device)
-        L = torch.where(ok[:, None, None], L, eye)
-        Q = torch.linalg.solve_triangular(L.mT, Q, upper=True, left=False)
-        if not bool(ok.all()):  # ill-conditioned entries: Householder QR for those
-            bad = (~ok).nonzero().flatten()
-            Q = Q.clone()
-            Q[bad] = torch.linalg.qr(Y[bad]).Q
-            return Q
-    return Q
+    return cholesky_qr2(Y)
 
 
 def _randomized_svd_impl(M: Tensor, rank: int, oversample: int, power_iters: int, seed: int,

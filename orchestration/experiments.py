@@ -55,6 +55,8 @@ from dataclasses import dataclass
 
 import torch
 
+from orchestration.metrics import read_jsonl
+
 
 # ============================================================== the rows
 @dataclass(frozen=True)
@@ -218,11 +220,6 @@ def _plan_for(argv: list[str]):
     return cfg, _PLANS[key]
 
 
-def _read_jsonl(path: str) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def _checkpoints(run_dir: str) -> list[tuple[int, str]]:
     out = []
     for d in sorted(glob.glob(os.path.join(run_dir, "checkpoints", "step_*"))):
@@ -238,7 +235,7 @@ def evaluate_run(row: Row, seed: int, s: Settings, argv: list[str], run_dir: str
     from orchestration.models import load_causal_lm
 
     cfg, plan = _plan_for(argv)
-    history = _read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    history = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     if not history or history[-1]["step"] != s.steps:
         raise RuntimeError(f"{run_dir}: metrics.jsonl ends at step "
                            f"{history[-1]['step'] if history else 0}, expected {s.steps}")

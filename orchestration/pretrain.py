@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import shutil
 import tempfile
@@ -76,11 +75,12 @@ class PretrainConfig:
 
 
 def lr_at(step: int, cfg: PretrainConfig) -> float:
-    """Linear warmup to cfg.lr over warmup_steps, then cosine to lr * min_lr_ratio."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    t = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
+    """Linear warmup to cfg.lr over warmup_steps, then cosine to lr * min_lr_ratio
+    (meshkern.optim.warmup_cosine_lr, the trainer's schedule)."""
+    from meshkern.optim import warmup_cosine_lr
+
+    return warmup_cosine_lr(step, lr=cfg.lr, steps=cfg.steps, warmup_steps=cfg.warmup_steps,
+                            min_lr_ratio=cfg.min_lr_ratio)
 
 
 def _texts(name: str, cfg: PretrainConfig) -> list[str]:

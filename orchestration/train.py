@@ -202,13 +202,12 @@ def _load_model(cfg: Config, path: str):
 
 # ============================================================== per-rank pieces
 def lr_at(step: int, cfg: Config) -> float:
-    """Linear warmup to train.lr, then cosine decay to lr * min_lr_ratio at the last step."""
+    """Linear warmup to train.lr, then cosine decay to lr * min_lr_ratio at the last step
+    (meshkern.optim.warmup_cosine_lr)."""
+    from meshkern.optim import warmup_cosine_lr
+
     t = cfg.train
-    if step < t.warmup_steps:
-        return t.lr * (step + 1) / t.warmup_steps
-    span = max(1, t.steps - t.warmup_steps)
-    frac = min(1.0, (step - t.warmup_steps) / span)
-    return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
+    return warmup_cosine_lr(step, lr=t.lr, steps=t.steps, warmup_steps=t.warmup_steps, min_lr_ratio=t.min_lr_ratio)
 
 
 def data_shard(cfg: Config, plan: Plan, row: int) -> torch.Tensor:
