@@ -2,6 +2,8 @@
 helpers, the fused ops (opcheck, cpp vs reference), and the compressor on a 1-rank
 group (bytes, state, dtypes, bad input). Multi-rank math: tests/test_compress_dist.py."""
 
+import math
+
 import pytest
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _orthogonalize, _should_compress
@@ -41,13 +43,51 @@ def test_orthogonalization_methods_span_the_same_space(method):
     torch.testing.assert_close(q @ q.transpose(1, 2), ref @ ref.transpose(1, 2), rtol=0, atol=1e-10)
 
 
-def test_cholesky_qr2_falls_back_on_rank_deficient_input():
-    x = torch.zeros(1, 10, 3)
-    x[0, :, 0] = 1.0
-    x[0, :, 1] = 1.0  # duplicate column: Gram matrix singular
-    x[0, 0, 2] = 1.0
+def _ill_conditioned(cond: float, dtype) -> torch.Tensor:
+    """[1, 40, 6] with singular values 1 .. 1/cond (exact orthonormal factors, fp64)."""
+    g = torch.Generator().manual_seed(5)
+    u = torch.linalg.qr(torch.randn(40, 6, generator=g, dtype=torch.float64)).Q
+    v = torch.linalg.qr(torch.randn(6, 6, generator=g, dtype=torch.float64)).Q
+    s = torch.logspace(0, -math.log10(cond), 6, dtype=torch.float64)
+    return ((u * s) @ v.T).to(dtype)[None]
+
+
+@pytest.mark.parametrize("case", ["duplicate_column", "cond1e6_fp32", "cond1e12_fp64", "zero_column"])
+def test_cholesky_qr2_is_orthonormal_on_rank_deficient_and_ill_conditioned_input(case):
+    """The duplicate-column input makes fp32 cholesky_ex "succeed" on a singular Gram matrix
+    (info 0, pivots ~1e-3 and ~6e-8): CholeskyQR2 must detect that and still return
+    orthonormal columns (QR's fallback), as for inputs too ill-conditioned for it. The
+    spanned space still contains every column of the input."""
+    if case == "duplicate_column":
+        x = torch.zeros(1, 10, 3)
+        x[0, :, 0] = 1.0
+        x[0, :, 1] = 1.0  # duplicate column: Gram matrix singular
+        x[0, 0, 2] = 1.0
+    elif case == "zero_column":
+        x = torch.randn(2, 12, 4, generator=torch.Generator().manual_seed(2))
+        x[1, :, 2] = 0.0  # only the second batch entry is rank-deficient
+    elif case == "cond1e6_fp32":
+        x = _ill_conditioned(1e6, torch.float32)
+    else:
+        x = _ill_conditioned(1e12, torch.float64)
     q = orthogonalize(x.clone(), "cholesky_qr2")
-    assert torch.isfinite(q).all()
+    r = x.shape[2]
+    eye = torch.eye(r, dtype=x.dtype).expand(x.shape[0], r, r)
+    tol = 100 * r * torch.finfo(x.dtype).eps
+    assert (q.transpose(1, 2) @ q - eye).abs().max() <= tol
+    resid = x - q @ (q.transpose(1, 2) @ x)  # every input column lies in span(q)
+    assert resid.abs().max() <= 1e3 * torch.finfo(x.dtype).eps * x.abs().max()
+
+
+def test_cholesky_qr2_keeps_the_cholesky_result_on_well_conditioned_input():
+    """Well-conditioned entries are exactly two Cholesky-QR rounds (no silent QR): the same
+    bits as the rounds written out here."""
+    x = torch.randn(3, 30, 5, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    want = x
+    for _ in range(2):
+        L = torch.linalg.cholesky(want.transpose(1, 2) @ want)
+        want = torch.linalg.solve_triangular(L.transpose(1, 2), want, upper=True, left=False)
+    assert torch.equal(orthogonalize(x.clone(), "cholesky_qr2"), want)
 
 
 def test_compress_rule_matches_torch_hook():

@@ -103,6 +103,21 @@ def test_randomized_svd_accuracy_on_slow_decay(backend, spectrum):
     assert torch.allclose(V.double().mT @ V.double(), eye.expand(2, r, r), atol=1e-3)
 
 
+def test_randomized_svd_cholqr2_on_a_rank_deficient_matrix_is_orthonormal():
+    """rank-3 M, rank 8 asked: the sketch is rank-deficient, which fp32 Cholesky-QR alone
+    turns into a non-orthonormal U (|U^T U - I| was 0.24); with the QR fallback U is
+    orthonormal and U S V^T reconstructs M as well as with ortho="qr"."""
+    g = torch.Generator().manual_seed(3)
+    M = (torch.randn(2, 64, 3, generator=g) @ torch.randn(2, 3, 48, generator=g)).contiguous()
+    recon = {}
+    for ortho in ("qr", "cholqr2"):
+        U, S, V = sp.randomized_svd(M, 8, ortho=ortho, backend="reference")
+        eye = torch.eye(8).expand(2, 8, 8)
+        assert (U.mT @ U - eye).abs().max() <= 1e-4, ortho
+        recon[ortho] = ((U * S[:, None, :]) @ V.mT - M).abs().max() / M.abs().max()
+    assert recon["cholqr2"] <= max(3 * recon["qr"], 1e-5)
+
+
 def test_randomized_svd_cholqr2_and_wide():
     i = torch.arange(96, dtype=torch.float64)
     s = 1.0 / (1.0 + i)

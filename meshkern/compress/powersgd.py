@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from meshkern.compress.base import Compressor
+from meshkern.linalg import cholesky_qr2
 from meshkern.compress.powersgd_ops import powersgd_ef_project, powersgd_reconstruct
 
 ORTHOGONALIZATIONS = ("auto", "gram_schmidt", "qr", "cholesky_qr2")
@@ -39,8 +40,9 @@ def orthogonalize(mats: Tensor, method: str = "auto", eps: float = 0.0) -> Tenso
 
     "auto" follows torch's PowerSGD hook: Gram-Schmidt for r <= 2 or half precision
     (QR has no half kernel), Householder QR otherwise. "cholesky_qr2" (two rounds of
-    Cholesky-QR, fast on GPUs for tall-skinny blocks) falls back to QR when a Gram
-    matrix is not positive definite. ``eps`` is added to column norms in Gram-Schmidt
+    Cholesky-QR, fast on GPUs for tall-skinny blocks; meshkern.linalg.cholesky_qr2) falls
+    back to QR for every matrix it cannot make orthonormal (ill-conditioned or
+    rank-deficient), so the result is orthonormal whatever the method. ``eps`` is added to column norms in Gram-Schmidt
     to survive all-zero columns. Returns ``mats``.
     """
     if mats.dim() != 3 or mats.shape[2] > mats.shape[1]:
@@ -59,15 +61,7 @@ def orthogonalize(mats: Tensor, method: str = "auto", eps: float = 0.0) -> Tenso
                 rest -= torch.sum(col * rest, dim=1, keepdim=True) * col
         return mats
     if method == "cholesky_qr2":
-        x = mats
-        for _ in range(2):
-            chol, info = torch.linalg.cholesky_ex(x.transpose(1, 2) @ x)
-            if bool(info.any()):
-                return orthogonalize(mats, "qr")
-            # x^T x = L L^T  =>  x L^{-T} has orthonormal columns; a second round fixes
-            # the rounding the first one leaves (cond(x)^2 enters the Gram matrix).
-            x = torch.linalg.solve_triangular(chol.transpose(1, 2), x, upper=True, left=False)
-        mats.copy_(x)
+        mats.copy_(cholesky_qr2(mats))
         return mats
     q, _ = torch.linalg.qr(mats)
     mats.copy_(q)
