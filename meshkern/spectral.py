@@ -49,7 +49,8 @@ from torch import Tensor
 
 from meshkern import _backend
 from meshkern.linalg import cholesky_qr2
-from meshkern.mask import _as_float, _as_int, _backend_arg
+from meshkern._checks import as_float as _as_float, as_int as _as_int, backend_arg as _backend_arg
+from meshkern._checks import float_tensor
 
 GROUP = "spectral"
 
@@ -60,21 +61,12 @@ DEFAULT_SWEEPS = 10
 # Triton and CUDA Jacobi kernels hold the whole [k, k] problem in one program / block.
 MAX_JACOBI_K = 128
 
-_FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-
 
 # --------------------------------------------------------------------------- checks
-def _check_float(name: str, t: Tensor, allowed=_FLOATS) -> None:
-    if not isinstance(t, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in allowed:
-        raise TypeError(f"{name} must have a dtype in {[str(d) for d in allowed]}, got {t.dtype}")
-
-
 def _check_project_args(G, U, S, V, tau, alpha) -> tuple[float, float]:
     """Validates the shapes/dtypes/devices; returns (tau, alpha) as Python floats."""
     for name, t in (("G", G), ("U", U), ("S", S), ("V", V)):
-        _check_float(name, t)
+        float_tensor(name, t)
     if G.dim() != 3:
         raise ValueError(f"G must be [B, m, n], got shape {tuple(G.shape)}")
     B, m, n = G.shape
@@ -260,7 +252,7 @@ def sym_eig(A: Tensor, *, sweeps: int = DEFAULT_SWEEPS, backend: str | None = "a
     "triton", "reference"; the MESHKERN_BACKEND environment variable sets the default.
     Traceable by torch.compile(fullgraph=True).
     """
-    _check_float("A", A, (torch.float32, torch.float64))
+    float_tensor("A", A, (torch.float32, torch.float64))
     if A.dim() != 3 or A.shape[1] != A.shape[2]:
         raise ValueError(f"A must be a batch of square matrices [B, k, k], got shape {tuple(A.shape)}")
     sw = _as_int(sweeps)
@@ -484,7 +476,7 @@ def randomized_svd(M: Tensor, rank: int, *, oversample: int = 16, power_iters: i
     squeeze = isinstance(M, Tensor) and M.dim() == 2
     if squeeze:
         M = M[None]
-    _check_float("M", M)
+    float_tensor("M", M)
     if M.dim() != 3 or M.shape[1] < 1 or M.shape[2] < 1:
         raise ValueError(f"M must be a batch of matrices [B, m, n], got shape {tuple(M.shape)}")
     rank, oversample, power_iters, seed = _check_svd_options(rank, oversample, power_iters, seed, ortho, method)
