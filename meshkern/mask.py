@@ -38,7 +38,13 @@ from meshkern._checks import as_float as _as_float, as_int as _as_int, backend_a
 from meshkern._checks import float_tensor
 from meshkern import reference_mask as _ref
 
-__all__ = ["MaskKey", "kept_dims", "mask_indices", "pack", "unpack"]
+__all__ = ["MaskKey", "WIRE_FORMAT_VERSION", "kept_dims", "mask_indices", "pack", "unpack"]
+
+# The mask specification (meshkern.reference_mask: Philox counter layout, draw order,
+# Floyd selection, ascending order) is a wire format: both ends of a boundary must run
+# the same one, or the receiver scatters the values into the wrong dims. A deliberate
+# change of it must bump this number and the golden vectors in tests/test_mask_golden.py.
+WIRE_FORMAT_VERSION = 1
 
 _MAX_H = 2**31 - 1  # draw_below needs j + 1 <= 2**31
 _MAX_ROWS = 2**32  # the token row is one 32-bit Philox counter word
