@@ -184,7 +184,7 @@ def anchor_bytes(cfg, stages, dtype) -> tuple[list[float], list[float]]:
 
 
 def model_row(name: str, geom: str, cfg, hf_config, compute, link: LinkSpec, tflops_note: str):
-    from orchestration.train import make_compressor
+    from orchestration.trainer import make_compressor
     Y, X = cfg.mesh.stages, cfg.fast_rows
     dtype = getattr(torch, cfg.model.dtype)
     stages = meta_stages(hf_config, Y, cfg.mesh.layers_per_stage)

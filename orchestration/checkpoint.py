@@ -115,6 +115,12 @@ def existing_run(run_dir: str, ckpt_dir: str) -> str:
     return ""
 
 
+def continue_command(plan) -> str:
+    """The command that continues the run of ``plan`` from its latest checkpoint."""
+    return (f"python -m orchestration.train --config {os.path.join(plan.run_dir, 'config.yaml')} "
+            "--checkpoint.resume latest")
+
+
 def resolve(resume: str, root: str) -> str:
     """The checkpoint directory named by ``--checkpoint.resume`` ('latest' or a path).
 
@@ -145,24 +151,42 @@ def load_rank_state(path: str, rank: int) -> dict:
     return torch.load(f, weights_only=True, map_location="cpu")
 
 
-def save_checkpoint(cfg, plan, mesh, stage, opt, diloco, allreduce, counter, step: int) -> str:
-    """Every fast rank writes its part; rank 0 publishes the checkpoint atomically."""
-    root = plan.ckpt_dir
-    tmp = step_dir(root, step) + ".tmp"
-    os.makedirs(tmp, exist_ok=True)
-    dist.barrier(group=mesh.fast)  # the directory exists before anyone writes (rank 0 may have removed an old one)
-    if mesh.row == 0:
-        write_stage_shard(tmp, stage, cfg.mesh.stages)
-    write_rank_state(tmp, mesh.rank, {
-        "step": step, "stage": stage.state_dict(), "optimizer": opt.state_dict(),
-        "diloco": None if diloco is None else diloco.state_dict(),
-        "compressor": None if allreduce is None else allreduce.state_dict(),
-        "counter": counter.state_dict()})
-    dist.barrier(group=mesh.fast)
-    final = step_dir(root, step)
-    if mesh.rank == 0:
-        meta = {"step": step, "rows": cfg.mesh.rows, "stages": cfg.mesh.stages, "anchor": cfg.anchor.enabled,
-                "model_path": plan.model_path, "config": cfg.to_dict()}
-        finalize(root, tmp, step, meta, plan.model_path, cfg.mesh.stages, cfg.checkpoint.keep)
-    dist.barrier(group=mesh.fast)
-    return final
+class Checkpointer:
+    """Saves and loads one fast rank's part of the checkpoints (``save`` / ``load``).
+
+    ``parts``: name -> an object with ``state_dict`` / ``load_state_dict`` (or None when
+    the run has no such part), saved in rank_XXXXX.pt under that name. The trainer's parts:
+    stage, optimizer, diloco, compressor, counter. Replica 0 also writes its stage's
+    weights as the HF shard; rank 0 publishes the checkpoint (``finalize``)."""
+
+    def __init__(self, cfg, plan, mesh, stage, parts: dict):
+        self.cfg, self.plan, self.mesh, self.stage, self.parts = cfg, plan, mesh, stage, parts
+
+    def save(self, step: int) -> str:
+        """Every fast rank calls it at the same step; returns the checkpoint directory."""
+        cfg, plan, mesh = self.cfg, self.plan, self.mesh
+        root = plan.ckpt_dir
+        tmp = step_dir(root, step) + ".tmp"
+        os.makedirs(tmp, exist_ok=True)
+        dist.barrier(group=mesh.fast)  # the directory exists before anyone writes (rank 0 may have removed an old one)
+        if mesh.row == 0:
+            write_stage_shard(tmp, self.stage, cfg.mesh.stages)
+        state = {"step": step}
+        state.update({k: None if v is None else v.state_dict() for k, v in self.parts.items()})
+        write_rank_state(tmp, mesh.rank, state)
+        dist.barrier(group=mesh.fast)
+        final = step_dir(root, step)
+        if mesh.rank == 0:
+            meta = {"step": step, "rows": cfg.mesh.rows, "stages": cfg.mesh.stages, "anchor": cfg.anchor.enabled,
+                    "model_path": plan.model_path, "config": cfg.to_dict()}
+            finalize(root, tmp, step, meta, plan.model_path, cfg.mesh.stages, cfg.checkpoint.keep)
+        dist.barrier(group=mesh.fast)
+        return final
+
+    def load(self, path: str) -> int:
+        """Loads this rank's parts from checkpoint ``path``; returns its step."""
+        st = load_rank_state(path, self.mesh.rank)
+        for name, part in self.parts.items():
+            if part is not None and st.get(name) is not None:
+                part.load_state_dict(st[name])
+        return int(st["step"])

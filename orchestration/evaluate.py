@@ -92,6 +92,15 @@ def eval_loss(model_or_stages, dataset, *, batch_size: int = 16,
 
 
 # ----------------------------------------------------------------- exact match
+def checkpoint_loss(path: str, rows: torch.Tensor, *, dtype: torch.dtype = torch.float32) -> float:
+    """Mean next-token loss of the checkpoint at ``path`` (loaded in ``dtype``) on ``rows``
+    (int64 [N, T]): how the trainer scores its exported checkpoint on the held-out rows."""
+    from orchestration.models import load_causal_lm
+
+    model, _ = load_causal_lm(path, dtype=dtype)
+    return eval_loss(model, rows)["loss"]
+
+
 @torch.no_grad()
 def greedy_generate(model_or_stages, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int, *,
                     stop_ids: set[int] | frozenset = frozenset(), batch_size: int = 32

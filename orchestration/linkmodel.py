@@ -35,6 +35,9 @@ Two layers:
    not training steps of the fast circuit); bytes per token counts every byte sent on
    any link (each byte once, at its sender) over those tokens.
 
+3. ``model_run``: ``model_step`` fed with a finished trainer run (its config, measured
+   compute times and counted bytes): the run's modeled tokens/s on slow links.
+
 Everything here is arithmetic on the inputs: no hidden constants. Times in seconds,
 sizes in bytes, bandwidth in bit/s.
 """
@@ -351,3 +354,34 @@ def model_step(schedule, compute_times, message_bytes, link: LinkSpec = LinkSpec
     per_tok["total"] = sum(per_tok.values())
     return StepModel(step_s=step, pipeline_s=tl.step_s, tokens=tokens, tokens_per_s=tokens / step,
                      bytes=axes, bytes_per_token=per_tok, limiting=limiting, timeline=tl)
+
+
+# ------------------------------------------------------------------ a finished run
+def model_run(cfg, plan, history: list[dict]) -> StepModel:
+    """The modeled step of a finished trainer run (``model_step``) at --run.bandwidth_bps and
+    --run.latency_s, replaying this run's schedule with its measured per-stage compute times
+    (median over steps, the first step excluded as warm-up) and its exact byte counts."""
+    import torch
+
+    from orchestration.codecs import make_codec
+    from orchestration.schedule import make_schedule
+
+    t, Y, X = cfg.train, cfg.mesh.stages, cfg.fast_rows
+    hist = history[1:] or history
+    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    compute = {"F": [med([h["fwd_s"][s] for h in hist]) for s in range(Y)],
+               "B": [med([h["bwd_s"][s] for h in hist]) for s in range(Y)]}
+    codec = make_codec(cfg.boundary.codec, p=cfg.boundary.p, rescale=cfg.boundary.rescale, **cfg.boundary.options)
+    shape = (t.batch_size // t.microbatches, cfg.data.seq_len, plan.hidden_size)
+    dtype = getattr(torch, cfg.model.dtype)
+    msg = {"F": codec.wire_bytes(shape, dtype, "fwd"), "B": codec.wire_bytes(shape, dtype, "bwd")}
+    # Measured DP bytes each node sent per step (ring all-reduce), back to the payload.
+    n = history[-1]["step"]  # counters are cumulative since step 0 (restored on resume)
+    ring = 2.0 * (X - 1) / X if X > 1 else 1.0
+    dp_payload = [history[-1]["dp_bytes_by_stage"][s] / n / X / ring for s in range(Y)]
+    anchor = history[-1]["bytes"]["anchor"] / n / max(1, X * Y)
+    return model_step(make_schedule(t.schedule, Y, t.microbatches), compute, msg,
+                                LinkSpec(cfg.run.bandwidth_bps, cfg.run.latency_s),
+                                replicas=X, tokens_per_replica=t.batch_size * cfg.data.seq_len,
+                                dp_payload_bytes=dp_payload, dp_blocking=cfg.dp.mode == "allreduce",
+                                anchor_up_bytes=anchor)

@@ -1,4 +1,6 @@
-"""Byte accounting per link/direction/axis, JSONL metrics, progress bar, summary table.
+"""Byte accounting per link/direction/axis, the per-step record (one all-reduce over the
+fast ranks), JSONL metrics, progress bar, summary table. Loads no model and runs no link
+model: the trainer hands it the held-out loss and the modeled step.
 
 Axes: "pp_fwd" (activations between stages), "pp_bwd" (activation gradients),
 "dp" (replica sync: gradient all-reduce or DiLoCo fragments, as counted by the
@@ -8,7 +10,9 @@ the bytes it SENDS, so summing over ranks counts each byte on the wire once.
 from __future__ import annotations
 
 import json
+import math
 import os
+import sys
 from collections import defaultdict
 
 import torch
@@ -142,24 +146,13 @@ def write_link_bytes(plan, mesh, counter: LinkCounter) -> str:
     return path
 
 
-def held_out_loss(cfg, plan, path: str):
-    """Mean next-token loss of the exported checkpoint on up to --run.eval_sequences held-out rows."""
-    if plan.eval_rows is None or not path or cfg.run.eval_sequences == 0:
-        return None
-    from orchestration.evaluate import eval_loss
-    from orchestration.models import load_causal_lm
-
-    model, _ = load_causal_lm(path, dtype=getattr(torch, cfg.model.dtype))
-    return eval_loss(model, plan.eval_rows[:cfg.run.eval_sequences])["loss"]
-
-
-def summarize(cfg, plan, history: list[dict], elapsed: float, steps_done: int, last_ckpt: str) -> dict:
-    """The run's summary (rank 0): what ``summary_rows`` prints and what run_rank returns."""
+def summarize(cfg, plan, history: list[dict], elapsed: float, steps_done: int, last_ckpt: str, model) -> dict:
+    """The run's summary (rank 0): what ``summary_rows`` prints and what run_rank returns.
+    ``model``: the link model's step for this run (orchestration.linkmodel.model_run) or None."""
     last = history[-1]
     t = cfg.train
     tokens_run = steps_done * cfg.fast_rows * t.batch_size * cfg.data.seq_len
     bpt = last["bytes_per_token"]
-    model = modeled_step(cfg, plan, history)
     s = {
         "mesh": f"{cfg.mesh.rows}x{cfg.mesh.stages} ({cfg.fast_rows} fast replicas"
                 + (" + anchor" if cfg.anchor.enabled else "") + f" x {cfg.mesh.stages} stages)",
@@ -183,30 +176,67 @@ def summarize(cfg, plan, history: list[dict], elapsed: float, steps_done: int, l
     return s
 
 
-def modeled_step(cfg, plan, history: list[dict]):
-    """The link model's step (orchestration.linkmodel.model_step) at --run.bandwidth_bps and
-    --run.latency_s, replaying this run's schedule with its measured per-stage compute times
-    (median over steps, the first step excluded as warm-up) and its exact byte counts."""
-    from orchestration import linkmodel
-    from orchestration.codecs import make_codec
-    from orchestration.schedule import make_schedule
+# ------------------------------------------------------------ per step
+def reduce_step(cfg, mesh, step: int, stats, gnorm: float, skipped: int, counter: LinkCounter, stop: bool,
+                step_s: float, lr: float) -> tuple[dict, bool]:
+    """One small SUM all-reduce over the fast ranks (the anchor never joins it) of
+    [stop flag, loss, grad norm, skipped steps, per-stage F and B compute seconds, bytes
+    per axis, DP bytes per stage]; returns (the step's metrics record, stop requested)."""
+    Y, X, t = cfg.mesh.stages, cfg.fast_rows, cfg.train
+    vec = torch.zeros(4 + 3 * Y + len(AXES), dtype=torch.float64)  # filled on CPU, reduced on mesh.device
+    vec[0] = float(stop)
+    vec[1] = stats.loss if mesh.is_last else 0.0
+    vec[2] = (gnorm if math.isfinite(gnorm) else 0.0) / Y if mesh.is_first else 0.0
+    vec[3] = float(skipped) / Y
+    vec[4 + mesh.stage] = sum(stats.fwd_s) / len(stats.fwd_s) / X
+    vec[4 + Y + mesh.stage] = sum(stats.bwd_s) / len(stats.bwd_s) / X
+    tot = counter.totals()
+    for i, a in enumerate(AXES):
+        vec[4 + 2 * Y + i] = tot[a]
+    vec[4 + 2 * Y + len(AXES) + mesh.stage] = tot["dp"]
+    vec = vec.to(mesh.device)
+    dist.all_reduce(vec, group=mesh.fast)
+    vec = vec.cpu()
+    tokens_per_step = X * t.batch_size * cfg.data.seq_len
+    rec = {"step": step + 1, "loss": vec[1].item() / X, "lr": lr, "grad_norm": vec[2].item(),
+           "tokens": (step + 1) * tokens_per_step, "step_s": step_s,
+           "tokens_per_s": tokens_per_step / max(step_s, 1e-9), "skipped_steps": round(vec[3].item()),
+           "fwd_s": vec[4:4 + Y].tolist(), "bwd_s": vec[4 + Y:4 + 2 * Y].tolist(),
+           "bytes": {a: int(vec[4 + 2 * Y + i]) for i, a in enumerate(AXES)},
+           "dp_bytes_by_stage": [int(v) for v in vec[4 + 2 * Y + len(AXES):].tolist()]}
+    rec["bytes_per_token"] = {a: rec["bytes"][a] / rec["tokens"] for a in AXES}
+    return rec, vec[0].item() > 0
 
-    t, Y, X = cfg.train, cfg.mesh.stages, cfg.fast_rows
-    hist = history[1:] or history
-    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
-    compute = {"F": [med([h["fwd_s"][s] for h in hist]) for s in range(Y)],
-               "B": [med([h["bwd_s"][s] for h in hist]) for s in range(Y)]}
-    codec = make_codec(cfg.boundary.codec, p=cfg.boundary.p, rescale=cfg.boundary.rescale, **cfg.boundary.options)
-    shape = (t.batch_size // t.microbatches, cfg.data.seq_len, plan.hidden_size)
-    dtype = getattr(torch, cfg.model.dtype)
-    msg = {"F": codec.wire_bytes(shape, dtype, "fwd"), "B": codec.wire_bytes(shape, dtype, "bwd")}
-    # Measured DP bytes each node sent per step (ring all-reduce), back to the payload.
-    n = history[-1]["step"]  # counters are cumulative since step 0 (restored on resume)
-    ring = 2.0 * (X - 1) / X if X > 1 else 1.0
-    dp_payload = [history[-1]["dp_bytes_by_stage"][s] / n / X / ring for s in range(Y)]
-    anchor = history[-1]["bytes"]["anchor"] / n / max(1, X * Y)
-    return linkmodel.model_step(make_schedule(t.schedule, Y, t.microbatches), compute, msg,
-                                linkmodel.LinkSpec(cfg.run.bandwidth_bps, cfg.run.latency_s),
-                                replicas=X, tokens_per_replica=t.batch_size * cfg.data.seq_len,
-                                dp_payload_bytes=dp_payload, dp_blocking=cfg.dp.mode == "allreduce",
-                                anchor_up_bytes=anchor)
+
+class RunLog:
+    """Rank 0's metrics file (every ``run.log_every`` steps and the last) and progress bar;
+    other ranks log nothing."""
+
+    def __init__(self, cfg, plan, start: int, active: bool):
+        self.cfg, self.active = cfg, active
+        self.writer = JsonlWriter(os.path.join(plan.run_dir, "metrics.jsonl")) if active else None
+        self.bar = None
+        if active and cfg.run.progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=cfg.train.steps, initial=start, desc="train", unit="step", dynamic_ncols=True,
+                            file=sys.stdout)
+
+    def record(self, rec: dict, step: int) -> None:
+        if not self.active:
+            return
+        if (step + 1) % self.cfg.run.log_every == 0 or step + 1 == self.cfg.train.steps:
+            self.writer.write(rec)
+        if self.bar is not None:
+            bpt = rec["bytes_per_token"]
+            self.bar.set_postfix_str(f"loss {rec['loss']:.3f} | {rec['tokens_per_s']:.0f} tok/s | "
+                                     f"B/tok PP {bpt['pp_fwd'] + bpt['pp_bwd']:.0f} DP {bpt['dp']:.0f}", refresh=False)
+            self.bar.update(1)
+
+    def close_bar(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()

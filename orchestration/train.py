@@ -9,21 +9,16 @@ Under torchrun (multi-node) every rank runs ``prepare`` itself (deterministic, s
 agree), and ``--checkpoint.dir`` must be on storage every node sees: ranks write their
 own files, rank 0 indexes the stage shards and publishes the checkpoint.
 
-Flow: ``main`` parses and validates the config, then ``prepare`` checks every path and
-builds the model and token data once, all BEFORE a process is spawned (bad input is a
+Flow: ``main`` parses and validates the config (orchestration.config.validate: every
+rule on the config itself), then ``prepare`` checks it against the model, data and
+checkpoint it reads and loads them once, all BEFORE a process is spawned (bad input is a
 clear error, never a dead mesh). Without torchrun variables it spawns the local mesh
 itself (orchestration.launch); under torchrun each process is one rank. Every rank runs
-``run_rank``: join the mesh, take its stage of the model, then the step loop:
-
-    pipeline step (schedule + codec boundaries, grad accumulation over micro-batches)
-    -> tied-embedding grad sync -> DP gradient all-reduce (dp.mode=allreduce)
-    -> global grad-norm clip -> anchor gradients (if any arrived) -> inner optimizer
-    -> Streaming DiLoCo (dp.mode=diloco) -> metrics / progress / checkpoint
-
-The anchor circuit plugs in through ``orchestration.anchor``: fast ranks poll a
-``FastHook`` once per step; anchor ranks run ``anchor.run_anchor_rank(ctx)`` in a world of
-their own. The local launcher restarts a dead anchor row (``--anchor.restarts``); by hand,
-or on another machine, ``--anchor.join --anchor.store HOST:PORT`` with the run's
+``run_rank``: join the mesh, take its stage of the model, then a fast rank runs an
+orchestration.trainer.Trainer (the step loop, DP sync, anchor hook, checkpoints,
+metrics) and an anchor rank runs orchestration.anchor.run_anchor_rank in a world of its
+own. The local launcher restarts a dead anchor row (``--anchor.restarts``); by hand, or
+on another machine, ``--anchor.join --anchor.store HOST:PORT`` with the run's
 config.yaml starts just the anchor row, which joins the running fast circuit.
 """
 from __future__ import annotations
@@ -33,23 +28,18 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP (environment.md)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # we fork after tokenizing
 
-import math
-import signal
 import socket
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from orchestration import checkpoint as ckpt
 from orchestration.config import Config, parse_args, to_yaml
 from orchestration.data import BatchSampler, shard_rows
 from orchestration.launch import MeshFailure, free_port, run_local
 from orchestration.mesh import MeshLayout, init_mesh, destroy_mesh
-from orchestration.metrics import (AXES, JsonlWriter, LinkCounter, format_table, held_out_loss,  # noqa: F401
-                                   modeled_step, summarize, summary_rows, write_link_bytes)
 
 DEFAULT_DATA = "corpus:python"  # domain B of orchestration.corpora: the base model never saw it
 
@@ -200,16 +190,7 @@ def _load_model(cfg: Config, path: str):
     return model
 
 
-# ============================================================== per-rank pieces
-def lr_at(step: int, cfg: Config) -> float:
-    """Linear warmup to train.lr, then cosine decay to lr * min_lr_ratio at the last step
-    (meshkern.optim.warmup_cosine_lr)."""
-    from meshkern.optim import warmup_cosine_lr
-
-    t = cfg.train
-    return warmup_cosine_lr(step, lr=t.lr, steps=t.steps, warmup_steps=t.warmup_steps, min_lr_ratio=t.min_lr_ratio)
-
-
+# ============================================================== one rank
 def data_shard(cfg: Config, plan: Plan, row: int) -> torch.Tensor:
     """Training rows of fast replica ``row``: one disjoint strided shard per fast replica
     (orchestration.data.shard_rows). The anchor row takes no shard (it samples the whole
@@ -219,325 +200,41 @@ def data_shard(cfg: Config, plan: Plan, row: int) -> torch.Tensor:
 
 
 def replica_sampler(cfg: Config, plan: Plan, row: int) -> BatchSampler:
-    """The batches fast replica ``row`` trains on: its shard, its own seed (a function of
-    --train.seed and the row only, not of the anchor setting)."""
+    """The batches fast replica ``row`` trains on (the Trainer's sampler): its shard, its
+    own seed (a function of --train.seed and the row only, not of the anchor setting)."""
     return BatchSampler(data_shard(cfg, plan, row), cfg.train.batch_size, cfg.train.seed + 7919 * row)
 
 
-class NullAnchor:
-    """The anchor hook when the anchor is off: never anything to fold in.
-
-    The contract ``orchestration.anchor.FastHook(ctx: RankContext)`` implements on
-    fast ranks (polled once per fast step, on the critical path, so it must never block
-    on the anchor): ``poll(step)`` hands whatever arrived to ``ctx.optimizer`` itself
-    (``SpectralAdamW.observe_anchor_update``, both transports) before the inner step,
-    and switches the prior off and on (``set_prior_enabled``); ``after_step(step)`` (e.g. serve
-    a parameter snapshot); ``bytes_sent`` (this rank's anchor-axis bytes, both ways it
-    sends); ``stats()`` -> flat dict logged as ``anchor_<key>``; ``close()`` at the end
-    of training (tell the anchor row to stop). Anchor ranks run
-    ``orchestration.anchor.run_anchor_rank(ctx)`` instead of the fast loop and return a
-    dict; the launcher treats them as optional (their death does not stop the run).
-    """
-
-    bytes_sent = 0
-
-    def poll(self, step: int) -> None:
-        pass
-
-    def after_step(self, step: int) -> None:
-        pass
-
-    def stats(self) -> dict:
-        return {}
-
-    def close(self) -> None:
-        pass
-
-
-def make_compressor(cfg: Config):
-    from meshkern import compress
-
-    names = {"none": "NoCompression", "powersgd": "PowerSGD", "sparseloco": "SparseLoCo", "int8": "Int8"}
-    cls = getattr(compress, names[cfg.dp.compressor], None)
-    if cls is None:
-        raise ValueError(f"--dp.compressor {cfg.dp.compressor}: meshkern.compress.{names[cfg.dp.compressor]} is not available")
-    return cls(timeout_s=cfg.mesh.timeout_s, **cfg.dp.compressor_options)
-
-
-def make_optimizer(cfg: Config, stage):
-    t = cfg.train
-    kw = dict(lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=t.weight_decay)
-    if t.optimizer == "spectral":
-        from meshkern.optim import SpectralAdamW, spectral_param_groups
-
-        return SpectralAdamW(spectral_param_groups(stage), tau=t.tau, alpha=t.alpha, beta_anc=t.beta_anc,
-                             rank=t.spectral_rank, seed=t.seed, **kw)
-    return torch.optim.AdamW([p for p in stage.parameters() if p.requires_grad], **kw)
-
-
-@dataclass
-class RankContext:
-    """What a rank holds; handed to the anchor module's hooks."""
-
-    cfg: Config
-    plan: Plan
-    mesh: object
-    stage: object
-    params: list
-    optimizer: object = None
-    counter: LinkCounter = field(default_factory=LinkCounter)
-    step: int = 0
-
-
-# ============================================================== the rank's main loop
 def run_rank(rank: int, world_size: int, cfg: Config, plan: Plan) -> dict:
-    """Runs one rank to the end of training; returns its record (rank 0: the summary)."""
+    """Runs one rank to the end of training; returns its record (rank 0: the summary).
+    A fast rank is an orchestration.trainer.Trainer; an anchor rank joins a world of its
+    own (orchestration.mesh) and runs orchestration.anchor.run_anchor_rank."""
+    from orchestration.trainer import RankContext, Trainer, build_stage
+
     torch.set_num_threads(cfg.mesh.threads_per_rank)
     layout = MeshLayout(cfg.mesh.rows, cfg.mesh.stages, cfg.anchor.enabled)
-    if layout.is_anchor(rank):  # the anchor row is a world of its own (orchestration.mesh)
+    if layout.is_anchor(rank):
         from orchestration import anchor
 
         mesh = anchor.join_anchor_row(layout, rank, cfg)
     else:
         mesh = init_mesh(layout, backend=cfg.mesh.backend, timeout_s=cfg.mesh.timeout_s)
     try:
-        return _run(rank, cfg, plan, mesh)
+        stage = build_stage(cfg, plan, mesh)
+        if mesh.is_anchor:
+            from orchestration import anchor
+
+            params = [p for p in stage.parameters() if p.requires_grad]
+            return anchor.run_anchor_rank(RankContext(cfg, plan, mesh, stage, params))
+        return Trainer(rank, cfg, plan, mesh, stage).run()
     finally:
         destroy_mesh()
-
-
-def continue_command(plan: Plan) -> str:
-    """The command that continues this run from its latest checkpoint."""
-    return (f"python -m orchestration.train --config {os.path.join(plan.run_dir, 'config.yaml')} "
-            "--checkpoint.resume latest")
 
 
 def run_anchor_row_rank(index: int, world_size: int, cfg: Config, plan: Plan) -> dict:
     """``--anchor.join`` (local launcher): process ``index`` is the anchor rank of stage ``index``."""
     layout = MeshLayout(cfg.mesh.rows, cfg.mesh.stages, True)
     return run_rank(layout.anchor_rank(index), world_size, cfg, plan)
-
-
-def _run(rank: int, cfg: Config, plan: Plan, mesh) -> dict:
-    from orchestration.codecs import make_codec
-    from orchestration.pipeline import PipelineExecutor
-    from orchestration.schedule import make_schedule
-    from orchestration.stages import split_model
-
-    torch.manual_seed(cfg.train.seed)
-    model = plan.model if plan.model is not None else _load_model(cfg, plan.model_path)
-    stages = split_model(model, cfg.mesh.stages, cfg.mesh.layers_per_stage or None)
-    stage = stages[mesh.stage]
-    del stages, model
-    plan.model = None
-    stage.to(mesh.device).train()
-    params = [p for p in stage.parameters() if p.requires_grad]
-    ctx = RankContext(cfg, plan, mesh, stage, params)
-
-    if mesh.is_anchor:
-        from orchestration import anchor
-
-        return anchor.run_anchor_rank(ctx)
-
-    opt = ctx.optimizer = make_optimizer(cfg, stage)
-    counter = ctx.counter
-    t = cfg.train
-    M = t.microbatches
-    codec = make_codec(cfg.boundary.codec, p=cfg.boundary.p, rescale=cfg.boundary.rescale, **cfg.boundary.options)
-    actions = make_schedule(t.schedule, cfg.mesh.stages, M)[mesh.stage]
-    # Each replica draws its own masks: mix the row into the Philox seed.
-    mask_seed = (t.seed << 16) | mesh.row
-    pipe = PipelineExecutor(stage, actions, codec=codec, prev_rank=mesh.prev_rank, next_rank=mesh.next_rank,
-                            rank=rank, seed=mask_seed, counter=counter)
-    sampler = replica_sampler(cfg, plan, mesh.row)
-
-    n_fast = cfg.fast_rows
-    allreduce = diloco = None
-    if n_fast > 1 and cfg.dp.mode == "allreduce":
-        allreduce = make_compressor(cfg)
-    elif n_fast > 1 and cfg.dp.mode == "diloco":
-        from meshkern.diloco import StreamingDiLoCo
-
-        d = cfg.dp
-        diloco = StreamingDiLoCo(list(stage.named_parameters()), mesh.dp, sync_every=d.sync_every,
-                                 num_fragments=d.fragments, outer_lr=d.outer_lr, outer_momentum=d.outer_momentum,
-                                 overlap_steps=d.overlap_steps, compressor=make_compressor(cfg),
-                                 timeout_s=cfg.mesh.timeout_s)
-    tied = stage.tied_lm_head or (stage.is_first and _tied_across(plan, cfg))
-    tied_param = (stage.lm_head.weight if stage.is_last else stage.embed_tokens.weight) if tied else None
-
-    hook = NullAnchor()
-    if cfg.anchor.enabled:
-        from orchestration import anchor
-
-        hook = anchor.FastHook(ctx)
-
-    start = 0
-    if plan.resume_from:
-        st = ckpt.load_rank_state(plan.resume_from, rank)
-        stage.load_state_dict(st["stage"])
-        opt.load_state_dict(st["optimizer"])
-        counter.load_state_dict(st["counter"])
-        if diloco is not None and st.get("diloco") is not None:
-            diloco.load_state_dict(st["diloco"])
-        if allreduce is not None and st.get("compressor") is not None:
-            allreduce.load_state_dict(st["compressor"])
-        start = int(st["step"])
-        if rank == 0:
-            print(f"resumed from {plan.resume_from} at step {start}", file=sys.stderr, flush=True)
-
-    stop = {"flag": False}
-
-    def on_sigint(signum, frame):  # stop at the next step boundary, checkpoint, exit
-        stop["flag"] = True
-
-    signal.signal(signal.SIGINT, on_sigint)
-    signal.signal(signal.SIGTERM, on_sigint)  # a scheduler's / container's stop: same clean stop
-
-    is_log = rank == 0
-    writer = JsonlWriter(os.path.join(plan.run_dir, "metrics.jsonl")) if is_log else None
-    bar = None
-    if is_log and cfg.run.progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=t.steps, initial=start, desc="train", unit="step", dynamic_ncols=True, file=sys.stdout)
-    history: list[dict] = []
-    last_ckpt = plan.resume_from
-    t_start = time.perf_counter()
-    t_last = t_start
-    steps_done = 0
-    skipped = 0
-    step = start
-    interrupted = False
-    for step in range(start, t.steps):
-        ctx.step = step
-        if rank == cfg.run.fail_rank and step == cfg.run.fail_step:
-            os.kill(os.getpid(), signal.SIGKILL)  # fault injection (tests): die like a crashed node
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, cfg)
-        stats = pipe.step(step, sampler(step), num_microbatches=M)
-
-        if tied_param is not None:
-            dist.all_reduce(tied_param.grad, group=mesh.groups[f"ends{mesh.row}"])
-        if allreduce is not None:
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-            for p, g in zip(params, allreduce.all_reduce_mean(grads, mesh.dp, key=f"stage{mesh.stage}")):
-                p.grad = g
-            counter.set_total("dp", allreduce.bytes_sent)
-        gnorm = _clip(params, t.clip_grad_norm, mesh.pp)
-        hook.poll(step)  # folds in what the anchor sent (anchor on)
-        if math.isfinite(gnorm):
-            opt.step()
-        else:
-            # Non-finite gradient anywhere in this replica (the norm is all-reduced over its
-            # stages, so every stage agrees): skip the update rather than corrupt the weights.
-            skipped += 1
-        opt.zero_grad(set_to_none=True)
-        if diloco is not None:
-            diloco.step()
-            # Read while a fragment's sync may still run in the background: its bytes count
-            # when its collectives have run (exact totals after finish()).
-            counter.set_total("dp", diloco.bytes_sent)
-        counter.set_total("anchor", hook.bytes_sent)
-        hook.after_step(step)
-
-        now = time.perf_counter()
-        rec, stopping = reduce_step_metrics(cfg, mesh, step, stats, gnorm, skipped, counter, stop["flag"], now - t_last)
-        rec.update({f"anchor_{k}": v for k, v in hook.stats().items()})
-        if hasattr(opt, "anchor_stats") and cfg.anchor.enabled:
-            rec["anchor_optim"] = {k: v for k, v in opt.anchor_stats().items() if isinstance(v, (int, float, type(None)))}
-        steps_done += 1
-        t_last = now
-        history.append(rec)
-        if is_log:
-            if (step + 1) % cfg.run.log_every == 0 or step + 1 == t.steps:
-                writer.write(rec)
-            if bar is not None:
-                bpt = rec["bytes_per_token"]
-                bar.set_postfix_str(f"loss {rec['loss']:.3f} | {rec['tokens_per_s']:.0f} tok/s | "
-                                    f"B/tok PP {bpt['pp_fwd'] + bpt['pp_bwd']:.0f} DP {bpt['dp']:.0f}", refresh=False)
-                bar.update(1)
-        due = cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0
-        if due or stopping or step + 1 == t.steps:
-            if diloco is not None:
-                diloco.finish()
-                counter.set_total("dp", diloco.bytes_sent)  # in-flight syncs are now counted too
-            last_ckpt = ckpt.save_checkpoint(cfg, plan, mesh, stage, opt, diloco, allreduce, counter, step + 1)
-        if stopping:
-            interrupted = True
-            break
-    if bar is not None:
-        bar.close()
-    hook.close()
-    elapsed = time.perf_counter() - t_start
-    links_path = write_link_bytes(plan, mesh, counter)
-    out = {"rank": rank, "losses": [h["loss"] for h in history], "bytes": counter.totals(),
-           "by_link": counter.by_link(), "interrupted": interrupted, "checkpoint": last_ckpt}
-    if is_log:
-        writer.close()
-        s = summarize(cfg, plan, history, elapsed, steps_done, last_ckpt)
-        s["eval_loss"] = held_out_loss(cfg, plan, last_ckpt)
-        s["eval_loss_base"] = held_out_loss(cfg, plan, plan.model_path)
-        s["links_path"] = links_path
-        out["summary"] = s
-        if interrupted:
-            print(f"interrupted: checkpoint saved at step {step + 1} in {last_ckpt}; continue with: "
-                  f"{continue_command(plan)}", flush=True)
-        print(format_table(summary_rows(s), title="meshkern run summary"), flush=True)
-    return out
-
-
-def reduce_step_metrics(cfg: Config, mesh, step: int, stats, gnorm: float, skipped: int, counter: LinkCounter,
-                        stop: bool, step_s: float) -> tuple[dict, bool]:
-    """One small SUM all-reduce over the fast ranks (the anchor never joins it) of
-    [stop flag, loss, grad norm, skipped steps, per-stage F and B compute seconds, bytes
-    per axis, DP bytes per stage]; returns (the step's metrics record, stop requested)."""
-    Y, X, t = cfg.mesh.stages, cfg.fast_rows, cfg.train
-    vec = torch.zeros(4 + 3 * Y + len(AXES), dtype=torch.float64)  # filled on CPU, reduced on mesh.device
-    vec[0] = float(stop)
-    vec[1] = stats.loss if mesh.is_last else 0.0
-    vec[2] = (gnorm if math.isfinite(gnorm) else 0.0) / Y if mesh.is_first else 0.0
-    vec[3] = float(skipped) / Y
-    vec[4 + mesh.stage] = sum(stats.fwd_s) / len(stats.fwd_s) / X
-    vec[4 + Y + mesh.stage] = sum(stats.bwd_s) / len(stats.bwd_s) / X
-    tot = counter.totals()
-    for i, a in enumerate(AXES):
-        vec[4 + 2 * Y + i] = tot[a]
-    vec[4 + 2 * Y + len(AXES) + mesh.stage] = tot["dp"]
-    vec = vec.to(mesh.device)
-    dist.all_reduce(vec, group=mesh.fast)
-    vec = vec.cpu()
-    tokens_per_step = X * t.batch_size * cfg.data.seq_len
-    rec = {"step": step + 1, "loss": vec[1].item() / X, "lr": lr_at(step, cfg), "grad_norm": vec[2].item(),
-           "tokens": (step + 1) * tokens_per_step, "step_s": step_s,
-           "tokens_per_s": tokens_per_step / max(step_s, 1e-9), "skipped_steps": round(vec[3].item()),
-           "fwd_s": vec[4:4 + Y].tolist(), "bwd_s": vec[4 + Y:4 + 2 * Y].tolist(),
-           "bytes": {a: int(vec[4 + 2 * Y + i]) for i, a in enumerate(AXES)},
-           "dp_bytes_by_stage": [int(v) for v in vec[4 + 2 * Y + len(AXES):].tolist()]}
-    rec["bytes_per_token"] = {a: rec["bytes"][a] / rec["tokens"] for a in AXES}
-    return rec, vec[0].item() > 0
-
-
-def _tied_across(plan: Plan, cfg: Config) -> bool:
-    from transformers import AutoConfig
-
-    return cfg.mesh.stages > 1 and bool(getattr(AutoConfig.from_pretrained(plan.model_path), "tie_word_embeddings", False))
-
-
-def _clip(params, max_norm: float, pp_group) -> float:
-    """Global L2 norm of the replica's gradient (all stages) and clipping to ``max_norm``."""
-    sq = torch.zeros(1, dtype=torch.float64, device=params[0].device)
-    for p in params:
-        if p.grad is not None:
-            sq += p.grad.detach().double().pow(2).sum()
-    dist.all_reduce(sq, group=pp_group)
-    norm = math.sqrt(sq.item())
-    if max_norm > 0 and norm > max_norm:
-        coef = max_norm / (norm + 1e-6)
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(coef)
-    return norm
 
 
 # ============================================================== entry point
@@ -629,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError:
             last = None  # none, or `latest` names a checkpoint that is gone
         if last:
-            print(f"last complete checkpoint: {last} (continue with: {continue_command(plan)})", file=sys.stderr)
+            print(f"last complete checkpoint: {last} (continue with: {ckpt.continue_command(plan)})", file=sys.stderr)
         return 1
     return 0
 

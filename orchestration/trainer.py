@@ -1,0 +1,296 @@
+"""One rank of the mesh: ``Trainer`` runs a fast rank, ``build_stage`` gives every rank
+(fast or anchor) its stage of the model.
+
+A ``Trainer`` (torchtitan-like) owns everything a fast rank uses: the mesh, its stage and
+parameters, the boundary codec and the pipeline executor, the inner optimizer, the DP
+sync (a gradient all-reduce compressor or Streaming DiLoCo), the anchor hook, the
+checkpointer (orchestration.checkpoint.Checkpointer: save and load) and the metrics
+(orchestration.metrics). One step:
+
+    pipeline step (schedule + codec boundaries, grad accumulation over micro-batches)
+    -> tied-embedding grad sync -> DP gradient all-reduce (dp.mode=allreduce)
+    -> global grad-norm clip -> anchor hook (folds in what the anchor sent) -> inner optimizer
+    -> Streaming DiLoCo (dp.mode=diloco) -> metrics / progress / checkpoint
+
+Anchor ranks run ``orchestration.anchor.run_anchor_rank(RankContext)`` instead.
+"""
+from __future__ import annotations
+
+import math
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from meshkern.optim import warmup_cosine_lr
+from orchestration.checkpoint import Checkpointer, continue_command
+from orchestration.codecs import make_codec
+from orchestration.config import Config
+from orchestration.metrics import LinkCounter, RunLog, format_table, reduce_step, summarize, summary_rows, \
+    write_link_bytes
+from orchestration.pipeline import PipelineExecutor
+from orchestration.schedule import make_schedule
+
+
+def lr_at(step: int, cfg: Config) -> float:
+    """Linear warmup to train.lr, then cosine decay to lr * min_lr_ratio at the last step
+    (meshkern.optim.warmup_cosine_lr)."""
+    t = cfg.train
+    return warmup_cosine_lr(step, lr=t.lr, steps=t.steps, warmup_steps=t.warmup_steps, min_lr_ratio=t.min_lr_ratio)
+
+
+@dataclass
+class RankContext:
+    """What an anchor rank holds (orchestration.anchor.run_anchor_rank's argument)."""
+
+    cfg: Config
+    plan: object
+    mesh: object
+    stage: object
+    params: list
+    counter: LinkCounter = field(default_factory=LinkCounter)
+
+
+def build_stage(cfg: Config, plan, mesh):
+    """This rank's stage of the model (seeded, on the mesh's device, in train mode)."""
+    from orchestration.models import load_causal_lm
+    from orchestration.stages import split_model
+
+    torch.manual_seed(cfg.train.seed)
+    model = plan.model
+    if model is None:
+        model, _ = load_causal_lm(plan.model_path, dtype=getattr(torch, cfg.model.dtype))
+    stages = split_model(model, cfg.mesh.stages, cfg.mesh.layers_per_stage or None)
+    stage = stages[mesh.stage]
+    del stages, model
+    plan.model = None
+    stage.to(mesh.device).train()
+    return stage
+
+
+class NullAnchor:
+    """The anchor hook when the anchor is off: never anything to fold in.
+
+    The contract ``orchestration.anchor.FastHook(trainer)`` implements on fast ranks
+    (polled once per fast step, on the critical path, so it must never block on the
+    anchor): ``poll(step)`` hands whatever arrived to the trainer's optimizer itself
+    (``SpectralAdamW.observe_anchor_update``, both transports) before the inner step, and
+    switches the prior off and on (``set_prior_enabled``); ``after_step(step)`` (e.g.
+    serve a parameter snapshot); ``bytes_sent`` (this rank's anchor-axis bytes, both
+    ways); ``stats()`` -> flat dict logged as ``anchor_<key>``; ``close()`` at the end of
+    training (tell the anchor row to stop)."""
+
+    bytes_sent = 0
+
+    def poll(self, step: int) -> None:
+        pass
+
+    def after_step(self, step: int) -> None:
+        pass
+
+    def stats(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+def make_compressor(cfg: Config):
+    from meshkern import compress
+
+    names = {"none": "NoCompression", "powersgd": "PowerSGD", "sparseloco": "SparseLoCo", "int8": "Int8"}
+    cls = getattr(compress, names[cfg.dp.compressor], None)
+    if cls is None:
+        raise ValueError(f"--dp.compressor {cfg.dp.compressor}: meshkern.compress.{names[cfg.dp.compressor]} is not available")
+    return cls(timeout_s=cfg.mesh.timeout_s, **cfg.dp.compressor_options)
+
+
+def make_optimizer(cfg: Config, stage):
+    t = cfg.train
+    kw = dict(lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=t.weight_decay)
+    if t.optimizer == "spectral":
+        from meshkern.optim import SpectralAdamW, spectral_param_groups
+
+        return SpectralAdamW(spectral_param_groups(stage), tau=t.tau, alpha=t.alpha, beta_anc=t.beta_anc,
+                             rank=t.spectral_rank, seed=t.seed, **kw)
+    return torch.optim.AdamW([p for p in stage.parameters() if p.requires_grad], **kw)
+
+
+class Trainer:
+    """A fast rank: built from (rank, cfg, plan, mesh, stage); ``run()`` trains to the end
+    (or to a stop request) and returns the rank's record (rank 0: with the summary)."""
+
+    def __init__(self, rank: int, cfg: Config, plan, mesh, stage):
+        from orchestration.data import BatchSampler, shard_rows
+
+        self.rank, self.cfg, self.plan, self.mesh, self.stage = rank, cfg, plan, mesh, stage
+        self.params = [p for p in stage.parameters() if p.requires_grad]
+        self.counter = LinkCounter()
+        self.optimizer = make_optimizer(cfg, stage)
+        t = cfg.train
+        self.codec = make_codec(cfg.boundary.codec, p=cfg.boundary.p, rescale=cfg.boundary.rescale,
+                                **cfg.boundary.options)
+        actions = make_schedule(t.schedule, cfg.mesh.stages, t.microbatches)[mesh.stage]
+        mask_seed = (t.seed << 16) | mesh.row  # each replica draws its own masks: the row is in the Philox seed
+        self.executor = PipelineExecutor(stage, actions, codec=self.codec, prev_rank=mesh.prev_rank,
+                                         next_rank=mesh.next_rank, rank=rank, seed=mask_seed, counter=self.counter)
+        # The batches fast replica ``row`` trains on: its shard, its own seed (a function of
+        # --train.seed and the row only, not of the anchor setting).
+        self.sampler = BatchSampler(shard_rows(plan.train_rows, mesh.row, cfg.fast_rows), t.batch_size,
+                                    t.seed + 7919 * mesh.row)
+        self.allreduce = self.diloco = None
+        if cfg.fast_rows > 1 and cfg.dp.mode == "allreduce":
+            self.allreduce = make_compressor(cfg)
+        elif cfg.fast_rows > 1 and cfg.dp.mode == "diloco":
+            from meshkern.diloco import StreamingDiLoCo
+
+            d = cfg.dp
+            self.diloco = StreamingDiLoCo(list(stage.named_parameters()), mesh.dp, sync_every=d.sync_every,
+                                          num_fragments=d.fragments, outer_lr=d.outer_lr,
+                                          outer_momentum=d.outer_momentum, overlap_steps=d.overlap_steps,
+                                          compressor=make_compressor(cfg), timeout_s=cfg.mesh.timeout_s)
+        tied = stage.tied_lm_head or (stage.is_first and _tied_across(plan, cfg))
+        self.tied_param = (stage.lm_head.weight if stage.is_last else stage.embed_tokens.weight) if tied else None
+        self.hook = NullAnchor()
+        if cfg.anchor.enabled:
+            from orchestration.anchor import FastHook
+
+            self.hook = FastHook(self)
+        self.checkpointer = Checkpointer(cfg, plan, mesh, stage, {
+            "stage": stage, "optimizer": self.optimizer, "diloco": self.diloco, "compressor": self.allreduce,
+            "counter": self.counter})
+        self.stop_requested = False
+        self.skipped = 0
+
+    # ------------------------------------------------------------------ one step
+    def step(self, step: int):
+        """One training step; returns the executor's stats and the replica's grad norm."""
+        opt, mesh, params = self.optimizer, self.mesh, self.params
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, self.cfg)
+        stats = self.executor.step(step, self.sampler(step), num_microbatches=self.cfg.train.microbatches)
+        if self.tied_param is not None:
+            dist.all_reduce(self.tied_param.grad, group=mesh.groups[f"ends{mesh.row}"])
+        if self.allreduce is not None:
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            for p, g in zip(params, self.allreduce.all_reduce_mean(grads, mesh.dp, key=f"stage{mesh.stage}")):
+                p.grad = g
+            self.counter.set_total("dp", self.allreduce.bytes_sent)
+        gnorm = _clip(params, self.cfg.train.clip_grad_norm, mesh.pp)
+        self.hook.poll(step)  # folds in what the anchor sent (anchor on)
+        if math.isfinite(gnorm):
+            opt.step()
+        else:
+            # Non-finite gradient anywhere in this replica (the norm is all-reduced over its
+            # stages, so every stage agrees): skip the update rather than corrupt the weights.
+            self.skipped += 1
+        opt.zero_grad(set_to_none=True)
+        if self.diloco is not None:
+            self.diloco.step()
+            # Read while a fragment's sync may still run in the background: its bytes count
+            # when its collectives have run (exact totals after finish()).
+            self.counter.set_total("dp", self.diloco.bytes_sent)
+        self.counter.set_total("anchor", self.hook.bytes_sent)
+        self.hook.after_step(step)
+        return stats, gnorm
+
+    def save(self, step: int) -> str:
+        if self.diloco is not None:
+            self.diloco.finish()
+            self.counter.set_total("dp", self.diloco.bytes_sent)  # in-flight syncs are now counted too
+        return self.checkpointer.save(step)
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> dict:
+        cfg, plan, rank = self.cfg, self.plan, self.rank
+        start = 0
+        if plan.resume_from:
+            start = self.checkpointer.load(plan.resume_from)
+            if rank == 0:
+                print(f"resumed from {plan.resume_from} at step {start}", file=sys.stderr, flush=True)
+
+        def on_stop(signum, frame):  # stop at the next step boundary, checkpoint, exit
+            self.stop_requested = True
+
+        signal.signal(signal.SIGINT, on_stop)
+        signal.signal(signal.SIGTERM, on_stop)  # a scheduler's / container's stop: same clean stop
+        log = RunLog(cfg, plan, start, active=rank == 0)
+        history: list[dict] = []
+        last_ckpt = plan.resume_from
+        t_start = t_last = time.perf_counter()
+        steps_done, step, interrupted = 0, start, False
+        for step in range(start, cfg.train.steps):
+            if rank == cfg.run.fail_rank and step == cfg.run.fail_step:
+                os.kill(os.getpid(), signal.SIGKILL)  # fault injection (tests): die like a crashed node
+            stats, gnorm = self.step(step)
+            now = time.perf_counter()
+            rec, stopping = reduce_step(cfg, self.mesh, step, stats, gnorm, self.skipped, self.counter,
+                                        self.stop_requested, now - t_last, lr_at(step, cfg))
+            rec.update({f"anchor_{k}": v for k, v in self.hook.stats().items()})
+            if hasattr(self.optimizer, "anchor_stats") and cfg.anchor.enabled:
+                rec["anchor_optim"] = {k: v for k, v in self.optimizer.anchor_stats().items()
+                                       if isinstance(v, (int, float, type(None)))}
+            steps_done += 1
+            t_last = now
+            history.append(rec)
+            log.record(rec, step)
+            due = cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0
+            if due or stopping or step + 1 == cfg.train.steps:
+                last_ckpt = self.save(step + 1)
+            if stopping:
+                interrupted = True
+                break
+        log.close_bar()
+        self.hook.close()
+        elapsed = time.perf_counter() - t_start
+        links_path = write_link_bytes(plan, self.mesh, self.counter)
+        out = {"rank": rank, "losses": [h["loss"] for h in history], "bytes": self.counter.totals(),
+               "by_link": self.counter.by_link(), "interrupted": interrupted, "checkpoint": last_ckpt}
+        if rank == 0:
+            log.close()
+            out["summary"] = self._summary(history, elapsed, steps_done, last_ckpt, links_path)
+            if interrupted:
+                print(f"interrupted: checkpoint saved at step {step + 1} in {last_ckpt}; continue with: "
+                      f"{continue_command(plan)}", flush=True)
+            print(format_table(summary_rows(out["summary"]), title="meshkern run summary"), flush=True)
+        return out
+
+    def _summary(self, history, elapsed, steps_done, last_ckpt, links_path) -> dict:
+        from orchestration.evaluate import checkpoint_loss
+        from orchestration.linkmodel import model_run
+
+        cfg, plan = self.cfg, self.plan
+        s = summarize(cfg, plan, history, elapsed, steps_done, last_ckpt, model_run(cfg, plan, history))
+        scored = plan.eval_rows is not None and cfg.run.eval_sequences > 0
+        dtype = getattr(torch, cfg.model.dtype)
+        rows = plan.eval_rows[:cfg.run.eval_sequences] if scored else None
+        s["eval_loss"] = checkpoint_loss(last_ckpt, rows, dtype=dtype) if scored and last_ckpt else None
+        s["eval_loss_base"] = checkpoint_loss(plan.model_path, rows, dtype=dtype) if scored else None
+        s["links_path"] = links_path
+        return s
+
+
+def _tied_across(plan, cfg: Config) -> bool:
+    from transformers import AutoConfig
+
+    return cfg.mesh.stages > 1 and bool(getattr(AutoConfig.from_pretrained(plan.model_path), "tie_word_embeddings", False))
+
+
+def _clip(params, max_norm: float, pp_group) -> float:
+    """Global L2 norm of the replica's gradient (all stages) and clipping to ``max_norm``."""
+    sq = torch.zeros(1, dtype=torch.float64, device=params[0].device)
+    for p in params:
+        if p.grad is not None:
+            sq += p.grad.detach().double().pow(2).sum()
+    dist.all_reduce(sq, group=pp_group)
+    norm = math.sqrt(sq.item())
+    if max_norm > 0 and norm > max_norm:
+        coef = max_norm / (norm + 1e-6)
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(coef)
+    return norm
