@@ -1,10 +1,11 @@
 """Text sources -> tokens -> packed fixed-length sequences, split and sharded.
 
 One job: turn whatever text the user points at into a :class:`TokenDataset` (an int64
-tensor ``[N, seq_len]``) that the trainer can split into train/held-out rows and shard
-across the fast replicas and the anchor.
+tensor ``[N, seq_len]``, orchestration/sampling.py, with the split, shard and sampling
+rules) that the trainer splits into train/held-out rows and shards across the fast
+replicas.
 
-Sources (``load_texts``):
+Sources (``load_texts``, orchestration/texts.py):
   - a text file (UTF-8; ``.gz`` files are decompressed), a directory (every regular,
     non-hidden file below it, in sorted path order),
   - a ``.jsonl`` file (one JSON object per line, text in ``text_field``),
@@ -29,7 +30,6 @@ which map one to one onto the ``text_field`` / ``on_decode_error`` parameters he
 """
 from __future__ import annotations
 
-import gzip
 import hashlib
 import json
 import os
@@ -37,212 +37,17 @@ import re
 import sys
 import tempfile
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
 
-# The hub must never be contacted: the machines this runs on have no network, and a
-# default that silently downloads would behave differently on each one.
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+from orchestration.sampling import (BatchSampler, TokenDataset, _rows, epoch_permutation, pack,  # noqa: F401
+                                    shard_rows)
+from orchestration.texts import (DECODE_ERROR_CHOICES, _is_hf_dataset, _is_saved_dataset,  # noqa: F401
+                                  _source_files, load_texts, read_jsonl, read_text_file)
 
-_DATASETS_SUFFIXES = {".json": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
 _SPECIAL = "<|endoftext|>"
-# on_decode_error values: "auto" skips undecodable files inside a directory (a source tree
-# holds __pycache__/*.pyc, images, ...) but raises for a file named on its own.
-DECODE_ERROR_CHOICES = ("auto", "raise", "skip")
-
-
-# --------------------------------------------------------------------------- sources
-def read_text_file(path: str | os.PathLike, *, on_decode_error: str = "raise") -> str | None:
-    """Read one UTF-8 text file (``.gz`` transparently decompressed).
-
-    ``on_decode_error="raise"`` (default) raises ValueError naming the file if it is not
-    valid UTF-8 (a binary file, a Latin-1 file) or holds NUL bytes; ``"skip"`` returns
-    None instead.
-    """
-    if on_decode_error not in ("raise", "skip"):
-        raise ValueError(f"read_text_file: on_decode_error must be 'raise' or 'skip', got {on_decode_error!r}")
-    path = Path(path)
-    data = path.read_bytes()
-    if path.suffix == ".gz":
-        try:
-            data = gzip.decompress(data)
-        except (OSError, EOFError) as e:
-            if on_decode_error == "skip":
-                return None
-            raise ValueError(f"{path}: not a valid gzip file ({e}); --data.on_decode_error skip "
-                             "leaves such files out") from None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        if on_decode_error == "skip":
-            return None
-        raise ValueError(
-            f"{path}: not valid UTF-8 text (byte {e.start}: {e.reason}); convert it to UTF-8, "
-            "or pass --data.on_decode_error skip to leave undecodable files out") from None
-    if "\x00" in text:  # valid UTF-8 but binary (NUL bytes never occur in text)
-        if on_decode_error == "skip":
-            return None
-        raise ValueError(f"{path}: contains NUL bytes, looks like a binary file; "
-                         "--data.on_decode_error skip leaves such files out")
-    return text
-
-
-def read_jsonl(path: str | os.PathLike, text_field: str = "text") -> list[str]:
-    """Documents from a JSON-lines file: ``obj[text_field]`` of every non-blank line.
-
-    Raises ValueError naming the line number for invalid JSON, a non-object line, a
-    missing field (listing the keys that are there) or a non-string value.
-    """
-    path = Path(path)
-    raw = read_text_file(path)
-    docs = []
-    for lineno, line in enumerate(raw.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
-        if not isinstance(obj, dict):
-            raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
-        if text_field not in obj:
-            raise ValueError(f"{path}:{lineno}: no field {text_field!r} (fields: {sorted(obj)}); "
-                             "choose one with --data.text_field")
-        value = obj[text_field]
-        if not isinstance(value, str):
-            raise ValueError(f"{path}:{lineno}: field {text_field!r} is {type(value).__name__}, "
-                             "not a string")
-        docs.append(value)
-    return docs
-
-
-def _datasets(what: str):
-    try:
-        import datasets
-    except ImportError:
-        raise ImportError(f"reading {what} needs the Hugging Face `datasets` package "
-                          "(pip install 'meshkern[data]')") from None
-    return datasets
-
-
-def _is_saved_dataset(path: Path) -> bool:
-    return path.is_dir() and ((path / "dataset_info.json").exists() or (path / "state.json").exists()
-                              or (path / "dataset_dict.json").exists())
-
-
-def _texts_from_hf(ds, text_field: str, split: str | None, where: str) -> list[str]:
-    datasets = _datasets(where)
-    if isinstance(ds, (datasets.DatasetDict, dict)):
-        if split is None:
-            split = "train" if "train" in ds else sorted(ds)[0]
-        if split not in ds:
-            raise ValueError(f"{where}: no split {split!r} (splits: {sorted(ds)})")
-        ds = ds[split]
-    if text_field not in ds.column_names:
-        raise ValueError(f"{where}: no column {text_field!r} (columns: {ds.column_names}); "
-                         "choose one with --data.text_field")
-    docs = ds[text_field]
-    docs = list(docs) if not isinstance(docs, list) else docs
-    bad = next((i for i, d in enumerate(docs) if not isinstance(d, str)), None)
-    if bad is not None:
-        raise ValueError(f"{where}: row {bad} of column {text_field!r} is "
-                         f"{type(docs[bad]).__name__}, not a string")
-    return docs
-
-
-def load_texts(source, *, text_field: str = "text", split: str | None = None,
-               on_decode_error: str = "auto", cache_dir: str | None = None) -> list[str]:
-    """Documents (a list of str, deterministic order) from any supported source.
-
-    See the module docstring for the sources. ``on_decode_error`` (``--data.on_decode_error``)
-    decides what happens to a file that is not UTF-8 text (invalid UTF-8, NUL bytes, bad gzip):
-
-      - ``"auto"`` (default): inside a directory the file is left out, with ONE warning line
-        on stderr for the whole directory (count + first paths); a file named on its own
-        raises ValueError;
-      - ``"raise"``: ValueError naming the first such file, directory or not;
-      - ``"skip"``: always left out (a single undecodable file then leaves no text: ValueError).
-
-    Raises FileNotFoundError for a path that does not exist, ValueError for an empty source
-    (no documents, or only blank ones) and for undecodable/malformed input, TypeError for an
-    unsupported source type.
-    """
-    if on_decode_error not in DECODE_ERROR_CHOICES:
-        raise ValueError(f"--data.on_decode_error must be one of {', '.join(DECODE_ERROR_CHOICES)}, "
-                         f"got {on_decode_error!r}")
-    where = repr(source) if not isinstance(source, (list, tuple)) else "list of texts"
-    if isinstance(source, (list, tuple)):
-        bad = next((i for i, d in enumerate(source) if not isinstance(d, str)), None)
-        if bad is not None:
-            raise TypeError(f"document {bad} of the list is {type(source[bad]).__name__}, not str")
-        docs = list(source)
-    elif _is_hf_dataset(source):
-        docs = _texts_from_hf(source, text_field, split, "dataset object")
-    elif isinstance(source, str) and source.startswith("corpus:"):
-        from orchestration import corpora
-        docs = corpora.load_corpus(source[len("corpus:"):])
-    elif isinstance(source, str) and source.startswith("task:"):
-        from orchestration import tasks
-        docs = tasks.task_texts(source[len("task:"):])
-    elif isinstance(source, (str, os.PathLike)):
-        docs = _texts_from_path(Path(source), text_field, split, on_decode_error, cache_dir)
-    else:
-        raise TypeError(f"unsupported text source of type {type(source).__name__}: pass a path, "
-                        "'corpus:<domain>', 'task:<name>', a datasets.Dataset or a list of str")
-    if not any(d.strip() for d in docs):
-        raise ValueError(f"{where}: no text found (empty source)")
-    return docs
-
-
-def _is_hf_dataset(obj) -> bool:
-    mod = type(obj).__module__ or ""
-    return mod.startswith("datasets.")
-
-
-def _texts_from_path(path: Path, text_field, split, on_decode_error, cache_dir) -> list[str]:
-    if not path.exists():
-        raise FileNotFoundError(f"text source {str(path)!r} does not exist")
-    if _is_saved_dataset(path):
-        datasets = _datasets(f"{path} (saved with save_to_disk)")
-        return _texts_from_hf(datasets.load_from_disk(str(path)), text_field, split, str(path))
-    if path.is_dir():
-        files = _source_files(path)
-        if not files:
-            raise ValueError(f"{path}: directory holds no files")
-        policy = "raise" if on_decode_error == "raise" else "skip"
-        docs, skipped = [], []
-        for f in files:
-            text = read_text_file(f, on_decode_error=policy)
-            (docs if text is not None else skipped).append(text if text is not None else f)
-        if skipped:
-            shown = ", ".join(str(f.relative_to(path)) for f in skipped[:3])
-            more = f" and {len(skipped) - 3} more" if len(skipped) > 3 else ""
-            print(f"warning: {path}: left out {len(skipped)} of {len(files)} files that are not UTF-8 "
-                  f"text ({shown}{more}); --data.on_decode_error raise stops at them instead",
-                  file=sys.stderr, flush=True)
-        return docs
-    if path.suffix == ".jsonl" or path.name.endswith(".jsonl.gz"):
-        return read_jsonl(path, text_field)
-    if path.suffix in _DATASETS_SUFFIXES:
-        datasets = _datasets(f"a {path.suffix} file")
-        ds = datasets.load_dataset(_DATASETS_SUFFIXES[path.suffix], data_files=str(path),
-                                   split=split or "train", cache_dir=cache_dir)
-        return _texts_from_hf(ds, text_field, None, str(path))
-    text = read_text_file(path, on_decode_error="skip" if on_decode_error == "skip" else "raise")
-    if text is None:
-        raise ValueError(f"{path}: not decodable as UTF-8 text (skipped by --data.on_decode_error skip, "
-                         "which leaves no text)")
-    return [text]
-
-
-def _source_files(path: Path) -> list[Path]:
-    """The files a directory source reads: every regular file below it whose relative
-    path has no hidden (dot) component, sorted by path."""
-    return sorted(p for p in path.rglob("*") if p.is_file()
-                  and not any(part.startswith(".") for part in p.relative_to(path).parts))
 
 
 # ------------------------------------------------------------------------ tokenizers
@@ -446,140 +251,6 @@ def encode_stream(tokenizer, docs: Sequence[str], *, separator: int | None = Non
         total += flush()
     stream = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
     return stream[:max_tokens] if max_tokens is not None else stream
-
-
-# --------------------------------------------------------------------- the dataset
-def shard_rows(rows: torch.Tensor, index: int, count: int) -> torch.Tensor:
-    """The sharding rule: rows ``index, index + count, ...`` (``count`` disjoint strided
-    shards covering every row). TokenDataset.shard and the trainer's data-parallel
-    replicas both use it."""
-    return rows[index::count]
-
-
-def epoch_permutation(n: int, seed: int, epoch: int) -> torch.Tensor:
-    """The order in which epoch ``epoch`` visits ``n`` rows: a permutation seeded by
-    (seed, epoch) alone. TokenDataset.batches and BatchSampler both use it."""
-    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
-
-
-class BatchSampler:
-    """Stateless: the batch of step s is a pure function of (rows, seed, s), so a resumed
-    run sees exactly the batches the uninterrupted run would have seen. Each epoch
-    visits ``rows`` in ``epoch_permutation(len(rows), seed, epoch)`` and drops the last
-    partial batch (TokenDataset.batches' order, addressable by step)."""
-
-    def __init__(self, rows: torch.Tensor, batch_size: int, seed: int):
-        self.rows, self.B, self.seed = rows, batch_size, seed
-        self.per_epoch = len(rows) // batch_size
-        self._perm_epoch, self._perm = -1, None
-
-    def __call__(self, step: int) -> torch.Tensor:
-        epoch, i = divmod(step, self.per_epoch)
-        if epoch != self._perm_epoch:
-            self._perm, self._perm_epoch = epoch_permutation(len(self.rows), self.seed, epoch), epoch
-        return self.rows[self._perm[i * self.B:(i + 1) * self.B]]
-
-
-class TokenDataset(torch.utils.data.Dataset):
-    """Packed token sequences: ``tokens`` is int64 ``[N, seq_len]``, N >= 1.
-
-    Rows are independent training examples (labels = inputs; the model shifts).
-    ``split`` and ``shard`` return new datasets that share no rows; both are pure
-    functions of their arguments.
-    """
-
-    def __init__(self, tokens: torch.Tensor):
-        if not isinstance(tokens, torch.Tensor):
-            raise TypeError(f"tokens must be a torch.Tensor, got {type(tokens).__name__}")
-        if tokens.dim() != 2 or tokens.dtype != torch.int64:
-            raise ValueError(f"tokens must be int64 [N, seq_len], got {tokens.dtype} {tuple(tokens.shape)}")
-        if tokens.shape[0] < 1 or tokens.shape[1] < 1:
-            raise ValueError(f"tokens must be non-empty, got shape {tuple(tokens.shape)}")
-        self.tokens = tokens.contiguous()
-
-    def __len__(self) -> int:
-        return self.tokens.shape[0]
-
-    def __getitem__(self, i):
-        return self.tokens[i]
-
-    def __repr__(self) -> str:
-        return f"TokenDataset(rows={len(self)}, seq_len={self.seq_len})"
-
-    @property
-    def seq_len(self) -> int:
-        return self.tokens.shape[1]
-
-    @property
-    def num_tokens(self) -> int:
-        return self.tokens.numel()
-
-    def split(self, eval_fraction: float, *, seed: int = 0) -> tuple["TokenDataset", "TokenDataset"]:
-        """(train, held_out): a seeded random choice of ``max(1, round(f*N))`` rows is
-        held out, spread over the whole source (not its tail, which for a sorted corpus
-        would be one package or module); both keep the original row order."""
-        if not 0.0 < eval_fraction < 1.0:
-            raise ValueError(f"eval_fraction must be in (0, 1), got {eval_fraction}")
-        n = len(self)
-        n_eval = max(1, round(eval_fraction * n))
-        if n_eval >= n:
-            raise ValueError(f"cannot hold out {n_eval} of {n} rows and keep any for training; "
-                             "use more data, a shorter seq_len or a smaller eval_fraction")
-        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
-        held = perm[:n_eval].sort().values
-        keep = perm[n_eval:].sort().values
-        return TokenDataset(self.tokens[keep]), TokenDataset(self.tokens[held])
-
-    def shard(self, index: int, count: int) -> "TokenDataset":
-        """Rows ``index, index+count, ...``: the ``count`` shards are disjoint and cover
-        every row; each holds ``N // count`` or ``N // count + 1`` rows. Give each fast
-        replica and the anchor its own index (e.g. replicas 0..X-2, anchor X-1)."""
-        if not (isinstance(count, int) and count >= 1):
-            raise ValueError(f"shard count must be a positive int, got {count!r}")
-        if not (isinstance(index, int) and 0 <= index < count):
-            raise ValueError(f"shard index must be in [0, {count}), got {index!r}")
-        if len(self) < count:
-            raise ValueError(f"cannot shard {len(self)} rows {count} ways (a shard would be empty); "
-                             "use more data or a shorter seq_len")
-        return TokenDataset(shard_rows(self.tokens, index, count))
-
-    def batches(self, batch_size: int, *, seed: int = 0, epochs: int | None = None
-                ) -> Iterator[torch.Tensor]:
-        """Yield int64 ``[batch_size, seq_len]`` batches; each epoch visits the rows in a
-        fresh permutation seeded by (seed, epoch) and drops the last partial batch.
-        ``epochs=None`` repeats forever. Deterministic for a fixed seed."""
-        if not (isinstance(batch_size, int) and 1 <= batch_size <= len(self)):
-            raise ValueError(f"batch_size must be in [1, {len(self)}] (rows in this dataset), got {batch_size!r}")
-        epoch = 0
-        while epochs is None or epoch < epochs:
-            perm = epoch_permutation(len(self), seed, epoch)
-            for start in range(0, len(self) - batch_size + 1, batch_size):
-                yield self.tokens[perm[start:start + batch_size]]
-            epoch += 1
-
-
-def pack(token_lists: Sequence[Sequence[int]], seq_len: int, *, separator: int | None = None,
-         max_tokens: int | None = None) -> torch.Tensor:
-    """Concatenate documents (each followed by ``separator`` if given) and cut the
-    stream into ``[N, seq_len]`` rows; the tail shorter than seq_len is dropped."""
-    parts = []
-    for ids in token_lists:
-        parts.append(np.asarray(ids, dtype=np.int64))
-        if separator is not None:
-            parts.append(np.asarray([separator], dtype=np.int64))
-    stream = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-    return _rows(stream[:max_tokens] if max_tokens is not None else stream, seq_len)
-
-
-def _rows(stream: np.ndarray, seq_len: int) -> torch.Tensor:
-    """int64 ``[len(stream) // seq_len, seq_len]``: the stream cut into rows, tail dropped."""
-    if not (isinstance(seq_len, int) and seq_len >= 2):
-        raise ValueError(f"seq_len must be an int >= 2, got {seq_len!r}")
-    n = len(stream) // seq_len
-    if n < 1:
-        raise ValueError(f"source yields {len(stream)} tokens, fewer than one sequence of "
-                         f"seq_len={seq_len}; use more text or a shorter seq_len")
-    return torch.from_numpy(stream[: n * seq_len].astype(np.int64).reshape(n, seq_len))
 
 
 def build_token_dataset(source, tokenizer, seq_len: int, *, text_field: str = "text",

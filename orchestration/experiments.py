@@ -15,7 +15,7 @@ trainer's own ``prepare`` rebuilds them, so the split is exactly the run's):
       modeled wall-clock = steps x the run's modeled step time;
     * bytes/token per axis (pp_fwd, pp_bwd, dp, anchor) from the run's exact counters;
     * modeled tokens/s at ``--run.bandwidth_bps`` (200 Mbps) by the trainer's own link
-      model replay (``orchestration.train.modeled_step``: measured per-stage compute,
+      model replay (``orchestration.linkmodel.model_run``: measured per-stage compute,
       exact bytes) and the network-only ceiling (same replay with compute set to 0);
     * exact match on the synthetic tasks when the run adapts on ``task:...`` data;
     * magnitude-pruning robustness (30/50/70%) of the final model for the main rows.
@@ -39,168 +39,21 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import argparse
-import csv
-import dataclasses
 import glob
-import json
-import math
 import shlex
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 
 import torch
 
+from orchestration.experiment_report import report
+from orchestration.experiment_rows import (DEFAULT, GROUPS, QUICK, RECORDS, ROW_BY_NAME, ROWS, Row,  # noqa: F401
+                                           Settings, _write_json, load_result, result_path, select_rows,
+                                           trainer_argv)
 from orchestration.metrics import read_jsonl
-
-
-# ============================================================== the rows
-@dataclass(frozen=True)
-class Row:
-    """One table row: a trainer preset plus flag overrides."""
-
-    name: str
-    group: str          # "main", "baseline" or "ablation"
-    preset: str
-    flags: tuple = ()   # extra trainer flags, e.g. ("--boundary.p", "0.99")
-    label: str = ""
-    paper: str = ""     # what the paper reports for this row (method.md), for the table
-
-
-ROWS: tuple[Row, ...] = (
-    Row("dense", "main", "dense", label="Dense (dense PP, full DP all-reduce)",
-        paper="MedQA 0.280 / HumanEval 0.177; 22.9k B/tok"),
-    Row("dp", "main", "dp", label="+DP (dense PP, DiLoCo+PowerSGD)",
-        paper="0.275 / 0.171; 6.9k B/tok"),
-    Row("m95", "main", "m95", label="M95 (mask p=0.95, no anchor)",
-        paper="0.180 / 0.072; 370 B/tok"),
-    Row("m90-ap", "main", "m90-ap", label="M90+AP (mask p=0.90 + anchor + spectral)",
-        paper="0.325 / 0.215; 790 B/tok"),
-    Row("m95-ap", "main", "m95-ap", label="M95+AP (mask p=0.95 + anchor + spectral)",
-        paper="0.321 / 0.207; 446 B/tok"),
-    # PP-codec baselines at comparable ratios; everything else as M95 (DiLoCo+PowerSGD).
-    # Ratios at H=192, fp32: topk keeps K=round(0.067*192)=13 dims of 4 B value + 2 B index
-    # = 78 B vs 768 B dense (9.8x, the paper's 10x); bottleneck r=10 coordinates (19.2x,
-    # the paper's 20x); int4 with per-group scales (~4x-ish, the paper's 4x).
-    Row("topk", "baseline", "m95", ("--boundary.codec", "topk", "--boundary.p", "0.933"),
-        label="top-k ~10x/10x (no anchor)", paper="collapses on generation"),
-    Row("int4", "baseline", "m95", ("--boundary.codec", "int4"),
-        label="4-bit quantization ~4x/4x (no anchor)", paper="collapses on generation"),
-    Row("bottleneck", "baseline", "m95", ("--boundary.codec", "bottleneck", "--boundary.p", "0.95"),
-        label="bottleneck projection 20x/20x (no anchor)", paper="collapses on generation"),
-    # Ablations around M95+AP (p=0.90 with the anchor is the main row m90-ap; m90 is its
-    # no-anchor control, separating the effect of p from the anchor's).
-    Row("m90", "ablation", "m95", ("--boundary.p", "0.90"), label="M90 (mask p=0.90, no anchor)",
-        paper="(not reported)"),
-    Row("p99-ap", "ablation", "m95-ap", ("--boundary.p", "0.99"), label="M99+AP (p=0.99)",
-        paper="0.230 / 0.075"),
-    Row("delay10", "ablation", "m95-ap", ("--anchor.delay", "10"), label="M95+AP, anchor delay 10 (deterministic)",
-        paper="0.328 / 0.215"),
-    Row("delay20", "ablation", "m95-ap", ("--anchor.delay", "20"), label="M95+AP, anchor delay 20 (deterministic)",
-        paper="(default ~20)"),
-    Row("delay50", "ablation", "m95-ap", ("--anchor.delay", "50"), label="M95+AP, anchor delay 50 (deterministic)",
-        paper="0.250 / 0.090"),
-    Row("tau1e-5", "ablation", "m95-ap", ("--train.tau", "1e-5"), label="M95+AP, tau=1e-5",
-        paper="0.215 / 0.105"),
-    Row("tau1e-1", "ablation", "m95-ap", ("--train.tau", "1e-1"), label="M95+AP, tau=1e-1",
-        paper="0.245 / 0.140"),
-    Row("alpha0", "ablation", "m95-ap", ("--train.alpha", "0"), label="M95+AP, alpha=0 (filtered only)",
-        paper="0.260 / 0.105"),
-    Row("alpha1", "ablation", "m95-ap", ("--train.alpha", "1"), label="M95+AP, alpha=1 (no correction)",
-        paper="0.180 / 0.072"),
-    Row("factored", "ablation", "m95-ap", ("--anchor.transport", "factored"),
-        label="M95+AP, anchor sends top-r SVD factors of its momentum", paper="(anchor axis ~76 B/tok)"),
-)
-ROW_BY_NAME = {r.name: r for r in ROWS}
-GROUPS = ("main", "baseline", "ablation")
-GROUP_ALIASES = {"main": "main", "baselines": "baseline", "baseline": "baseline",
-                 "ablations": "ablation", "ablation": "ablation", "all": None}
-
-
-def select_rows(spec: str) -> list[Row]:
-    """Rows named by a comma list of row names and/or groups (main, baselines, ablations,
-    all), in table order; ValueError names an unknown entry."""
-    want: set[str] = set()
-    for item in (s.strip() for s in spec.split(",")):
-        if not item:
-            continue
-        if item in GROUP_ALIASES:
-            g = GROUP_ALIASES[item]
-            want |= {r.name for r in ROWS if g is None or r.group == g}
-        elif item in ROW_BY_NAME:
-            want.add(item)
-        else:
-            raise ValueError(f"--rows: unknown row or group {item!r}; rows: {', '.join(ROW_BY_NAME)}; "
-                             f"groups: main, baselines, ablations, all")
-    if not want:
-        raise ValueError("--rows selects no row")
-    return [r for r in ROWS if r.name in want]
-
-
-# ============================================================== scale
-@dataclass
-class Settings:
-    """What makes two results comparable (everything but the row and the seed)."""
-
-    model: str
-    data: str
-    steps: int
-    fast_rows: int
-    stages: int
-    batch_size: int
-    microbatches: int
-    seq_len: int
-    eval_every: int
-    eval_sequences: int
-    max_sequences: int = 0
-    trainer_args: str = ""
-    prune: tuple = (0.3, 0.5, 0.7)
-    n_task: int = 100
-
-    def key(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["prune"] = list(d["prune"])
-        return d
-
-
-# Default scale: chosen so one row trains in ~2 min on the shared 2-core machine (the
-# default Llama 192h/4L; 2x2 fast mesh; ~1.3 s/step under load). 80 steps leave room for
-# the delay-50 ablation (snapshots at 0,5,..,25 applied at 50..75). Evaluation: 64 held-out
-# sequences (8128 predicted tokens) at 5 points; 128 sequences at 9 points took as long as
-# the training itself (~115 s) on the loaded machine.
-DEFAULT = dict(steps=80, fast_rows=2, stages=2, batch_size=8, microbatches=4, seq_len=128,
-               eval_every=20, eval_sequences=64, max_sequences=0)
-# --quick: a few seconds per row with whatever --model is given (tests use a tiny one).
-QUICK = dict(steps=4, fast_rows=1, stages=2, batch_size=2, microbatches=2, seq_len=32,
-             eval_every=2, eval_sequences=8, max_sequences=200)
-
-
-def trainer_argv(row: Row, seed: int, s: Settings, run_root: str, run_name: str) -> list[str]:
-    """The trainer's command-line flags for one (row, seed)."""
-    anchor = bool(_preset(row.preset).get("anchor", {}).get("enabled", False))
-    argv = ["--preset", row.preset, *row.flags,
-            "--model", s.model, "--data", s.data,
-            "--mesh.rows", str(s.fast_rows + (1 if anchor else 0)), "--mesh.stages", str(s.stages),
-            "--train.steps", str(s.steps), "--train.batch_size", str(s.batch_size),
-            "--train.microbatches", str(s.microbatches), "--data.seq_len", str(s.seq_len),
-            "--data.max_sequences", str(s.max_sequences), "--train.seed", str(seed),
-            "--checkpoint.every", str(s.eval_every), "--checkpoint.keep", "100000",
-            "--run.out_dir", run_root, "--run.name", run_name, "--run.progress", "false",
-            "--run.eval_sequences", "0"]  # we evaluate every checkpoint ourselves
-    if "delay" in row.name:  # deterministic delay must not exceed the staleness bound
-        argv += ["--anchor.max_staleness", str(max(50, int(row.flags[row.flags.index("--anchor.delay") + 1])))]
-    return argv + shlex.split(s.trainer_args)
-
-
-def _preset(name: str) -> dict:
-    from orchestration.config import load_preset
-
-    return load_preset(name)
-
 
 # ============================================================== one row
 _PLANS: dict = {}
@@ -231,7 +84,8 @@ def _checkpoints(run_dir: str) -> list[tuple[int, str]]:
 
 def evaluate_run(row: Row, seed: int, s: Settings, argv: list[str], run_dir: str) -> dict:
     """Evaluates a finished trainer run; returns the row's result record."""
-    from orchestration import evaluate, train
+    from orchestration import evaluate
+    from orchestration.linkmodel import model_run
     from orchestration.models import load_causal_lm
 
     cfg, plan = _plan_for(argv)
@@ -242,9 +96,9 @@ def evaluate_run(row: Row, seed: int, s: Settings, argv: list[str], run_dir: str
     held = plan.eval_rows[:s.eval_sequences]
     tokens_per_step = cfg.fast_rows * cfg.train.batch_size * cfg.data.seq_len
 
-    model_step = train.modeled_step(cfg, plan, history)
+    model_step = model_run(cfg, plan, history)
     zero = [dict(h, fwd_s=[0.0] * len(h["fwd_s"]), bwd_s=[0.0] * len(h["bwd_s"])) for h in history]
-    net_step = train.modeled_step(cfg, plan, zero)
+    net_step = model_run(cfg, plan, zero)
 
     curve = []
     final_model = None
@@ -303,30 +157,6 @@ def _code_version() -> str:
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return (head or "unknown") + ("-dirty" if dirty else "")
-
-
-def _write_json(path: str, obj: dict) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(tmp, path)  # a reader sees the old file or the whole new one
-
-
-# Not "runs": .gitignore ignores every directory of that name (trainer output), and these
-# small records are meant to be committed.
-RECORDS = "records"
-
-
-def result_path(out: str, row: str, seed: int) -> str:
-    return os.path.join(out, RECORDS, f"{row}-s{seed}.json")
-
-
-def load_result(path: str) -> dict | None:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
 
 
 def run_row(row: Row, seed: int, s: Settings, a, idx: str) -> str:
@@ -393,179 +223,6 @@ def run_row(row: Row, seed: int, s: Settings, a, idx: str) -> str:
 
 
 # ============================================================== table and plots
-def _mean_sd(xs: list[float]) -> tuple[float, float]:
-    m = statistics.fmean(xs)
-    return m, (statistics.stdev(xs) if len(xs) > 1 else float("nan"))
-
-
-def _fmt(xs: list[float], digits: int = 3) -> str:
-    if not xs:
-        return "-"
-    m, sd = _mean_sd(xs)
-    if math.isnan(sd) or max(xs) == min(xs):  # one seed, or exact counts identical in every seed
-        return f"{m:.{digits}f}"
-    return f"{m:.{digits}f} ± {sd:.{digits}f}"
-
-
-def collect(out: str, s: Settings) -> tuple[dict[str, list[dict]], int]:
-    """Complete results in OUT/records matching these settings, by row (table order);
-    also the count of complete results left out for other settings."""
-    by_row: dict[str, list[dict]] = {}
-    other = 0
-    for p in sorted(glob.glob(os.path.join(out, RECORDS, "*.json"))):
-        r = load_result(p)
-        if not r or not r.get("complete"):
-            continue
-        if r.get("settings") != s.key():
-            other += 1
-            continue
-        by_row.setdefault(r["row"], []).append(r)
-    ordered = {row.name: sorted(by_row[row.name], key=lambda r: r["seed"]) for row in ROWS if row.name in by_row}
-    return ordered, other
-
-
-def make_table(by_row: dict[str, list[dict]], s: Settings) -> str:
-    """The markdown table: mean ± sample sd over seeds."""
-    dense = {r["seed"]: r["final_loss"] for r in by_row.get("dense", [])}
-    prune_cols = [str(f) for f in s.prune]
-    has_em = any("exact_match" in r for rs in by_row.values() for r in rs)
-    head = ["row", "seeds", "held-out loss", "Δ vs base", "Δ vs Dense (paired)", "ppl",
-            "B/tok PP fwd", "B/tok PP bwd", "B/tok DP", "B/tok anchor", "B/tok total",
-            "modeled tok/s @200Mbps", "network-only tok/s", "prune " + "/".join(f"{float(f):.0%}" for f in s.prune)
-            + " (loss +%)"]
-    if has_em:
-        head.append("exact match")
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for name, rs in by_row.items():
-        bpt = lambda ax: [r["bytes_per_token"][ax] for r in rs]  # noqa: E731
-        paired = [r["final_loss"] - dense[r["seed"]] for r in rs if r["seed"] in dense]
-        prune = "-"
-        if all("pruning" in r for r in rs):
-            prune = " / ".join(_fmt([r["pruning"][c]["loss_increase_pct"] for r in rs], 1) for c in prune_cols)
-        cells = [f"{name}", ",".join(str(r["seed"]) for r in rs),
-                 _fmt([r["final_loss"] for r in rs]), _fmt([r["final_loss"] - r["base_loss"] for r in rs]),
-                 _fmt(paired) if name != "dense" else "0",
-                 _fmt([r["final_perplexity"] for r in rs], 1),
-                 _fmt(bpt("pp_fwd"), 1), _fmt(bpt("pp_bwd"), 1), _fmt(bpt("dp"), 1), _fmt(bpt("anchor"), 1),
-                 _fmt([r["bytes_per_token_total"] for r in rs], 1),
-                 _fmt([r["modeled_tokens_per_s"] for r in rs], 0),
-                 _fmt([r["network_bound_tokens_per_s"] for r in rs], 0), prune]
-        if has_em:
-            cells.append(", ".join(f"{t} {_fmt([r['exact_match'][t] for r in rs])}"
-                                   for t in (rs[0].get("exact_match") or {})) or "-")
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
-
-
-def write_csv(by_row: dict[str, list[dict]], path: str) -> None:
-    cols = ["row", "group", "seed", "base_loss", "final_loss", "final_perplexity", "bpt_pp_fwd", "bpt_pp_bwd",
-            "bpt_dp", "bpt_anchor", "bpt_total", "modeled_tokens_per_s", "network_bound_tokens_per_s",
-            "measured_tokens_per_s", "modeled_limit", "train_wall_s"]
-    with open(path, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(cols)
-        for rs in by_row.values():
-            for r in rs:
-                b = r["bytes_per_token"]
-                w.writerow([r["row"], r["group"], r["seed"], r["base_loss"], r["final_loss"], r["final_perplexity"],
-                            b["pp_fwd"], b["pp_bwd"], b["dp"], b["anchor"], r["bytes_per_token_total"],
-                            r["modeled_tokens_per_s"], r["network_bound_tokens_per_s"],
-                            r["measured_tokens_per_s"], r["modeled_limit"], r.get("train_wall_s")])
-
-
-def make_plots(by_row: dict[str, list[dict]], fig_dir: str) -> list[str]:
-    """Per group: held-out loss vs tokens and vs modeled wall-clock (mean over seeds,
-    band = min..max). Returns the written paths."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    os.makedirs(fig_dir, exist_ok=True)
-    written = []
-    for group in GROUPS:
-        names = [n for n in by_row if ROW_BY_NAME[n].group == group]
-        if group != "main" and names:  # compare against the main rows they vary
-            names = [n for n in ("dense", "m95", "m95-ap") if n in by_row] + names
-        if not names:
-            continue
-        for xkey, xlabel, fname in (("tokens", "training tokens (fast circuit)", "loss_vs_tokens"),
-                                    ("modeled_s", "modeled wall-clock at 200 Mbps [s]", "loss_vs_wallclock")):
-            fig, ax = plt.subplots(figsize=(7, 4.5))
-            colors = plt.get_cmap("tab10" if len(names) <= 10 else "tab20").colors  # distinct per row
-            for i, n in enumerate(names):
-                rs = by_row[n]
-                steps = sorted(set.intersection(*[{p["step"] for p in r["curve"]} for r in rs]))
-                xs, mean, lo, hi = [], [], [], []
-                for st in steps:
-                    pts = [next(p for p in r["curve"] if p["step"] == st) for r in rs]
-                    xs.append(statistics.fmean(p[xkey] for p in pts))
-                    ls = [p["loss"] for p in pts]
-                    mean.append(statistics.fmean(ls))
-                    lo.append(min(ls))
-                    hi.append(max(ls))
-                line, = ax.plot(xs, mean, marker="o", ms=3, color=colors[i % len(colors)], label=f"{n} (n={len(rs)})")
-                if len(rs) > 1:
-                    ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.15)
-            ax.set_xlabel(xlabel)
-            ax.set_ylabel("held-out loss (adaptation domain)")
-            ax.set_title(f"{group} rows: mean over seeds, band = min..max")
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
-            fig.tight_layout()
-            p = os.path.join(fig_dir, f"{group}_{fname}.png")
-            fig.savefig(p, dpi=110)
-            plt.close(fig)
-            written.append(p)
-        ref = {"baseline": "m95", "ablation": "m95-ap"}.get(group)
-        if ref in by_row:  # the small differences between variants, paired by seed
-            p = _paired_bars(plt, by_row, [n for n in names if ROW_BY_NAME[n].group == group], ref,
-                             os.path.join(fig_dir, f"{group}_paired_delta.png"))
-            if p:
-                written.append(p)
-    return written
-
-
-def _paired_bars(plt, by_row, names, ref, path):
-    """Bar chart: final held-out loss minus the reference row's, same seed (mean ± sd)."""
-    refs = {r["seed"]: r["final_loss"] for r in by_row[ref]}
-    rows = []
-    for n in names:
-        d = [r["final_loss"] - refs[r["seed"]] for r in by_row[n] if r["seed"] in refs]
-        if d:
-            rows.append((n, statistics.fmean(d), statistics.stdev(d) if len(d) > 1 else 0.0, len(d)))
-    if not rows:
-        return None
-    fig, ax = plt.subplots(figsize=(7, 0.45 * len(rows) + 1.5))
-    ax.barh([f"{n} (n={k})" for n, _, _, k in rows], [m for _, m, _, _ in rows],
-            xerr=[sd for _, _, sd, _ in rows], color="tab:blue", alpha=0.7, capsize=3)
-    ax.axvline(0, color="black", lw=0.8)
-    ax.invert_yaxis()
-    ax.set_xlabel(f"final held-out loss minus {ref} (same seed); error bar = sd over seeds")
-    ax.grid(axis="x", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def report(a, s: Settings) -> None:
-    by_row, other = collect(a.out, s)
-    if not by_row:
-        print("no complete results for these settings yet; nothing to tabulate", flush=True)
-        return
-    table = make_table(by_row, s)
-    header = (f"<!-- generated by python -m orchestration.experiments; settings: {json.dumps(s.key())} -->\n")
-    with open(os.path.join(a.out, "table.md"), "w") as f:
-        f.write(header + table)
-    write_csv(by_row, os.path.join(a.out, "summary.csv"))
-    figs = make_plots(by_row, a.figures)
-    print("\n" + table, flush=True)
-    print(f"wrote {os.path.join(a.out, 'table.md')}, {os.path.join(a.out, 'summary.csv')}, "
-          + ", ".join(figs) + (f" ({other} complete results with other settings left out)" if other else ""),
-          flush=True)
-
-
 # ============================================================== entry point
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(

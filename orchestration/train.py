@@ -37,7 +37,7 @@ import torch
 
 from orchestration import checkpoint as ckpt
 from orchestration.config import Config, parse_args, to_yaml
-from orchestration.data import BatchSampler, shard_rows
+from orchestration.sampling import BatchSampler, shard_rows
 from orchestration.launch import MeshFailure, free_port, run_local
 from orchestration.mesh import MeshLayout, init_mesh, destroy_mesh
 

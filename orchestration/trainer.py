@@ -125,7 +125,7 @@ class Trainer:
     (or to a stop request) and returns the rank's record (rank 0: with the summary)."""
 
     def __init__(self, rank: int, cfg: Config, plan, mesh, stage):
-        from orchestration.data import BatchSampler, shard_rows
+        from orchestration.sampling import BatchSampler, shard_rows
 
         self.rank, self.cfg, self.plan, self.mesh, self.stage = rank, cfg, plan, mesh, stage
         self.params = [p for p in stage.parameters() if p.requires_grad]

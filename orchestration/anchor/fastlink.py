@@ -25,8 +25,7 @@ from datetime import timedelta
 
 import torch
 
-from orchestration.anchor.links import (ANCHOR, FAST, PREFIX, FastCircuitGone, is_link_failure, pair_link,
-                                        side_store, store_address)
+from orchestration.anchor.links import ANCHOR, FAST, PREFIX, is_link_failure, pair_link, side_store, store_address
 from orchestration.anchor.snapshot import SnapshotCoder
 from orchestration.anchor.wire import (CODE_DTYPES, DRAIN_FACTOR, DTYPE_CODES, F_DTYPE, F_KIND, F_MAGIC, F_MS,
                                        F_NUMEL, F_ROUND, F_VERSION, GRAD, HEADER_BYTES, HEADER_LEN, MAGIC, REQ,

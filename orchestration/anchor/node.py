@@ -21,7 +21,7 @@ from orchestration.anchor.wire import (CODE_DTYPES, F_DTYPE, F_KIND, F_LAYOUT, F
                                        F_VERSION, HEADER_BYTES, HEADER_LEN, MAGIC, REQ, SNAP, STOP, Layout,
                                        ProtocolError, eligible_params, header, recv, send)
 from orchestration.codecs import make_codec
-from orchestration.data import BatchSampler
+from orchestration.sampling import BatchSampler
 from orchestration.launch import is_peer_error
 from orchestration.pipeline import PipelineExecutor
 from orchestration.schedule import make_schedule

@@ -1,0 +1,178 @@
+"""The experiment grid of ``python -m orchestration.experiments``: its rows (a preset plus
+flags each), the settings shared by every row, the trainer command of one (row, seed), and
+where a finished (row, seed) keeps its result record."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shlex
+from dataclasses import dataclass
+
+
+# ============================================================== the rows
+@dataclass(frozen=True)
+class Row:
+    """One table row: a trainer preset plus flag overrides."""
+
+    name: str
+    group: str          # "main", "baseline" or "ablation"
+    preset: str
+    flags: tuple = ()   # extra trainer flags, e.g. ("--boundary.p", "0.99")
+    label: str = ""
+    paper: str = ""     # what the paper reports for this row (method.md), for the table
+
+
+ROWS: tuple[Row, ...] = (
+    Row("dense", "main", "dense", label="Dense (dense PP, full DP all-reduce)",
+        paper="MedQA 0.280 / HumanEval 0.177; 22.9k B/tok"),
+    Row("dp", "main", "dp", label="+DP (dense PP, DiLoCo+PowerSGD)",
+        paper="0.275 / 0.171; 6.9k B/tok"),
+    Row("m95", "main", "m95", label="M95 (mask p=0.95, no anchor)",
+        paper="0.180 / 0.072; 370 B/tok"),
+    Row("m90-ap", "main", "m90-ap", label="M90+AP (mask p=0.90 + anchor + spectral)",
+        paper="0.325 / 0.215; 790 B/tok"),
+    Row("m95-ap", "main", "m95-ap", label="M95+AP (mask p=0.95 + anchor + spectral)",
+        paper="0.321 / 0.207; 446 B/tok"),
+    # PP-codec baselines at comparable ratios; everything else as M95 (DiLoCo+PowerSGD).
+    # Ratios at H=192, fp32: topk keeps K=round(0.067*192)=13 dims of 4 B value + 2 B index
+    # = 78 B vs 768 B dense (9.8x, the paper's 10x); bottleneck r=10 coordinates (19.2x,
+    # the paper's 20x); int4 with per-group scales (~4x-ish, the paper's 4x).
+    Row("topk", "baseline", "m95", ("--boundary.codec", "topk", "--boundary.p", "0.933"),
+        label="top-k ~10x/10x (no anchor)", paper="collapses on generation"),
+    Row("int4", "baseline", "m95", ("--boundary.codec", "int4"),
+        label="4-bit quantization ~4x/4x (no anchor)", paper="collapses on generation"),
+    Row("bottleneck", "baseline", "m95", ("--boundary.codec", "bottleneck", "--boundary.p", "0.95"),
+        label="bottleneck projection 20x/20x (no anchor)", paper="collapses on generation"),
+    # Ablations around M95+AP (p=0.90 with the anchor is the main row m90-ap; m90 is its
+    # no-anchor control, separating the effect of p from the anchor's).
+    Row("m90", "ablation", "m95", ("--boundary.p", "0.90"), label="M90 (mask p=0.90, no anchor)",
+        paper="(not reported)"),
+    Row("p99-ap", "ablation", "m95-ap", ("--boundary.p", "0.99"), label="M99+AP (p=0.99)",
+        paper="0.230 / 0.075"),
+    Row("delay10", "ablation", "m95-ap", ("--anchor.delay", "10"), label="M95+AP, anchor delay 10 (deterministic)",
+        paper="0.328 / 0.215"),
+    Row("delay20", "ablation", "m95-ap", ("--anchor.delay", "20"), label="M95+AP, anchor delay 20 (deterministic)",
+        paper="(default ~20)"),
+    Row("delay50", "ablation", "m95-ap", ("--anchor.delay", "50"), label="M95+AP, anchor delay 50 (deterministic)",
+        paper="0.250 / 0.090"),
+    Row("tau1e-5", "ablation", "m95-ap", ("--train.tau", "1e-5"), label="M95+AP, tau=1e-5",
+        paper="0.215 / 0.105"),
+    Row("tau1e-1", "ablation", "m95-ap", ("--train.tau", "1e-1"), label="M95+AP, tau=1e-1",
+        paper="0.245 / 0.140"),
+    Row("alpha0", "ablation", "m95-ap", ("--train.alpha", "0"), label="M95+AP, alpha=0 (filtered only)",
+        paper="0.260 / 0.105"),
+    Row("alpha1", "ablation", "m95-ap", ("--train.alpha", "1"), label="M95+AP, alpha=1 (no correction)",
+        paper="0.180 / 0.072"),
+    Row("factored", "ablation", "m95-ap", ("--anchor.transport", "factored"),
+        label="M95+AP, anchor sends top-r SVD factors of its momentum", paper="(anchor axis ~76 B/tok)"),
+)
+ROW_BY_NAME = {r.name: r for r in ROWS}
+GROUPS = ("main", "baseline", "ablation")
+GROUP_ALIASES = {"main": "main", "baselines": "baseline", "baseline": "baseline",
+                 "ablations": "ablation", "ablation": "ablation", "all": None}
+
+
+def select_rows(spec: str) -> list[Row]:
+    """Rows named by a comma list of row names and/or groups (main, baselines, ablations,
+    all), in table order; ValueError names an unknown entry."""
+    want: set[str] = set()
+    for item in (s.strip() for s in spec.split(",")):
+        if not item:
+            continue
+        if item in GROUP_ALIASES:
+            g = GROUP_ALIASES[item]
+            want |= {r.name for r in ROWS if g is None or r.group == g}
+        elif item in ROW_BY_NAME:
+            want.add(item)
+        else:
+            raise ValueError(f"--rows: unknown row or group {item!r}; rows: {', '.join(ROW_BY_NAME)}; "
+                             f"groups: main, baselines, ablations, all")
+    if not want:
+        raise ValueError("--rows selects no row")
+    return [r for r in ROWS if r.name in want]
+
+
+# ============================================================== scale
+@dataclass
+class Settings:
+    """What makes two results comparable (everything but the row and the seed)."""
+
+    model: str
+    data: str
+    steps: int
+    fast_rows: int
+    stages: int
+    batch_size: int
+    microbatches: int
+    seq_len: int
+    eval_every: int
+    eval_sequences: int
+    max_sequences: int = 0
+    trainer_args: str = ""
+    prune: tuple = (0.3, 0.5, 0.7)
+    n_task: int = 100
+
+    def key(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["prune"] = list(d["prune"])
+        return d
+
+
+# Default scale: chosen so one row trains in ~2 min on the shared 2-core machine (the
+# default Llama 192h/4L; 2x2 fast mesh; ~1.3 s/step under load). 80 steps leave room for
+# the delay-50 ablation (snapshots at 0,5,..,25 applied at 50..75). Evaluation: 64 held-out
+# sequences (8128 predicted tokens) at 5 points; 128 sequences at 9 points took as long as
+# the training itself (~115 s) on the loaded machine.
+DEFAULT = dict(steps=80, fast_rows=2, stages=2, batch_size=8, microbatches=4, seq_len=128,
+               eval_every=20, eval_sequences=64, max_sequences=0)
+# --quick: a few seconds per row with whatever --model is given (tests use a tiny one).
+QUICK = dict(steps=4, fast_rows=1, stages=2, batch_size=2, microbatches=2, seq_len=32,
+             eval_every=2, eval_sequences=8, max_sequences=200)
+
+
+def trainer_argv(row: Row, seed: int, s: Settings, run_root: str, run_name: str) -> list[str]:
+    """The trainer's command-line flags for one (row, seed)."""
+    anchor = bool(_preset(row.preset).get("anchor", {}).get("enabled", False))
+    argv = ["--preset", row.preset, *row.flags,
+            "--model", s.model, "--data", s.data,
+            "--mesh.rows", str(s.fast_rows + (1 if anchor else 0)), "--mesh.stages", str(s.stages),
+            "--train.steps", str(s.steps), "--train.batch_size", str(s.batch_size),
+            "--train.microbatches", str(s.microbatches), "--data.seq_len", str(s.seq_len),
+            "--data.max_sequences", str(s.max_sequences), "--train.seed", str(seed),
+            "--checkpoint.every", str(s.eval_every), "--checkpoint.keep", "100000",
+            "--run.out_dir", run_root, "--run.name", run_name, "--run.progress", "false",
+            "--run.eval_sequences", "0"]  # we evaluate every checkpoint ourselves
+    if "delay" in row.name:  # deterministic delay must not exceed the staleness bound
+        argv += ["--anchor.max_staleness", str(max(50, int(row.flags[row.flags.index("--anchor.delay") + 1])))]
+    return argv + shlex.split(s.trainer_args)
+
+
+def _preset(name: str) -> dict:
+    from orchestration.config import load_preset
+
+    return load_preset(name)
+
+
+def _write_json(path: str, obj: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(tmp, path)  # a reader sees the old file or the whole new one
+
+
+# Not "runs": .gitignore ignores every directory of that name (trainer output), and these
+# small records are meant to be committed.
+RECORDS = "records"
+
+
+def result_path(out: str, row: str, seed: int) -> str:
+    return os.path.join(out, RECORDS, f"{row}-s{seed}.json")
+
+
+def load_result(path: str) -> dict | None:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
