@@ -15,13 +15,8 @@ is true (default true). 1-D parameters (norms, biases) always get plain AdamW. F
 embeddings / lm_head, build the groups with ``spectral_param_groups(model,
 filter_embeddings=...)``; the default leaves them unfiltered (plain AdamW): their
 anchor rows only cover the tokens of the anchor's batches (row-sparse, unrelated to the
-fast node's tokens), and filtering one is expensive. Measured
-(``python -m bench.spectral_bench --only emb --only emb-quality``, 1 thread, CPU time):
-a [32000, 2048] fp32 matrix costs 3.8x its own AdamW step per SVD refresh and 0.78x per
-step for the projection; in a small proxy run (tiny Llama, noisy fast gradients, clean
-anchor gradients 20 steps late, 150 steps, one seed) the eval loss was 2.620 with
-embeddings / lm_head unfiltered, 2.649 with the embedding filtered, 2.880 with both
-filtered (plain AdamW on the noisy gradients: 2.665; on clean ones: 1.751).
+fast node's tokens), and filtering one is expensive and did not help in a proxy run
+(docs/benchmarks.md, "filtering embeddings").
 """
 from __future__ import annotations
 
@@ -36,6 +31,20 @@ from meshkern import spectral
 from meshkern._checks import as_float as _as_float, as_int as _as_int
 
 Factors = tuple[Tensor, Tensor, Tensor]
+# A factored prior's U and V must be orthonormal to this tolerance (max |Q^T Q - I|): fp32
+# SVD factors are within ~1e-6, bf16-rounded ones within ~1e-2; a scaled or garbage
+# factor is far outside.
+FACTOR_ORTHO_TOL = 0.05
+
+
+def _orthonormality_error(Q: Tensor) -> float:
+    """max |Q^T Q - D| where D is 1 on the diagonal for the columns of Q that are not
+    (near) zero and 0 for those that are: randomized_svd returns zero columns for
+    singular values ~0, which carry no direction and are fine in a prior."""
+    Q = Q.detach().float()
+    gram = Q.mT @ Q
+    target = (gram.diagonal() > 0.5).float()
+    return float((gram - torch.diag(target)).abs().max())
 
 
 def _check_prob(name: str, val: float, hi_open: bool = False) -> float:
@@ -238,18 +247,11 @@ def spectral_param_groups(model: torch.nn.Module, *, filter_embeddings: bool = F
 class SpectralAdamW(torch.optim.AdamW):
     """AdamW on anchor-filtered gradients (see the module docstring).
 
-    Cost (``OMP_WAIT_POLICY=PASSIVE python -m bench.spectral_bench --only step --repeats 5``,
-    4 Llama-3.2-1B layers, 243M fp32 params, 1 CPU thread, rank 32, on a shared 2-core
-    machine whose load moved the AdamW row itself between 1.14 and 1.36 s): ~1.0x AdamW
-    without a prior; with a prior and no refresh due 1.39-1.75x (median 1.49x over 9
-    CPU-clock runs, 1.38-1.60x in 5 wall-clock runs; 1.36-1.44x as the median of
-    back-to-back step pairs, a measure that reads low), vs 1.62-2.23x in the same runs with
-    a fresh G_proj per step -- on CPU that is ~1 GB of first-touch page faults per step,
-    avoided by a reused G_proj buffer per filtered parameter (``reuse_proj_buffer``).
-    What remains is the projection itself (~35 ms per [8192, 2048] fp32 matrix: G V 17 ms,
-    then alpha*G and the accumulating GEMM 18 ms; MKL's skinny GEMMs run at ~55-60 GFLOP/s
-    here) and the energy statistic (one more read of G, ~3 ms). 5.6-7.0x on a step that
-    refreshes every factor.
+    Cost: about one AdamW step without a prior; with one, the projection per filtered
+    matrix (two skinny GEMMs on G) plus one more read of G, and an SVD refresh at the
+    first step after each arrival. A reused G_proj buffer per filtered parameter avoids
+    re-faulting a gradient-sized tensor every step on CPU (``reuse_proj_buffer``).
+    Measured ratios: docs/benchmarks.md ("SpectralAdamW: cost of a step").
 
     Until a prior is present for a parameter, its update is exactly torch.optim.AdamW's
     (this class *is* an AdamW; ``step`` swaps in G_proj for the filtered parameters,
@@ -262,6 +264,16 @@ class SpectralAdamW(torch.optim.AdamW):
     state dict) and have meshkern.spectral.project write into it. None (default): on CPU
     only; True / False: always / never. Bit-identical results either way; the cost is one
     gradient-sized tensor per filtered parameter kept allocated.
+
+    Bounds on what an anchor sends (it comes from another machine): an anchor gradient
+    (Frobenius norm) or a factored prior (||S||_2, the norm of the matrix it factors) more
+    than ``max_anchor_ratio`` (default 1e3) times the receiver's own scale of that
+    parameter, max(1, ||p||_F, ||p.grad||_F, ||M_anc||_F), is rejected; so is a factored
+    prior whose U or V does not have orthonormal columns (max |U^T U - I| >
+    FACTOR_ORTHO_TOL; all-zero columns, which randomized_svd returns for s ~ 0, allowed). Real
+    gradients sit orders of magnitude inside the bound (weights are far larger than
+    their gradients); it stops garbage (1e10, 3e38, factors scaled by 1e19) from
+    reaching the weights or the SVD, not a subtly wrong gradient.
 
     Anchor inputs are lists aligned with ``param_order()``, the flattened parameter order
     ``[p for g in param_groups for p in g["params"]]`` (with ``spectral_param_groups`` the
@@ -280,8 +292,12 @@ class SpectralAdamW(torch.optim.AdamW):
                  weight_decay: float = 1e-2, *, tau: float = 1e-3, alpha: float = 0.3, beta_anc: float = 0.9,
                  rank: int = 32, oversample: int = 16, power_iters: int = 3, ortho: str = "qr",
                  svd_method: str = "randomized", seed: int = 0, backend: str = "auto",
-                 reuse_proj_buffer: bool | None = None, **adamw_kwargs):
+                 reuse_proj_buffer: bool | None = None, max_anchor_ratio: float = 1e3, **adamw_kwargs):
         tau, alpha = spectral._check_tau(tau), _check_prob("alpha", alpha)
+        ratio = _as_float(max_anchor_ratio)
+        if ratio is None or not (ratio > 0 and math.isfinite(ratio)):
+            raise ValueError(f"max_anchor_ratio must be a finite float > 0, got {max_anchor_ratio!r}")
+        self.max_anchor_ratio = ratio
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **adamw_kwargs)
         extra = {"tau": float(tau), "alpha": float(alpha), "spectral": True}
         self.defaults.update(extra)
@@ -398,8 +414,11 @@ class SpectralAdamW(torch.optim.AdamW):
         grads, problem = self._as_list(grads, "anchor gradients")
         if problem is not None:
             return self._reject("anchor gradients", [problem])
-        problems = self._anchor.validate(grads)
-        if not problems:
+        if not self._anchor.validate(grads):  # invalid input: AnchorMomentum.update below warns and counts
+            problems = self._out_of_bounds([None if g is None else torch.linalg.vector_norm(g.detach().float())
+                                            for g in grads])
+            if problems:
+                return self._reject("anchor gradients", problems)
             for i, g in enumerate(grads):
                 if g is not None and self._anchor.enabled[i]:
                     self._prior[i] = None  # the momentum is now newer than any factored prior
@@ -443,6 +462,16 @@ class SpectralAdamW(torch.optim.AdamW):
                                     f"do not fit a [{m}, {n}] parameter")
                 elif not all(bool(torch.isfinite(t).all()) for t in (U, S, V)) or bool((S < 0).any()):
                     problems.append(f"entry {i}: non-finite values or negative singular values")
+                else:
+                    for name, Q in (("U", U), ("V", V)):
+                        err = _orthonormality_error(Q)
+                        if not err <= FACTOR_ORTHO_TOL:
+                            problems.append(f"entry {i}: {name} does not have orthonormal columns (max |{name}^T "
+                                            f"{name} - I| = {err:.3g} > {FACTOR_ORTHO_TOL})")
+        if not problems:
+            problems = self._out_of_bounds([None if f is None or not self._anchor.enabled[i]
+                                            else torch.linalg.vector_norm(f[1].detach().float())
+                                            for i, f in enumerate(factors)])
         if problems:
             return self._reject("factored anchor prior", problems)
         for i, f in enumerate(factors):
@@ -452,6 +481,24 @@ class SpectralAdamW(torch.optim.AdamW):
         self._counters["factored_arrivals"] += 1
         self._counters["last_staleness"] = staleness
         return True
+
+    def _out_of_bounds(self, norms: list) -> list[str]:
+        """Problems for entries whose norm exceeds max_anchor_ratio x the receiver's own
+        scale of that parameter (see the class docstring); one host sync per entry."""
+        problems = []
+        for i, ((_, p), n) in enumerate(zip(self._flat_groups(), norms)):
+            if n is None or not self._anchor.enabled[i]:
+                continue
+            scale = max(1.0, float(torch.linalg.vector_norm(p.detach().float())))  # 1: zero-initialized p
+            if p.grad is not None and not p.grad.is_sparse:
+                scale = max(scale, float(torch.linalg.vector_norm(p.grad.detach().float())))
+            if self._anchor.m[i] is not None:
+                scale = max(scale, float(torch.linalg.vector_norm(self._anchor.m[i])))
+            got = float(n)
+            if not got <= self.max_anchor_ratio * scale:
+                problems.append(f"entry {i}: norm {got:.3g} > max_anchor_ratio {self.max_anchor_ratio:g} x this "
+                                f"parameter's scale {scale:.3g}")
+        return problems
 
     def anchor_stats(self) -> dict:
         """Counters for the trainer's log: arrivals, factored_arrivals, rejected,
@@ -478,7 +525,7 @@ class SpectralAdamW(torch.optim.AdamW):
         """The reused G_proj buffer of parameter ``i`` (None: let project allocate).
 
         Default (reuse_proj_buffer=None): CPU only. On CPU a fresh G_proj is ~1 GB of
-        first-touch page faults per step on 4 Llama-1B layers (see the class docstring);
+        first-touch page faults per step on 4 Llama-1B layers (docs/benchmarks.md);
         CUDA's caching allocator already recycles the block, and a buffer kept there
         would hold one gradient's worth of memory through forward and backward.
         Re-created when the gradient's shape, dtype or device changes."""
