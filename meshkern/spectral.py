@@ -24,21 +24,15 @@ batched symmetric-eigen op (cyclic Jacobi in the C++/CUDA/Triton kernels), s = s
 U = Q W, V = B^T W / s. The big GEMMs stay in torch (BLAS/cuBLAS are already optimal);
 the kernels do the many small eigen problems and the fused projection.
 
-Accuracy knobs (``python -m bench.spectral_bench --only knobs``):
+Accuracy knobs (their measured effect: docs/benchmarks.md, "Spectral"):
     oversample   extra columns o; error falls with o, cost grows ~ (r+o)
     power_iters  q; the error of the top-r values shrinks like (s_{r+o}/s_r)^(2q+1)
     ortho        "qr" (Householder, always stable) or "cholqr2" (Cholesky-QR twice:
                  GEMM-only, falls back to QR for a batch entry whose Gram matrix is
-                 not numerically positive definite); same accuracy in our runs, and on
-                 CPU cholqr2 was not faster (LAPACK's QR of a thin [m, r+o] is cheap)
+                 not numerically positive definite)
     method       "randomized" or "exact" (torch.linalg.svd, then truncation)
-Measured max relative error of the top-32 singular values, 16 x [512, 512]:
-    o   q   s_i = 1/(1+i)   s_i = (1+i)^-0.5
-    8   2   3.6e-2          6.9e-2
-    16  2   1.2e-2          4.1e-2
-    16  3   3.4e-3          1.9e-2     <- default (1%-target met on the 1/(1+i) and
-    16  4   8.2e-4          9.7e-3        exp(-i/50) spectra)
-    32  3   7.0e-5          4.2e-3     (~1.9x the default's time)
+The defaults (o = 16, q = 3) meet a 1% relative-error target on the top-32 singular
+values of the spectra bench/spectral_bench.py measures.
 """
 from __future__ import annotations
 

@@ -13,14 +13,11 @@ Each fuses a memory-bound elementwise pass into the thin matmul next to it, so t
 Backends (``backend=``, see meshkern._backend): "reference" is the pure-torch
 definition below. ``powersgd_ef_project`` has a C++ kernel (csrc/dp/powersgd.cpp,
 ``torch.ops.meshkern_C.powersgd_ef_project``, rows over OpenMP, AVX2 clone picked at
-run time). "auto" uses it where it mostly beat torch's add_ + bmm (one thread, a
-heavily shared 2-core machine, bench/dp_bench.py --only op, four runs): fp32, r <= 8
-(specialized 1/2/4/8) and n <= 4096 rows. Measured torch/C++ at r = 8: [2,512,2048]
-2.0-2.6x, [1,2048,8192] 1.4-2.3x, [2,2048,2048] 0.78-2.0x (won 3 of 4 runs). Not
-auto: r = 32 (0.77-1.85x, no consistent winner), [2,8192,2048] at r = 8 (0.68-0.90x,
-lost every run), other dtypes and ranks (the generic C++ loop lost to MKL's bmm);
-backend="cpp" still forces the kernel. ``powersgd_reconstruct`` runs the reference on
-every backend: its C++ kernel measured 0.75-1.0x of torch and was removed. CUDA tensors use the reference (cuBLAS); no CUDA/Triton kernels yet. Results
+run time). "auto" uses it where it beat torch's add_ + bmm (measurements:
+docs/benchmarks.md, "PowerSGD fused ops"): fp32, r <= 8 (specialized 1/2/4/8) and
+n <= 4096 rows; backend="cpp" still forces the kernel. ``powersgd_reconstruct`` runs
+the reference on every backend (its C++ kernel was slower than torch and was removed).
+CUDA tensors use the reference (cuBLAS); no CUDA/Triton kernels yet. Results
 are deterministic for a given backend and thread count; backends agree to fp32
 rounding (different summation order).
 """
@@ -46,7 +43,7 @@ def _check(grad_or_p: Tensor, err: Tensor, q: Tensor, name: str) -> None:
         raise ValueError(f"{name}: tensors are on different devices")
 
 
-#: where "auto" sends powersgd_ef_project to C++ (measured wins, see the module docstring)
+#: where "auto" sends powersgd_ef_project to C++ (measured wins: docs/benchmarks.md)
 AUTO_CPP_RANKS = (1, 2, 4, 8)
 AUTO_CPP_MAX_ROWS = 4096
 
