@@ -31,6 +31,20 @@ from meshkern import spectral
 from meshkern._checks import as_float as _as_float, as_int as _as_int
 
 Factors = tuple[Tensor, Tensor, Tensor]
+# A factored prior's U and V must be orthonormal to this tolerance (max |Q^T Q - I|): fp32
+# SVD factors are within ~1e-6, bf16-rounded ones within ~1e-2; a scaled or garbage
+# factor is far outside.
+FACTOR_ORTHO_TOL = 0.05
+
+
+def _orthonormality_error(Q: Tensor) -> float:
+    """max |Q^T Q - D| where D is 1 on the diagonal for the columns of Q that are not
+    (near) zero and 0 for those that are: randomized_svd returns zero columns for
+    singular values ~0, which carry no direction and are fine in a prior."""
+    Q = Q.detach().float()
+    gram = Q.mT @ Q
+    target = (gram.diagonal() > 0.5).float()
+    return float((gram - torch.diag(target)).abs().max())
 
 
 def _check_prob(name: str, val: float, hi_open: bool = False) -> float:
@@ -251,6 +265,16 @@ class SpectralAdamW(torch.optim.AdamW):
     only; True / False: always / never. Bit-identical results either way; the cost is one
     gradient-sized tensor per filtered parameter kept allocated.
 
+    Bounds on what an anchor sends (it comes from another machine): an anchor gradient
+    (Frobenius norm) or a factored prior (||S||_2, the norm of the matrix it factors) more
+    than ``max_anchor_ratio`` (default 1e3) times the receiver's own scale of that
+    parameter, max(1, ||p||_F, ||p.grad||_F, ||M_anc||_F), is rejected; so is a factored
+    prior whose U or V does not have orthonormal columns (max |U^T U - I| >
+    FACTOR_ORTHO_TOL; all-zero columns, which randomized_svd returns for s ~ 0, allowed). Real
+    gradients sit orders of magnitude inside the bound (weights are far larger than
+    their gradients); it stops garbage (1e10, 3e38, factors scaled by 1e19) from
+    reaching the weights or the SVD, not a subtly wrong gradient.
+
     Anchor inputs are lists aligned with ``param_order()``, the flattened parameter order
     ``[p for g in param_groups for p in g["params"]]`` (with ``spectral_param_groups`` the
     embeddings come last: not ``model.parameters()`` order), or dicts ``{param: value}``
@@ -268,8 +292,12 @@ class SpectralAdamW(torch.optim.AdamW):
                  weight_decay: float = 1e-2, *, tau: float = 1e-3, alpha: float = 0.3, beta_anc: float = 0.9,
                  rank: int = 32, oversample: int = 16, power_iters: int = 3, ortho: str = "qr",
                  svd_method: str = "randomized", seed: int = 0, backend: str = "auto",
-                 reuse_proj_buffer: bool | None = None, **adamw_kwargs):
+                 reuse_proj_buffer: bool | None = None, max_anchor_ratio: float = 1e3, **adamw_kwargs):
         tau, alpha = spectral._check_tau(tau), _check_prob("alpha", alpha)
+        ratio = _as_float(max_anchor_ratio)
+        if ratio is None or not (ratio > 0 and math.isfinite(ratio)):
+            raise ValueError(f"max_anchor_ratio must be a finite float > 0, got {max_anchor_ratio!r}")
+        self.max_anchor_ratio = ratio
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **adamw_kwargs)
         extra = {"tau": float(tau), "alpha": float(alpha), "spectral": True}
         self.defaults.update(extra)
@@ -386,8 +414,11 @@ class SpectralAdamW(torch.optim.AdamW):
         grads, problem = self._as_list(grads, "anchor gradients")
         if problem is not None:
             return self._reject("anchor gradients", [problem])
-        problems = self._anchor.validate(grads)
-        if not problems:
+        if not self._anchor.validate(grads):  # invalid input: AnchorMomentum.update below warns and counts
+            problems = self._out_of_bounds([None if g is None else torch.linalg.vector_norm(g.detach().float())
+                                            for g in grads])
+            if problems:
+                return self._reject("anchor gradients", problems)
             for i, g in enumerate(grads):
                 if g is not None and self._anchor.enabled[i]:
                     self._prior[i] = None  # the momentum is now newer than any factored prior
@@ -431,6 +462,16 @@ class SpectralAdamW(torch.optim.AdamW):
                                     f"do not fit a [{m}, {n}] parameter")
                 elif not all(bool(torch.isfinite(t).all()) for t in (U, S, V)) or bool((S < 0).any()):
                     problems.append(f"entry {i}: non-finite values or negative singular values")
+                else:
+                    for name, Q in (("U", U), ("V", V)):
+                        err = _orthonormality_error(Q)
+                        if not err <= FACTOR_ORTHO_TOL:
+                            problems.append(f"entry {i}: {name} does not have orthonormal columns (max |{name}^T "
+                                            f"{name} - I| = {err:.3g} > {FACTOR_ORTHO_TOL})")
+        if not problems:
+            problems = self._out_of_bounds([None if f is None or not self._anchor.enabled[i]
+                                            else torch.linalg.vector_norm(f[1].detach().float())
+                                            for i, f in enumerate(factors)])
         if problems:
             return self._reject("factored anchor prior", problems)
         for i, f in enumerate(factors):
@@ -440,6 +481,24 @@ class SpectralAdamW(torch.optim.AdamW):
         self._counters["factored_arrivals"] += 1
         self._counters["last_staleness"] = staleness
         return True
+
+    def _out_of_bounds(self, norms: list) -> list[str]:
+        """Problems for entries whose norm exceeds max_anchor_ratio x the receiver's own
+        scale of that parameter (see the class docstring); one host sync per entry."""
+        problems = []
+        for i, ((_, p), n) in enumerate(zip(self._flat_groups(), norms)):
+            if n is None or not self._anchor.enabled[i]:
+                continue
+            scale = max(1.0, float(torch.linalg.vector_norm(p.detach().float())))  # 1: zero-initialized p
+            if p.grad is not None and not p.grad.is_sparse:
+                scale = max(scale, float(torch.linalg.vector_norm(p.grad.detach().float())))
+            if self._anchor.m[i] is not None:
+                scale = max(scale, float(torch.linalg.vector_norm(self._anchor.m[i])))
+            got = float(n)
+            if not got <= self.max_anchor_ratio * scale:
+                problems.append(f"entry {i}: norm {got:.3g} > max_anchor_ratio {self.max_anchor_ratio:g} x this "
+                                f"parameter's scale {scale:.3g}")
+        return problems
 
     def anchor_stats(self) -> dict:
         """Counters for the trainer's log: arrivals, factored_arrivals, rejected,
