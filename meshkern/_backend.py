@@ -4,7 +4,7 @@ Backends, by name:
     "cpp"        C++/OpenMP kernels in meshkern._<group>_C (CPU tensors)
     "cuda"       CUDA kernels in the same extension (CUDA tensors; built only when
                  torch has CUDA and CUDA_HOME was set at install time)
-    "triton"     Triton kernels in triton_kernels/ (CUDA tensors; CPU tensors only
+    "triton"     Triton kernels in meshkern/triton_kernels/ (CUDA tensors; CPU tensors only
                  under TRITON_INTERPRET=1, which is how the CPU test suite runs them)
     "reference"  the pure-torch reference implementation: the spec, any device
 

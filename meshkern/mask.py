@@ -138,7 +138,7 @@ def _impl(op: str, device: torch.device, backend: str):
                 raise RuntimeError("meshkern._mask_C has no mask kernels (stale build): rebuild the extension")
             return "reference", None
         return name, fn
-    from triton_kernels import mask as tk  # noqa: PLC0415 (triton is optional)
+    from meshkern.triton_kernels import mask as tk  # noqa: PLC0415 (triton is optional)
     return name, getattr(tk, op)
 
 

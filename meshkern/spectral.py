@@ -190,7 +190,7 @@ def _sym_eig_backend(A: Tensor, sweeps: int, backend: str) -> tuple[Tensor, Tens
         _backend.extension(GROUP)
         w, W = torch.ops.meshkern_C.sym_eig_jacobi(A, sweeps)
     else:
-        from triton_kernels import jacobi
+        from meshkern.triton_kernels import jacobi
 
         w, W = jacobi.sym_eig_jacobi(A, sweeps)
     # Kernels return the eigenpairs in rotation order; sort here so every backend agrees.
@@ -209,7 +209,7 @@ def _project_backend(G, U, S, V, tau, alpha, out, backend) -> Tensor:
     if which in ("cpp", "cuda"):
         _backend.extension(GROUP)
         return torch.ops.meshkern_C.spectral_project_out(G, U, S, V, float(tau), float(alpha), out)
-    from triton_kernels import projection
+    from meshkern.triton_kernels import projection
 
     return projection.spectral_project(G, U, S, V, float(tau), float(alpha), out)
 

@@ -14,8 +14,8 @@ def triton_ready() -> bool:
     if _backend.why_unavailable("triton", "mask", torch.device("cpu")) is not None:
         return False
     try:
-        import triton_kernels.mask  # noqa: F401
-        import triton_kernels.philox  # noqa: F401
+        import meshkern.triton_kernels.mask  # noqa: F401
+        import meshkern.triton_kernels.philox  # noqa: F401
         return True
     except ImportError:
         return False

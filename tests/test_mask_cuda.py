@@ -81,7 +81,7 @@ def test_non_contiguous_and_empty(backend):
 
 
 def test_triton_philox_known_answers_on_gpu():
-    from triton_kernels.philox import builtin_philox4x32, philox4x32
+    from meshkern.triton_kernels.philox import builtin_philox4x32, philox4x32
     c = torch.tensor([[0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344]], dtype=torch.int64, device=CUDA)
     assert philox4x32(c, 0xA4093822, 0x299F31D0).cpu().tolist() == [[0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1]]
     seed = (0x299F31D0 << 32) | 0xA4093822

@@ -28,7 +28,7 @@ def _cpp(counters, k0, k1):
 
 
 def _triton(counters, k0, k1):
-    from triton_kernels.philox import philox4x32
+    from meshkern.triton_kernels.philox import philox4x32
     return philox4x32(counters, k0, k1)
 
 
@@ -57,7 +57,7 @@ def test_matches_reference_on_random_counters(impl):
 @pytest.mark.skipif(not triton_ready(), reason="triton unavailable")
 def test_reference_matches_triton_builtin_philox():
     """Triton ships its own Philox (tl.philox): ours must agree with it word for word."""
-    from triton_kernels.philox import builtin_philox4x32
+    from meshkern.triton_kernels.philox import builtin_philox4x32
     g = torch.Generator().manual_seed(1)
     counters = torch.randint(0, 2**32, (64, 4), generator=g, dtype=torch.int64)
     seed = 0x0123456789ABCDEF

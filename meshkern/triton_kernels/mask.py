@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_kernels.philox import philox4x32_10
+from meshkern.triton_kernels.philox import philox4x32_10
 
 
 @triton.jit
