@@ -369,13 +369,42 @@ class Calibration:
     pca_res: PCA  # of h - embed(ids)
     dim_order: torch.Tensor  # dims by calibration mean |h|, descending
     mean: torch.Tensor  # per-dim mean of h
+    grad_pca: PCA | None = None  # of the dense boundary gradients of calibration rows (grad_calibration)
 
 
-def calibrate(h_cal: torch.Tensor, e_cal: torch.Tensor, pca: PCA | None = None) -> Calibration:
+def calibrate(h_cal: torch.Tensor, e_cal: torch.Tensor, pca: PCA | None = None,
+              grad_pca: PCA | None = None) -> Calibration:
     H = h_cal.shape[-1]
     x = h_cal.reshape(-1, H).float()
     return Calibration(x, pca or fit_pca(x), fit_pca(x - e_cal.reshape(-1, H).float()),
-                       torch.argsort(x.abs().mean(0), descending=True), x.mean(0))
+                       torch.argsort(x.abs().mean(0), descending=True), x.mean(0), grad_pca)
+
+
+def boundary_gradients(split: "LayerSplit", h: torch.Tensor, L: int, ids: torch.Tensor, chunk: int = 4) -> torch.Tensor:
+    """Dense gradient of the loss w.r.t. the boundary hidden state h [B, T, H] (rows in chunks;
+    each chunk's loss is its own mean, as a micro-batch's)."""
+    out = []
+    for i in range(0, ids.shape[0], chunk):
+        with torch.enable_grad():
+            x = h[i:i + chunk].detach().requires_grad_(True)
+            loss = causal_lm_loss(split.suffix(x, L), ids[i:i + chunk])
+            out.append(torch.autograd.grad(loss, x)[0])
+    return torch.cat(out)
+
+
+class _TwoWay(torch.autograd.Function):
+    """fwd(h) forward, bwd(grad) backward: a codec whose two directions use different maps."""
+
+    @staticmethod
+    def forward(ctx, h, fwd, bwd):
+        ctx.bwd = bwd
+        with torch.no_grad():
+            return fwd(h)
+
+    @staticmethod
+    def backward(ctx, g):
+        with torch.no_grad():
+            return ctx.bwd(g), None, None
 
 
 def _ste(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -440,6 +469,9 @@ CANDIDATES = {
     "pca-int4": "as pca-int8 with int4 codes: 2(B-4) directions",
     "emb+pca-int8": "pca-int8 of h - embed(ids) + the id (B-8 directions); receiver re-adds embed(ids)",
     "mean+mask-int8": "Philox random mask of B-4 dims sent as int8 (per-token scale), dropped dims get their mean",
+    "pca-int8/gpca-int8": "forward as pca-int8; backward: the gradient's own PCA basis (fitted on dense boundary "
+                          "gradients of calibration rows), B-4 int8 coordinates per token (needs the gradient pass)",
+    "pca-int4/gpca-int4": "as pca-int8/gpca-int8 with int4 codes, 2(B-4) directions each way",
 }
 
 
@@ -496,6 +528,14 @@ def candidate_transforms(cal: Calibration, embed, H: int, L: int, seed: int, bud
         "emb+pca-int8": (n8e >= 1, lambda h, ids: emb(ids) + pca_project(h - emb(ids), cal.pca_res, n8e, bits=8),
                          quant_bytes(n8e, 8) + ID_BYTES),
         "mean+mask-int8": (1 <= n8 < H, lambda h, ids: random_mask(h, n8, key, mu, bits=8), quant_bytes(n8, 8)),
+        "pca-int8/gpca-int8": (n8 >= 1 and cal.grad_pca is not None,
+                               lambda h, ids: _TwoWay.apply(h, lambda x: pca_project(x, cal.pca, n8, bits=8),
+                                                            lambda g: pca_project(g, cal.grad_pca, n8, bits=8)),
+                               quant_bytes(n8, 8)),
+        "pca-int4/gpca-int4": (n4 >= 1 and cal.grad_pca is not None,
+                               lambda h, ids: _TwoWay.apply(h, lambda x: pca_project(x, cal.pca, n4, bits=4),
+                                                            lambda g: pca_project(g, cal.grad_pca, n4, bits=4)),
+                               quant_bytes(n4, 4)),
     }
     out = []
     for name in names:
@@ -831,7 +871,12 @@ def run_diagnostics(model, model_path: str, train_rows: torch.Tensor, eval_rows:
     for bi, L in enumerate(main_bs):
         tb = time.time()
         stats, pca = activation_stats(hs_cal[L], hs_ev[L])
-        calib = calibrate(hs_cal[L], e_cal, pca)
+        gpca = None
+        if s.grads:
+            nb = min(s.calib_rows, 2 * s.grad_rows)
+            progress(f"boundary {L}: dense boundary gradients of {nb} calibration rows (gradient PCA)")
+            gpca = fit_pca(boundary_gradients(split, hs_cal[L][:nb], L, cal[:nb], s.grad_rows))
+        calib = calibrate(hs_cal[L], e_cal, pca, gpca)
         ts = [codec_transform(sp, H, L, s.seed, dtype) for sp in codec_specs]
         if s.pca_sweep:
             ts += pca_sweep_transforms(pca, H)
@@ -846,6 +891,13 @@ def run_diagnostics(model, model_path: str, train_rows: torch.Tensor, eval_rows:
         if s.grads:
             probe = GradProbe(split, gids, L)
             groups = stage_groups(L)
+            g = probe.ref[1].reshape(-1, H).double()
+            gg = float(g.pow(2).sum())
+            ks = {**k_fractions(H), "int8 (B-4)": min(H, dense // s.budget - SCALE_BYTES)}
+            stats["boundary_gradient_energy"] = {  # share of the held-out dense boundary gradient kept
+                "activation_pca": {f: float((g @ pca.basis(k).double()).pow(2).sum()) / gg for f, k in ks.items()},
+                "gradient_pca": {f: float((g @ gpca.basis(k).double()).pow(2).sum()) / gg for f, k in ks.items()},
+                "k": ks}
             for j, (t, r) in enumerate(zip(ts, rows)):
                 if t.kind == "pca":
                     continue
@@ -902,6 +954,11 @@ def format_table(rep: dict) -> str:
                      f" vs median {st['dim_mean_abs_median']:.2f}; outlier tokens {st['outlier_tokens']}; "
                      f"PR {st['spectrum']['participation_ratio']:.1f}, entropy rank {st['spectrum']['entropy_rank']:.1f}; "
                      "energy " + ", ".join(f"{f} {v:.4f}" for f, v in st["energy_held_out"].items()) + " (held out)")
+        if "boundary_gradient_energy" in st:
+            ge = st["boundary_gradient_energy"]
+            lines.append("  held-out boundary gradient energy in the top-k directions: " + ", ".join(
+                f"k={ge['k'][f]}: activation PCA {ge['activation_pca'][f]:.3f} / gradient PCA {ge['gradient_pca'][f]:.3f}"
+                for f in ge["k"]))
         lines.append(f"  {'transform':26s} {'bytes':>6s} {'loss':>7s} {'delta':>7s} {'+-':>5s}  "
                      f"{'gcos pre':>8s} {'grelerr':>7s} {'gcos bnd':>8s} {'gcos post':>9s}")
         for r in b["transforms"]:

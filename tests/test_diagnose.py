@@ -174,7 +174,11 @@ def test_candidates_fit_the_budget_and_are_differentiable(tiny_setup):
     split = dg.LayerSplit(model)
     L, H = 2, split.hidden_size
     with torch.no_grad():
-        cal = dg.calibrate(split.prefix(train[:8], L), split.embed(train[:8]))
+        hc = split.prefix(train[:8], L)
+        cal = dg.calibrate(hc, split.embed(train[:8]))
+    assert {t.name for t in dg.candidate_transforms(cal, split.embed, H, L, 0, 15)} == set(dg.CANDIDATES) - {
+        "pca-int8/gpca-int8", "pca-int4/gpca-int4"}  # needs the gradient calibration
+    cal.grad_pca = dg.fit_pca(dg.boundary_gradients(split, hc, L, train[:8]))
     ts = dg.candidate_transforms(cal, split.embed, H, L, seed=0, budget=15)
     assert {t.name for t in ts} == set(dg.CANDIDATES)
     h = split.prefix(held[:2], L).detach().requires_grad_(True)
@@ -186,6 +190,24 @@ def test_candidates_fit_the_budget_and_are_differentiable(tiny_setup):
         assert torch.isfinite(g).all() and g.abs().sum() > 0, t.name
     with pytest.raises(dg.UsageError, match="unknown candidate"):
         dg.candidate_transforms(cal, split.embed, H, L, 0, 15, names=["nope"])
+
+
+def test_two_way_candidate_sends_the_gradient_through_its_own_basis(tiny_setup):
+    model, _, train, held = tiny_setup
+    split = dg.LayerSplit(model)
+    L, H = 2, split.hidden_size
+    with torch.no_grad():
+        hc = split.prefix(train[:8], L)
+    gp = dg.fit_pca(dg.boundary_gradients(split, hc, L, train[:8]))
+    cal = dg.calibrate(hc, split.embed(train[:8]), grad_pca=gp)
+    (t,) = dg.candidate_transforms(cal, split.embed, H, L, 0, 15, names=["pca-int8/gpca-int8"])
+    (fwd,) = dg.candidate_transforms(cal, split.embed, H, L, 0, 15, names=["pca-int8"])
+    h = split.prefix(held[:2], L).detach().requires_grad_(True)
+    assert torch.equal(t.fn(h, held[:2]), fwd.fn(h, held[:2]))
+    g = torch.randn_like(h)
+    (got,) = torch.autograd.grad(t.fn(h, held[:2]), h, g)
+    n8 = dg.dense_bytes(H) // 15 - dg.SCALE_BYTES
+    assert torch.equal(got, dg.pca_project(g, gp, n8, bits=8))
 
 
 def test_pca_at_full_rank_is_lossless(tiny_setup):
