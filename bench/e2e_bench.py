@@ -253,10 +253,10 @@ def main(argv=None) -> list[dict]:
             out.append(model_row(r, "small", preset_config(r, sched), hf, compute, link, src))
     if a.geometry in ("1b", "both"):
         hf = llama_1b_config()
-        over = sched + ["--mesh.rows", "4", "--mesh.stages", "2", "--data.seq_len", "2048", "--train.batch_size", "32",
+        over = sched + ["--mesh.rows", "4", "--mesh.stages", "2", "--data.seq-len", "2048", "--train.batch-size", "32",
                 "--train.microbatches", "8", "--model.dtype", "bfloat16", "--anchor.transport", "factored",
-                "--anchor.snapshot_every", "20"]
-        psgd = ["--dp.compressor_options", json.dumps({"rank": a.powersgd_rank_1b})]
+                "--anchor.snapshot-every", "20"]
+        psgd = ["--dp.compressor-options", json.dumps({"rank": a.powersgd_rank_1b})]
         # compute times depend only on the geometry (same for every row): once
         cfg0 = preset_config("dense", over)
         if a.compute_1b:

@@ -3,7 +3,9 @@
 Precedence, lowest first: dataclass defaults < ``--preset NAME`` (orchestration/presets/
 NAME.yaml) < ``--config FILE`` (YAML or JSON) < individual flags. Every field is a flag
 ``--section.field`` (e.g. ``--mesh.rows 4``, ``--boundary.p 0.9``); a few common ones also
-have a short alias (``--model``, ``--data``, ``--steps``, ``--resume``). ``--help`` lists
+have a short alias (``--model``, ``--data``, ``--steps``, ``--resume``). Flags join words
+with dashes like every other entry point (``--data.seq-len``); the field's own spelling
+(``--data.seq_len``) is accepted as well. ``--help`` lists
 all of them with their defaults.
 
 ``validate(cfg)`` is the one place for every rule on the configuration itself (shapes of
@@ -182,6 +184,13 @@ ALIASES = {  # short flag -> dotted field
 }
 
 
+def flag_name(section: str, field_name: str) -> str:
+    """The command-line flag of a config field, in the one flag style of every entry
+    point (words joined by dashes): data.seq_len -> --data.seq-len. The field's own
+    spelling (--data.seq_len) is accepted too; config files use the field names."""
+    return f"--{section}.{field_name.replace('_', '-')}"
+
+
 def _hints(section_cls) -> dict:
     return typing.get_type_hints(section_cls)
 
@@ -292,11 +301,14 @@ def build_parser() -> argparse.ArgumentParser:
         g = ap.add_argument_group(sec)
         for f in dataclasses.fields(obj):
             dotted = f"{sec}.{f.name}"
-            names = [f"--{dotted}"] + ([f"--{inv[dotted]}"] if dotted in inv else [])
+            names = [flag_name(sec, f.name)] + ([f"--{inv[dotted]}"] if dotted in inv else [])
             default = getattr(obj, f.name)
             flag = {"nargs": "?", "const": "true"} if isinstance(default, bool) else {}  # bare --flag means true
-            g.add_argument(*names, dest=dotted, default=None, metavar=type(default).__name__.upper(), **flag,
+            kw = dict(dest=dotted, default=None, metavar=type(default).__name__.upper(), **flag)
+            g.add_argument(*names, **kw,
                            help=f"{f.metadata.get('help', '')} (default: {default!r})".replace("%", "%%"))
+            if f"--{dotted}" != names[0]:  # the field's own spelling (--data.seq_len): accepted, not listed
+                g.add_argument(f"--{dotted}", **kw, help=argparse.SUPPRESS)
     ap.set_defaults()
     ap.formatter_class = argparse.HelpFormatter  # defaults are already in each help line
     return ap
@@ -335,46 +347,46 @@ def validate(cfg: Config) -> Config:
     _need(not a.enabled or m.rows >= 2, "--anchor.enabled needs --mesh.rows >= 2 (the last row is the anchor)")
     if m.layers_per_stage:
         _need(len(m.layers_per_stage) == m.stages,
-              f"--mesh.layers_per_stage has {len(m.layers_per_stage)} entries for {m.stages} stages")
-        _need(all(n >= 1 for n in m.layers_per_stage), "--mesh.layers_per_stage entries must be >= 1")
+              f"--mesh.layers-per-stage has {len(m.layers_per_stage)} entries for {m.stages} stages")
+        _need(all(n >= 1 for n in m.layers_per_stage), "--mesh.layers-per-stage entries must be >= 1")
     _need(m.backend in ("auto", "gloo", "nccl"), f"--mesh.backend must be auto, gloo or nccl, got {m.backend!r}")
-    _need(m.timeout_s > 0, f"--mesh.timeout_s must be > 0, got {m.timeout_s}")
-    _need(m.start_method in ("fork", "spawn"), f"--mesh.start_method must be fork or spawn, got {m.start_method!r}")
-    _need(m.threads_per_rank >= 1, "--mesh.threads_per_rank must be >= 1")
+    _need(m.timeout_s > 0, f"--mesh.timeout-s must be > 0, got {m.timeout_s}")
+    _need(m.start_method in ("fork", "spawn"), f"--mesh.start-method must be fork or spawn, got {m.start_method!r}")
+    _need(m.threads_per_rank >= 1, "--mesh.threads-per-rank must be >= 1")
     _need(cfg.model.dtype in ("float32", "bfloat16"), f"--model.dtype must be float32 or bfloat16, got {cfg.model.dtype!r}")
-    _need(cfg.data.seq_len >= 2, f"--data.seq_len must be >= 2, got {cfg.data.seq_len}")
-    _need(0.0 <= cfg.data.eval_fraction < 1.0, "--data.eval_fraction must be in [0, 1)")
+    _need(cfg.data.seq_len >= 2, f"--data.seq-len must be >= 2, got {cfg.data.seq_len}")
+    _need(0.0 <= cfg.data.eval_fraction < 1.0, "--data.eval-fraction must be in [0, 1)")
     _need(cfg.data.on_decode_error in ("auto", "raise", "skip"),
-          f"--data.on_decode_error must be auto, raise or skip, got {cfg.data.on_decode_error!r}")
+          f"--data.on-decode-error must be auto, raise or skip, got {cfg.data.on_decode_error!r}")
     _need(t.steps >= 1, f"--train.steps must be >= 1, got {t.steps}")
-    _need(t.batch_size >= 1 and t.microbatches >= 1, "--train.batch_size and --train.microbatches must be >= 1")
+    _need(t.batch_size >= 1 and t.microbatches >= 1, "--train.batch-size and --train.microbatches must be >= 1")
     _need(t.batch_size % t.microbatches == 0,
-          f"--train.batch_size {t.batch_size} does not split into --train.microbatches {t.microbatches} "
+          f"--train.batch-size {t.batch_size} does not split into --train.microbatches {t.microbatches} "
           f"equal micro-batches")
     _need(t.schedule in ("1f1b", "gpipe"), f"--train.schedule must be 1f1b or gpipe, got {t.schedule!r}")
     _need(t.optimizer in ("adamw", "spectral"), f"--train.optimizer must be adamw or spectral, got {t.optimizer!r}")
     _need(t.lr > 0 and 0 <= t.min_lr_ratio <= 1 and t.warmup_steps >= 0, "--train.lr/min_lr_ratio/warmup_steps out of range")
-    _need(t.clip_grad_norm >= 0, "--train.clip_grad_norm must be >= 0")
+    _need(t.clip_grad_norm >= 0, "--train.clip-grad-norm must be >= 0")
     from orchestration.codecs import CODECS  # the one list of boundary codecs
 
     _need(b.codec in CODECS, f"--boundary.codec must be one of {', '.join(CODECS)}, got {b.codec!r}")
     _need(0.0 <= b.p < 1.0, f"--boundary.p must be in [0, 1), got {b.p}")
     _need(dp.mode in ("allreduce", "diloco", "none"), f"--dp.mode must be allreduce, diloco or none, got {dp.mode!r}")
     _need(dp.compressor in COMPRESSORS, f"--dp.compressor must be one of {', '.join(COMPRESSORS)}, got {dp.compressor!r}")
-    _need(dp.sync_every >= 1 and dp.fragments >= 1, "--dp.sync_every and --dp.fragments must be >= 1")
+    _need(dp.sync_every >= 1 and dp.fragments >= 1, "--dp.sync-every and --dp.fragments must be >= 1")
     _need(a.transport in ANCHOR_TRANSPORTS,
           f"--anchor.transport must be {' or '.join(ANCHOR_TRANSPORTS)}, got {a.transport!r}")
     _need(a.snapshot_codec in SNAPSHOT_CODECS,
-          f"--anchor.snapshot_codec must be {' or '.join(SNAPSHOT_CODECS)}, got {a.snapshot_codec!r}")
+          f"--anchor.snapshot-codec must be {' or '.join(SNAPSHOT_CODECS)}, got {a.snapshot_codec!r}")
     if a.enabled:
         _need(t.optimizer == "spectral", "--anchor.enabled needs --train.optimizer spectral (SpectralAdamW consumes "
                                          f"the anchor updates), got {t.optimizer!r}")
         _need(a.snapshot_every >= 1 and a.microbatches >= 1,
-              "--anchor.snapshot_every and --anchor.microbatches must be >= 1")
-        _need(a.max_staleness >= 0 and a.delay >= 0, "--anchor.max_staleness and --anchor.delay must be >= 0")
-        _need(a.delay <= a.max_staleness, f"--anchor.delay {a.delay} exceeds --anchor.max_staleness "
+              "--anchor.snapshot-every and --anchor.microbatches must be >= 1")
+        _need(a.max_staleness >= 0 and a.delay >= 0, "--anchor.max-staleness and --anchor.delay must be >= 0")
+        _need(a.delay <= a.max_staleness, f"--anchor.delay {a.delay} exceeds --anchor.max-staleness "
                                           f"{a.max_staleness}: every update would be rejected")
-    _need(a.state_every >= 0 and a.restarts >= 0, "--anchor.state_every and --anchor.restarts must be >= 0")
+    _need(a.state_every >= 0 and a.restarts >= 0, "--anchor.state-every and --anchor.restarts must be >= 0")
     _need(not a.join or a.enabled, "--anchor.join needs --anchor.enabled (the config of the running fast circuit)")
     _need(not a.join or bool(a.store), "--anchor.join needs --anchor.store host:port (printed by the fast circuit's launcher)")
     _need(a.join or not a.store, "--anchor.store is for --anchor.join (a local run's anchor row uses its own launcher's store)")
@@ -382,10 +394,10 @@ def validate(cfg: Config) -> Config:
         host, _, port = a.store.rpartition(":")
         _need(bool(host) and port.isdigit() and 0 < int(port) < 65536, f"--anchor.store must be host:port, got {a.store!r}")
     _need(cfg.checkpoint.every >= 0 and cfg.checkpoint.keep >= 1, "--checkpoint.every must be >= 0 and --checkpoint.keep >= 1")
-    _need(cfg.run.eval_sequences >= 0, "--run.eval_sequences must be >= 0")
-    _need(cfg.run.log_every >= 1, "--run.log_every must be >= 1")
-    _need(cfg.run.bandwidth_bps > 0 and cfg.run.latency_s >= 0, "--run.bandwidth_bps must be > 0, --run.latency_s >= 0")
-    _need(cfg.run.fail_rank < cfg.world_size, f"--run.fail_rank {cfg.run.fail_rank} is not a rank of a {cfg.world_size}-rank mesh")
+    _need(cfg.run.eval_sequences >= 0, "--run.eval-sequences must be >= 0")
+    _need(cfg.run.log_every >= 1, "--run.log-every must be >= 1")
+    _need(cfg.run.bandwidth_bps > 0 and cfg.run.latency_s >= 0, "--run.bandwidth-bps must be > 0, --run.latency-s >= 0")
+    _need(cfg.run.fail_rank < cfg.world_size, f"--run.fail-rank {cfg.run.fail_rank} is not a rank of a {cfg.world_size}-rank mesh")
     return cfg
 
 

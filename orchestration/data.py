@@ -25,7 +25,7 @@ Large texts are encoded in ~1 MB pieces cut at line breaks (identical ids, see
 :func:`encode_stream`), and ``build_token_dataset(..., token_cache=DIR)`` keeps the packed
 tensor on disk so a relaunch or resume does not tokenize again.
 
-Error messages name the trainer's flags (``--data.text_field``, ``--data.on_decode_error``),
+Error messages name the trainer's flags (``--data.text-field``, ``--data.on-decode-error``),
 which map one to one onto the ``text_field`` / ``on_decode_error`` parameters here.
 """
 from __future__ import annotations

@@ -137,14 +137,14 @@ def trainer_argv(row: Row, seed: int, s: Settings, run_root: str, run_name: str)
     argv = ["--preset", row.preset, *row.flags,
             "--model", s.model, "--data", s.data,
             "--mesh.rows", str(s.fast_rows + (1 if anchor else 0)), "--mesh.stages", str(s.stages),
-            "--train.steps", str(s.steps), "--train.batch_size", str(s.batch_size),
-            "--train.microbatches", str(s.microbatches), "--data.seq_len", str(s.seq_len),
-            "--data.max_sequences", str(s.max_sequences), "--train.seed", str(seed),
+            "--train.steps", str(s.steps), "--train.batch-size", str(s.batch_size),
+            "--train.microbatches", str(s.microbatches), "--data.seq-len", str(s.seq_len),
+            "--data.max-sequences", str(s.max_sequences), "--train.seed", str(seed),
             "--checkpoint.every", str(s.eval_every), "--checkpoint.keep", "100000",
-            "--run.out_dir", run_root, "--run.name", run_name, "--run.progress", "false",
-            "--run.eval_sequences", "0"]  # we evaluate every checkpoint ourselves
+            "--run.out-dir", run_root, "--run.name", run_name, "--run.progress", "false",
+            "--run.eval-sequences", "0"]  # we evaluate every checkpoint ourselves
     if "delay" in row.name:  # deterministic delay must not exceed the staleness bound
-        argv += ["--anchor.max_staleness", str(max(50, int(row.flags[row.flags.index("--anchor.delay") + 1])))]
+        argv += ["--anchor.max-staleness", str(max(50, int(row.flags[row.flags.index("--anchor.delay") + 1])))]
     return argv + shlex.split(s.trainer_args)
 
 

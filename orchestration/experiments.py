@@ -14,7 +14,7 @@ trainer's own ``prepare`` rebuilds them, so the split is exactly the run's):
       base model (step 0): the curve "eval loss vs tokens"; the same curve against
       modeled wall-clock = steps x the run's modeled step time;
     * bytes/token per axis (pp_fwd, pp_bwd, dp, anchor) from the run's exact counters;
-    * modeled tokens/s at ``--run.bandwidth_bps`` (200 Mbps) by the trainer's own link
+    * modeled tokens/s at ``--run.bandwidth-bps`` (200 Mbps) by the trainer's own link
       model replay (``orchestration.linkmodel.model_run``: measured per-stage compute,
       exact bytes) and the network-only ceiling (same replay with compute set to 0);
     * exact match on the synthetic tasks when the run adapts on ``task:...`` data;

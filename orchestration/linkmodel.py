@@ -358,8 +358,8 @@ def model_step(schedule, compute_times, message_bytes, link: LinkSpec = LinkSpec
 
 # ------------------------------------------------------------------ a finished run
 def model_run(cfg, plan, history: list[dict]) -> StepModel:
-    """The modeled step of a finished trainer run (``model_step``) at --run.bandwidth_bps and
-    --run.latency_s, replaying this run's schedule with its measured per-stage compute times
+    """The modeled step of a finished trainer run (``model_step``) at --run.bandwidth-bps and
+    --run.latency-s, replaying this run's schedule with its measured per-stage compute times
     (median over steps, the first step excluded as warm-up) and its exact byte counts."""
     import torch
 

@@ -47,7 +47,7 @@ def read_text_file(path: str | os.PathLike, *, on_decode_error: str = "raise") -
         except (OSError, EOFError) as e:
             if on_decode_error == "skip":
                 return None
-            raise ValueError(f"{path}: not a valid gzip file ({e}); --data.on_decode_error skip "
+            raise ValueError(f"{path}: not a valid gzip file ({e}); --data.on-decode-error skip "
                              "leaves such files out") from None
     try:
         text = data.decode("utf-8")
@@ -56,12 +56,12 @@ def read_text_file(path: str | os.PathLike, *, on_decode_error: str = "raise") -
             return None
         raise ValueError(
             f"{path}: not valid UTF-8 text (byte {e.start}: {e.reason}); convert it to UTF-8, "
-            "or pass --data.on_decode_error skip to leave undecodable files out") from None
+            "or pass --data.on-decode-error skip to leave undecodable files out") from None
     if "\x00" in text:  # valid UTF-8 but binary (NUL bytes never occur in text)
         if on_decode_error == "skip":
             return None
         raise ValueError(f"{path}: contains NUL bytes, looks like a binary file; "
-                         "--data.on_decode_error skip leaves such files out")
+                         "--data.on-decode-error skip leaves such files out")
     return text
 
 
@@ -85,7 +85,7 @@ def read_jsonl(path: str | os.PathLike, text_field: str = "text") -> list[str]:
             raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
         if text_field not in obj:
             raise ValueError(f"{path}:{lineno}: no field {text_field!r} (fields: {sorted(obj)}); "
-                             "choose one with --data.text_field")
+                             "choose one with --data.text-field")
         value = obj[text_field]
         if not isinstance(value, str):
             raise ValueError(f"{path}:{lineno}: field {text_field!r} is {type(value).__name__}, "
@@ -118,7 +118,7 @@ def _texts_from_hf(ds, text_field: str, split: str | None, where: str) -> list[s
         ds = ds[split]
     if text_field not in ds.column_names:
         raise ValueError(f"{where}: no column {text_field!r} (columns: {ds.column_names}); "
-                         "choose one with --data.text_field")
+                         "choose one with --data.text-field")
     docs = ds[text_field]
     docs = list(docs) if not isinstance(docs, list) else docs
     bad = next((i for i, d in enumerate(docs) if not isinstance(d, str)), None)
@@ -132,7 +132,7 @@ def load_texts(source, *, text_field: str = "text", split: str | None = None,
                on_decode_error: str = "auto", cache_dir: str | None = None) -> list[str]:
     """Documents (a list of str, deterministic order) from any supported source.
 
-    See the module docstring for the sources. ``on_decode_error`` (``--data.on_decode_error``)
+    See the module docstring for the sources. ``on_decode_error`` (``--data.on-decode-error``)
     decides what happens to a file that is not UTF-8 text (invalid UTF-8, NUL bytes, bad gzip):
 
       - ``"auto"`` (default): inside a directory the file is left out, with ONE warning line
@@ -146,7 +146,7 @@ def load_texts(source, *, text_field: str = "text", split: str | None = None,
     unsupported source type.
     """
     if on_decode_error not in DECODE_ERROR_CHOICES:
-        raise ValueError(f"--data.on_decode_error must be one of {', '.join(DECODE_ERROR_CHOICES)}, "
+        raise ValueError(f"--data.on-decode-error must be one of {', '.join(DECODE_ERROR_CHOICES)}, "
                          f"got {on_decode_error!r}")
     where = repr(source) if not isinstance(source, (list, tuple)) else "list of texts"
     if isinstance(source, (list, tuple)):
@@ -196,7 +196,7 @@ def _texts_from_path(path: Path, text_field, split, on_decode_error, cache_dir) 
             shown = ", ".join(str(f.relative_to(path)) for f in skipped[:3])
             more = f" and {len(skipped) - 3} more" if len(skipped) > 3 else ""
             print(f"warning: {path}: left out {len(skipped)} of {len(files)} files that are not UTF-8 "
-                  f"text ({shown}{more}); --data.on_decode_error raise stops at them instead",
+                  f"text ({shown}{more}); --data.on-decode-error raise stops at them instead",
                   file=sys.stderr, flush=True)
         return docs
     if path.suffix == ".jsonl" or path.name.endswith(".jsonl.gz"):
@@ -208,7 +208,7 @@ def _texts_from_path(path: Path, text_field, split, on_decode_error, cache_dir) 
         return _texts_from_hf(ds, text_field, None, str(path))
     text = read_text_file(path, on_decode_error="skip" if on_decode_error == "skip" else "raise")
     if text is None:
-        raise ValueError(f"{path}: not decodable as UTF-8 text (skipped by --data.on_decode_error skip, "
+        raise ValueError(f"{path}: not decodable as UTF-8 text (skipped by --data.on-decode-error skip, "
                          "which leaves no text)")
     return [text]
 

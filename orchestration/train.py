@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from orchestration import checkpoint as ckpt
-from orchestration.config import Config, parse_args, to_yaml
+from orchestration.config import Config, flag_name, parse_args, to_yaml
 from orchestration.sampling import BatchSampler, shard_rows
 from orchestration.launch import MeshFailure, free_port, run_local
 from orchestration.mesh import MeshLayout, init_mesh, destroy_mesh
@@ -91,7 +91,7 @@ def prepare(cfg: Config, *, load_model: bool = True) -> Plan:
     lps = cfg.mesh.layers_per_stage
     if lps:
         if sum(lps) != n_layers:
-            raise ValueError(f"--mesh.layers_per_stage {lps} sums to {sum(lps)}, the model has {n_layers} decoder layers")
+            raise ValueError(f"--mesh.layers-per-stage {lps} sums to {sum(lps)}, the model has {n_layers} decoder layers")
     else:
         try:
             balanced_layers(n_layers, cfg.mesh.stages)
@@ -116,8 +116,8 @@ def prepare(cfg: Config, *, load_model: bool = True) -> Plan:
     per_row = len(train_ds) // cfg.fast_rows
     if per_row < cfg.train.batch_size:
         raise ValueError(f"--data.source {source}: {len(train_ds)} training sequences of {cfg.data.seq_len} tokens "
-                         f"give each of {cfg.fast_rows} fast replicas {per_row}, fewer than --train.batch_size "
-                         f"{cfg.train.batch_size}; use more text, a shorter --data.seq_len or a smaller batch")
+                         f"give each of {cfg.fast_rows} fast replicas {per_row}, fewer than --train.batch-size "
+                         f"{cfg.train.batch_size}; use more text, a shorter --data.seq-len or a smaller batch")
     if hf_cfg.vocab_size <= int(ds.tokens.max()):
         raise ValueError(f"--data.source tokens reach id {int(ds.tokens.max())} but the model's vocab is {hf_cfg.vocab_size}")
 
@@ -146,7 +146,7 @@ def prepare(cfg: Config, *, load_model: bool = True) -> Plan:
         _check_resumable(cfg, resume_from, meta, hf_cfg)
     max_pos = getattr(hf_cfg, "max_position_embeddings", None)
     if max_pos and cfg.data.seq_len > max_pos:
-        print(f"warning: --data.seq_len {cfg.data.seq_len} exceeds the model's max_position_embeddings {max_pos}",
+        print(f"warning: --data.seq-len {cfg.data.seq_len} exceeds the model's max_position_embeddings {max_pos}",
               file=sys.stderr, flush=True)
     plan = Plan(path, run_dir, ckpt_dir, train_ds.tokens, None if eval_ds is None else eval_ds.tokens,
                 resume_from, num_layers=n_layers, hidden_size=hf_cfg.hidden_size, arch=arch)
@@ -169,7 +169,7 @@ def _check_resumable(cfg: Config, path: str, meta: dict, hf_cfg) -> None:
         if key == "layers_per_stage" and was is not None:
             was, now = split(was), split(now)
         if was is not None and was != now:
-            raise ValueError(f"--checkpoint.resume {path} was written with --{section}.{key} {was}, this run has {now} "
+            raise ValueError(f"--checkpoint.resume {path} was written with {flag_name(section, key)} {was}, this run has {now} "
                              f"(resume with the run's own config: --config RUN_DIR/config.yaml)")
     try:
         from transformers import AutoConfig

@@ -20,10 +20,10 @@ from orchestration.train import prepare, run_rank
 
 def _argv(tiny, tmp_path, name, *extra):
     return ["--preset", "m95-ap", "--model", str(tiny / "model"), "--data", str(tiny / "data.txt"),
-            "--data.seq_len", "32", "--data.max_sequences", "200", "--train.batch_size", "4",
-            "--train.microbatches", "2", "--anchor.microbatches", "2", "--train.spectral_rank", "8",
-            "--run.out_dir", str(tmp_path), "--run.name", name, "--run.progress", "false",
-            "--run.eval_sequences", "0", "--mesh.timeout_s", "30", "--mesh.rows", "2", "--mesh.stages", "2",
+            "--data.seq-len", "32", "--data.max-sequences", "200", "--train.batch-size", "4",
+            "--train.microbatches", "2", "--anchor.microbatches", "2", "--train.spectral-rank", "8",
+            "--run.out-dir", str(tmp_path), "--run.name", name, "--run.progress", "false",
+            "--run.eval-sequences", "0", "--mesh.timeout-s", "30", "--mesh.rows", "2", "--mesh.stages", "2",
             "--dp.mode", "none", *extra]
 
 
@@ -148,7 +148,7 @@ def test_fault_spec_and_config_checks():
     cfg.train.optimizer = "adamw"
     with pytest.raises(ValueError, match="--train.optimizer spectral"):
         validate(cfg)
-    with pytest.raises(ValueError, match="exceeds --anchor.max_staleness"):
+    with pytest.raises(ValueError, match="exceeds --anchor.max-staleness"):
         parse_args(["--preset", "m95-ap", "--anchor.delay", "60"])
 
 
@@ -196,8 +196,8 @@ def test_anchor_gradient_is_the_unsplit_dense_gradient_at_the_snapshot(tiny, tmp
     spy = tmp_path / "spy"
     spy.mkdir()
     cfg, plan, res, recs = _run(_argv(tiny, tmp_path, "grad", "--mesh.rows", "3", "--train.steps", "5",
-                                      "--dp.mode", "allreduce", "--dp.compressor", "none", "--anchor.snapshot_codec", codec,
-                                      "--anchor.delay", "2", "--anchor.snapshot_every", "2",
+                                      "--dp.mode", "allreduce", "--dp.compressor", "none", "--anchor.snapshot-codec", codec,
+                                      "--anchor.delay", "2", "--anchor.snapshot-every", "2",
                                       "--checkpoint.every", "2", "--checkpoint.keep", "5"), outdir=spy)
     assert [r["rounds"] for r in res[4:]] == [2, 2]  # versions 0 and 2 (4 + 2 >= 5 steps: not taken)
     at = {0: tiny / "model", 2: ckpt.step_dir(plan.ckpt_dir, 2)}
@@ -221,7 +221,7 @@ def test_factored_transport_applies_the_same_filter_as_dense(tiny, tmp_path):
     """Delay mode makes both runs see the same anchor gradients at the same steps; the
     factored run ships the anchor momentum's rank-r factors instead of the gradient and must
     train identically (same M_anc, same truncated SVD), for r(m+n+1) instead of m*n numbers."""
-    common = ("--train.steps", "7", "--anchor.delay", "2", "--anchor.snapshot_every", "2")
+    common = ("--train.steps", "7", "--anchor.delay", "2", "--anchor.snapshot-every", "2")
     _, _, res_d, recs_d = _run(_argv(tiny, tmp_path, "dense", *common, "--anchor.transport", "dense"))
     _, _, res_f, recs_f = _run(_argv(tiny, tmp_path, "fact", *common, "--anchor.transport", "factored"))
     ld, lf = res_d[1]["losses"], res_f[1]["losses"]
@@ -246,7 +246,7 @@ def test_nan_and_wrong_shape_updates_are_rejected_and_counted(tiny, tmp_path, mo
     optimizer saw exactly the good ones) and goes on with rounds 3-5."""
     monkeypatch.setenv("MESHKERN_ANCHOR_FAULT", "nan:1,shape:2")
     _, plan, res, recs = _run(_argv(tiny, tmp_path, "bad", "--train.steps", "8", "--anchor.delay", "2",
-                                    "--anchor.snapshot_every", "1"))
+                                    "--anchor.snapshot-every", "1"))
     assert [r["rounds"] for r in res[2:]] == [6, 6]  # versions 0..5 (5 + 2 < 8)
     assert len(recs) == 8 and all(math.isfinite(r["loss"]) for r in recs)
     last = recs[-1]
@@ -267,7 +267,7 @@ def test_stalled_anchor_never_stops_the_fast_circuit(tiny, tmp_path, monkeypatch
     switched off, saved in the checkpoint) and checkpoints; the hung anchor ranks
     are terminated at the end."""
     monkeypatch.setenv("MESHKERN_ANCHOR_FAULT", "stall:0=inf")
-    _, plan, res, recs = _run(_argv(tiny, tmp_path, "stall", "--train.steps", "10", "--anchor.max_staleness", "3",
+    _, plan, res, recs = _run(_argv(tiny, tmp_path, "stall", "--train.steps", "10", "--anchor.max-staleness", "3",
                                     "--checkpoint.every", "5"))
     assert res[2] is None and res[3] is None
     assert len(recs) == 10 and all(math.isfinite(r["loss"]) for r in recs)
@@ -286,9 +286,9 @@ def test_killed_anchor_leaves_the_fast_circuit_training_and_checkpointing(tiny, 
     """SIGKILL anchor rank 2 (stage 0) at its round on snapshot version 3: the other
     anchor rank stops on the broken row, the fast ranks log the loss once and train and
     checkpoint to the end."""
-    _, plan, res, recs = _run(_argv(tiny, tmp_path, "kill", "--train.steps", "12", "--anchor.snapshot_every", "1",
+    _, plan, res, recs = _run(_argv(tiny, tmp_path, "kill", "--train.steps", "12", "--anchor.snapshot-every", "1",
                                     "--anchor.delay", "2", "--checkpoint.every", "4",
-                                    "--run.fail_rank", "2", "--run.fail_step", "3"))
+                                    "--run.fail-rank", "2", "--run.fail-step", "3"))
     assert res[2] is None  # killed
     assert res[3]["stopped"].startswith("link closed")  # its anchor peer is gone
     assert len(recs) == 12 and all(math.isfinite(r["loss"]) for r in recs)
@@ -342,7 +342,7 @@ def test_int8_snapshot_stream_keeps_both_views_identical():
         A.SnapshotCoder("int8", n).decode(A.SNAP_DELTA, payload)
     with pytest.raises(RuntimeError, match="expected 5140 uint8"):
         recv.decode(A.SNAP_DELTA, torch.zeros(5139, dtype=torch.uint8))
-    with pytest.raises(ValueError, match="snapshot_codec"):
+    with pytest.raises(ValueError, match="--anchor.snapshot-codec"):
         A.SnapshotCoder("int4", n)
 
 
@@ -404,8 +404,8 @@ def test_dead_anchor_row_is_restarted_and_rejoins(tiny, tmp_path, monkeypatch, c
     spy.mkdir()
     monkeypatch.setenv("MESHKERN_ANCHOR_FAULT", "die:2")
     _pause_while_lost(monkeypatch)
-    _, plan, res, recs = _run(_argv(tiny, tmp_path, "restart", "--train.steps", "40", "--anchor.snapshot_every", "1",
-                                    "--anchor.transport", "factored", "--anchor.max_staleness", "40"),
+    _, plan, res, recs = _run(_argv(tiny, tmp_path, "restart", "--train.steps", "40", "--anchor.snapshot-every", "1",
+                                    "--anchor.transport", "factored", "--anchor.max-staleness", "40"),
                               outdir=spy, restarts=1)
     gen2 = res[2:]
     assert all(r["generation"] == 2 and r["restored"] == f"restored round 2 from {A.state_path(plan, s)}"
@@ -439,8 +439,8 @@ def test_anchor_row_joins_a_running_fast_circuit_by_command(tiny, tmp_path, monk
 
     monkeypatch.setenv("MESHKERN_ANCHOR_FAULT", "die:1")  # generation 1 only
     _pause_while_lost(monkeypatch)
-    argv = _argv(tiny, tmp_path, "join", "--train.steps", "40", "--anchor.snapshot_every", "1",
-                 "--anchor.max_staleness", "40", "--anchor.restarts", "0")
+    argv = _argv(tiny, tmp_path, "join", "--train.steps", "40", "--anchor.snapshot-every", "1",
+                 "--anchor.max-staleness", "40", "--anchor.restarts", "0")
     codes = []
     fast = threading.Thread(target=lambda: codes.append(main(argv)))
     fast.start()
@@ -473,8 +473,8 @@ def test_resumed_run_restores_the_anchor_state(tiny, tmp_path):
     the fast ranks wait for each due update, so both 4-step runs get anchor rounds however
     slowly the anchor row starts (in asynchronous mode a short run may end before its
     anchor row links)."""
-    common = ("--anchor.snapshot_every", "1", "--anchor.delay", "1", "--anchor.transport", "factored",
-              "--checkpoint.every", "3", "--mesh.timeout_s", "120")
+    common = ("--anchor.snapshot-every", "1", "--anchor.delay", "1", "--anchor.transport", "factored",
+              "--checkpoint.every", "3", "--mesh.timeout-s", "120")
     _, plan, res, _ = _run(_argv(tiny, tmp_path, "resume", "--train.steps", "4", *common))
     done = min(r["rounds"] for r in res[2:])
     assert done >= 1 and all(r["restored"] == "" for r in res[2:])

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from orchestration.config import Config, build_parser, parse_args, presets, validate
+from orchestration.config import Config, build_parser, flag_name, parse_args, presets, validate
 
 
 def test_precedence_preset_file_flags(tmp_path):
@@ -19,11 +19,11 @@ def test_precedence_preset_file_flags(tmp_path):
 def test_json_file_and_typed_values(tmp_path):
     f = tmp_path / "run.json"
     f.write_text(json.dumps({"mesh": {"rows": 2, "layers_per_stage": [3, 1]}, "boundary": {"options": {"k": 3}}}))
-    cfg, _ = parse_args(["--config", str(f), "--run.progress", "false", "--dp.compressor_options", '{"rank": 2}'])
+    cfg, _ = parse_args(["--config", str(f), "--run.progress", "false", "--dp.compressor-options", '{"rank": 2}'])
     assert cfg.mesh.rows == 2 and cfg.mesh.layers_per_stage == [3, 1]
     assert cfg.boundary.options == {"k": 3} and cfg.dp.compressor_options == {"rank": 2}
     assert cfg.run.progress is False
-    cfg, _ = parse_args(["--mesh.layers_per_stage", "2,1,1", "--mesh.stages", "3"])
+    cfg, _ = parse_args(["--mesh.layers-per-stage", "2,1,1", "--mesh.stages", "3"])
     assert cfg.mesh.layers_per_stage == [2, 1, 1]
 
 
@@ -44,10 +44,10 @@ def test_every_preset_loads_and_matches_its_row():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--train.batch_size", "6", "--train.microbatches", "4"], "does not split into"),
+    (["--train.batch-size", "6", "--train.microbatches", "4"], "does not split into"),
     (["--boundary.p", "1.0"], "--boundary.p must be in [0, 1)"),
     (["--mesh.rows", "1", "--anchor.enabled", "true"], "needs --mesh.rows >= 2"),
-    (["--mesh.stages", "2", "--mesh.layers_per_stage", "1,1,2"], "has 3 entries for 2 stages"),
+    (["--mesh.stages", "2", "--mesh.layers-per-stage", "1,1,2"], "has 3 entries for 2 stages"),
     (["--train.steps", "x"], "cannot use 'x' as int"),
     (["--preset", "nope"], "unknown preset 'nope'"),
     (["--dp.mode", "ring"], "--dp.mode must be"),
@@ -75,12 +75,19 @@ def test_unknown_keys_in_files_are_errors(tmp_path):
 
 
 def test_help_lists_every_field():
+    """Every field is a flag in the one style of every entry point (--data.seq-len); the
+    field's own spelling (--data.seq_len) is accepted, not listed."""
     text = build_parser().format_help()
     cfg = Config()
     for sec, vals in cfg.to_dict().items():
         if isinstance(vals, dict):
             for k in vals:
-                assert f"--{sec}.{k}" in text
+                assert flag_name(sec, k) in text
+                assert "_" not in flag_name(sec, k)
+    assert "--data.seq_len" not in text
+    a, _ = parse_args(["--data.seq_len", "64", "--train.batch-size", "4", "--train.microbatches", "2"])
+    b, _ = parse_args(["--data.seq-len", "64", "--train.batch_size", "4", "--train.microbatches", "2"])
+    assert a == b and a.data.seq_len == 64 and a.train.batch_size == 4
 
 
 def test_round_trip_through_dict():

@@ -385,21 +385,21 @@ def test_directory_skips_binary_files_with_one_warning(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "left out 6 of 7 files" in err[0] and "and 3 more" in err[0]
     assert "pkg/__pycache__/m0.pyc" in err[0]
-    with pytest.raises(ValueError, match=r"latin1.txt: not valid UTF-8 .* --data.on_decode_error skip"):
+    with pytest.raises(ValueError, match=r"latin1.txt: not valid UTF-8 .* --data.on-decode-error skip"):
         data.load_texts(tmp_path, on_decode_error="raise")
-    with pytest.raises(ValueError, match=r"latin1.txt: not valid UTF-8 .* --data.on_decode_error skip"):
+    with pytest.raises(ValueError, match=r"latin1.txt: not valid UTF-8 .* --data.on-decode-error skip"):
         data.load_texts(tmp_path / "latin1.txt")  # a file named on its own raises under auto
     with pytest.raises(ValueError, match="leaves no text"):
         data.load_texts(tmp_path / "latin1.txt", on_decode_error="skip")
-    with pytest.raises(ValueError, match=r"--data.on_decode_error must be one of auto, raise, skip"):
+    with pytest.raises(ValueError, match=r"--data.on-decode-error must be one of auto, raise, skip"):
         data.load_texts(tmp_path, on_decode_error="ignore")
 
 
 def test_field_errors_name_the_cli_flag(tmp_path):
     p = tmp_path / "d.jsonl"
     p.write_text(json.dumps({"body": "x"}) + "\n")
-    with pytest.raises(ValueError, match=r"choose one with --data.text_field"):
+    with pytest.raises(ValueError, match=r"choose one with --data.text-field"):
         data.load_texts(p)
     datasets = pytest.importorskip("datasets")
-    with pytest.raises(ValueError, match=r"choose one with --data.text_field"):
+    with pytest.raises(ValueError, match=r"choose one with --data.text-field"):
         data.load_texts(datasets.Dataset.from_dict({"body": ["x"]}))

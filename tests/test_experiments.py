@@ -19,7 +19,7 @@ def tiny(tiny_factory):
 def _argv(tiny, out, rows="dense,m95"):
     return ["--quick", "--rows", rows, "--seeds", "0", "--model", str(tiny / "model"),
             "--data", str(tiny / "data.txt"), "--out", str(out / "res"), "--figures", str(out / "fig"),
-            "--work", str(out / "work"), "--trainer-args", "--mesh.timeout_s 30"]
+            "--work", str(out / "work"), "--trainer-args", "--mesh.timeout-s 30"]
 
 
 def test_quick_run_writes_results_table_plots_and_resumes(tiny, tmp_path, capsys):

@@ -16,10 +16,10 @@ from orchestration.train import main, prepare, replica_sampler, run_rank
 
 
 def _args(tiny, tmp_path, *extra):
-    return ["--model", str(tiny / "model"), "--data", str(tiny / "data.txt"), "--data.seq_len", "32",
-            "--data.max_sequences", "200", "--train.batch_size", "4", "--train.microbatches", "2",
-            "--run.out_dir", str(tmp_path), "--run.name", "t", "--run.progress", "false", "--run.eval_sequences", "4",
-            "--mesh.timeout_s", "30", *extra]
+    return ["--model", str(tiny / "model"), "--data", str(tiny / "data.txt"), "--data.seq-len", "32",
+            "--data.max-sequences", "200", "--train.batch-size", "4", "--train.microbatches", "2",
+            "--run.out-dir", str(tmp_path), "--run.name", "t", "--run.progress", "false", "--run.eval-sequences", "4",
+            "--mesh.timeout-s", "30", *extra]
 
 
 def _run(argv):
@@ -30,7 +30,7 @@ def _run(argv):
 
 
 @pytest.mark.parametrize("dp", [["--dp.mode", "allreduce", "--dp.compressor", "none"],
-                                ["--dp.mode", "diloco", "--dp.compressor", "powersgd", "--dp.sync_every", "2"]],
+                                ["--dp.mode", "diloco", "--dp.compressor", "powersgd", "--dp.sync-every", "2"]],
                          ids=["allreduce", "diloco-powersgd"])
 def test_checkpoint_then_resume_continues_with_identical_losses(tiny, tmp_path, dp):
     base = _args(tiny, tmp_path, "--mesh.rows", "2", "--mesh.stages", "2", "--train.steps", "4",
@@ -58,7 +58,7 @@ def test_checkpoint_then_resume_continues_with_identical_losses(tiny, tmp_path, 
 
 def test_killed_rank_stops_the_mesh_and_keeps_the_last_checkpoint(tiny, tmp_path):
     argv = _args(tiny, tmp_path, "--mesh.rows", "2", "--mesh.stages", "2", "--train.steps", "50",
-                 "--checkpoint.every", "2", "--run.fail_rank", "3", "--run.fail_step", "3")
+                 "--checkpoint.every", "2", "--run.fail-rank", "3", "--run.fail-step", "3")
     cfg, _ = parse_args(argv)
     plan = prepare(cfg)
     lay = MeshLayout(2, 2)
@@ -77,15 +77,15 @@ def test_killed_rank_stops_the_mesh_and_keeps_the_last_checkpoint(tiny, tmp_path
 
 def test_main_reports_a_dead_rank(tiny, tmp_path, capsys):
     rc = main(_args(tiny, tmp_path, "--mesh.rows", "1", "--mesh.stages", "2", "--train.steps", "20",
-                    "--run.fail_rank", "0", "--run.fail_step", "1"))
+                    "--run.fail-rank", "0", "--run.fail-step", "1"))
     assert rc == 1
     assert "rank 0 (replica 0, stage 0) died: killed by signal SIGKILL" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("extra, message", [
     (["--mesh.stages", "5"], "more stages than layers"),
-    (["--mesh.layers_per_stage", "3,2"], "sums to 5"),
-    (["--train.batch_size", "5"], "does not split into"),
+    (["--mesh.layers-per-stage", "3,2"], "sums to 5"),
+    (["--train.batch-size", "5"], "does not split into"),
     (["--data.source", "/nonexistent/text"], "does not exist"),
     (["--model.path", "/nonexistent/model"], "not a Hugging Face checkpoint"),
     (["--boundary.codec", "zip"], "--boundary.codec must be one of"),
@@ -106,7 +106,7 @@ def test_a_finished_run_is_never_clobbered_and_resume_must_match(tiny, tmp_path,
     append to its metrics and prune its checkpoints); resuming with a config whose state
     cannot be loaded (another optimizer, another layer split) is refused up front."""
     base = _args(tiny, tmp_path, "--mesh.rows", "1", "--mesh.stages", "2", "--train.steps", "2",
-                 "--run.eval_sequences", "0")
+                 "--run.eval-sequences", "0")
     assert main(base) == 0
     last = ckpt.resolve("latest", str(tmp_path / "t" / "checkpoints"))
     capfd.readouterr()
@@ -117,8 +117,8 @@ def test_a_finished_run_is_never_clobbered_and_resume_must_match(tiny, tmp_path,
             "--checkpoint.resume", "latest"]
     assert main([*more, "--train.optimizer", "spectral"]) == 2
     assert "was written with --train.optimizer adamw, this run has spectral" in capfd.readouterr().err
-    assert main([*more, "--mesh.layers_per_stage", "3,1"]) == 2
-    assert "--mesh.layers_per_stage [2, 2], this run has [3, 1]" in capfd.readouterr().err
+    assert main([*more, "--mesh.layers-per-stage", "3,1"]) == 2
+    assert "--mesh.layers-per-stage [2, 2], this run has [3, 1]" in capfd.readouterr().err
     assert main(more) == 0  # the matching resume still works
     assert "resumed from" in capfd.readouterr().err
 
@@ -209,7 +209,7 @@ def test_ctrl_c_saves_a_checkpoint_and_resume_continues(tiny, tmp_path, how):
 @pytest.mark.parametrize("extra", [
     ["--boundary.codec", "topk", "--train.optimizer", "spectral", "--train.schedule", "gpipe",
      "--dp.mode", "allreduce", "--dp.compressor", "int8"],
-    ["--boundary.codec", "int4", "--dp.mode", "diloco", "--dp.compressor", "sparseloco", "--dp.sync_every", "2"],
+    ["--boundary.codec", "int4", "--dp.mode", "diloco", "--dp.compressor", "sparseloco", "--dp.sync-every", "2"],
 ], ids=["topk-spectral-gpipe-int8", "int4-sparseloco"])
 def test_other_codecs_optimizers_and_compressors_train(tiny, tmp_path, extra):
     from orchestration.codecs import make_codec
@@ -301,11 +301,11 @@ def test_fast_replicas_see_the_same_data_with_and_without_the_anchor_row(tiny, t
 
 
 def test_held_out_split_does_not_depend_on_the_training_seed(tiny, tmp_path):
-    """Every seed of an experiment scores the same held-out rows; --data.split_seed (not
+    """Every seed of an experiment scores the same held-out rows; --data.split-seed (not
     --train.seed) chooses them."""
     plans = {}
     for seed, split in ((0, 0), (1, 0), (7, 0), (0, 1)):
-        cfg, _ = parse_args(_args(tiny, tmp_path, "--train.seed", str(seed), "--data.split_seed", str(split)))
+        cfg, _ = parse_args(_args(tiny, tmp_path, "--train.seed", str(seed), "--data.split-seed", str(split)))
         plans[seed, split] = prepare(cfg, load_model=False)
     base = plans[0, 0]
     for key in ((1, 0), (7, 0)):

@@ -1,7 +1,7 @@
 """The anchor node: one anchor rank's loop over rounds (docs/anchor.md): pull a snapshot
 of its stage from fast replica 0, run an unmasked forward/backward over its own batches
 through the anchor row's pipeline, send the result to every fast replica of its column.
-Also its fault injection (MESHKERN_ANCHOR_FAULT, --run.fail_rank) and its saved state
+Also its fault injection (MESHKERN_ANCHOR_FAULT, --run.fail-rank) and its saved state
 (round counter, factored momentum) for restarts."""
 from __future__ import annotations
 

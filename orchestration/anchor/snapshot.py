@@ -30,7 +30,7 @@ class SnapshotCoder:
 
     def __init__(self, codec: str, numel: int):
         if codec not in SNAPSHOT_CODECS:
-            raise ValueError(f"--anchor.snapshot_codec must be one of {', '.join(SNAPSHOT_CODECS)}, got {codec!r}")
+            raise ValueError(f"--anchor.snapshot-codec must be one of {', '.join(SNAPSHOT_CODECS)}, got {codec!r}")
         self.codec, self.numel, self.view = codec, int(numel), None
 
     @staticmethod
