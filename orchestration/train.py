@@ -37,9 +37,10 @@ import torch
 
 from orchestration import checkpoint as ckpt
 from orchestration.config import Config, flag_name, parse_args, to_yaml
-from orchestration.sampling import BatchSampler, shard_rows
 from orchestration.launch import MeshFailure, free_port, run_local
 from orchestration.mesh import MeshLayout, init_mesh, destroy_mesh
+from orchestration.trainer import (RankContext, Trainer, build_stage, data_shard,  # noqa: F401 (data_shard,
+                                   replica_sampler)  # replica_sampler: importable here for tests and tools)
 
 DEFAULT_DATA = "corpus:python"  # domain B of orchestration.corpora: the base model never saw it
 
@@ -191,26 +192,10 @@ def _load_model(cfg: Config, path: str):
 
 
 # ============================================================== one rank
-def data_shard(cfg: Config, plan: Plan, row: int) -> torch.Tensor:
-    """Training rows of fast replica ``row``: one disjoint strided shard per fast replica
-    (orchestration.data.shard_rows). The anchor row takes no shard (it samples the whole
-    training set with its own seed: orchestration.anchor.round_batch), so for a given seed
-    the fast replicas see the same batches with and without the anchor row."""
-    return shard_rows(plan.train_rows, row, cfg.fast_rows)
-
-
-def replica_sampler(cfg: Config, plan: Plan, row: int) -> BatchSampler:
-    """The batches fast replica ``row`` trains on (the Trainer's sampler): its shard, its
-    own seed (a function of --train.seed and the row only, not of the anchor setting)."""
-    return BatchSampler(data_shard(cfg, plan, row), cfg.train.batch_size, cfg.train.seed + 7919 * row)
-
-
 def run_rank(rank: int, world_size: int, cfg: Config, plan: Plan) -> dict:
     """Runs one rank to the end of training; returns its record (rank 0: the summary).
     A fast rank is an orchestration.trainer.Trainer; an anchor rank joins a world of its
     own (orchestration.mesh) and runs orchestration.anchor.run_anchor_rank."""
-    from orchestration.trainer import RankContext, Trainer, build_stage
-
     torch.set_num_threads(cfg.mesh.threads_per_rank)
     layout = MeshLayout(cfg.mesh.rows, cfg.mesh.stages, cfg.anchor.enabled)
     if layout.is_anchor(rank):

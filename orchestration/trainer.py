@@ -33,6 +33,7 @@ from orchestration.config import Config
 from orchestration.metrics import LinkCounter, RunLog, format_table, reduce_step, summarize, summary_rows, \
     write_link_bytes
 from orchestration.pipeline import PipelineExecutor
+from orchestration.sampling import BatchSampler, shard_rows
 from orchestration.schedule import make_schedule
 
 
@@ -41,6 +42,20 @@ def lr_at(step: int, cfg: Config) -> float:
     (meshkern.optim.warmup_cosine_lr)."""
     t = cfg.train
     return warmup_cosine_lr(step, lr=t.lr, steps=t.steps, warmup_steps=t.warmup_steps, min_lr_ratio=t.min_lr_ratio)
+
+
+def data_shard(cfg: Config, plan, row: int) -> torch.Tensor:
+    """Training rows of fast replica ``row``: one disjoint strided shard per fast replica
+    (orchestration.sampling.shard_rows). The anchor row takes no shard (it samples the whole
+    training set with its own seed: orchestration.anchor.round_batch), so for a given seed
+    the fast replicas see the same batches with and without the anchor row."""
+    return shard_rows(plan.train_rows, row, cfg.fast_rows)
+
+
+def replica_sampler(cfg: Config, plan, row: int) -> BatchSampler:
+    """The batches fast replica ``row`` trains on: its shard, its own seed (a function of
+    --train.seed and the row only, not of the anchor setting)."""
+    return BatchSampler(data_shard(cfg, plan, row), cfg.train.batch_size, cfg.train.seed + 7919 * row)
 
 
 @dataclass
@@ -125,8 +140,6 @@ class Trainer:
     (or to a stop request) and returns the rank's record (rank 0: with the summary)."""
 
     def __init__(self, rank: int, cfg: Config, plan, mesh, stage):
-        from orchestration.sampling import BatchSampler, shard_rows
-
         self.rank, self.cfg, self.plan, self.mesh, self.stage = rank, cfg, plan, mesh, stage
         self.params = [p for p in stage.parameters() if p.requires_grad]
         self.counter = LinkCounter()
@@ -138,10 +151,7 @@ class Trainer:
         mask_seed = (t.seed << 16) | mesh.row  # each replica draws its own masks: the row is in the Philox seed
         self.executor = PipelineExecutor(stage, actions, codec=self.codec, prev_rank=mesh.prev_rank,
                                          next_rank=mesh.next_rank, rank=rank, seed=mask_seed, counter=self.counter)
-        # The batches fast replica ``row`` trains on: its shard, its own seed (a function of
-        # --train.seed and the row only, not of the anchor setting).
-        self.sampler = BatchSampler(shard_rows(plan.train_rows, mesh.row, cfg.fast_rows), t.batch_size,
-                                    t.seed + 7919 * mesh.row)
+        self.sampler = replica_sampler(cfg, plan, mesh.row)
         self.allreduce = self.diloco = None
         if cfg.fast_rows > 1 and cfg.dp.mode == "allreduce":
             self.allreduce = make_compressor(cfg)
