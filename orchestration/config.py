@@ -38,7 +38,8 @@ class MeshConfig:
     rows: int = _f(3, "rows of the mesh = data-parallel replicas (with the anchor on, the last row is the anchor replica)")
     stages: int = _f(2, "columns of the mesh = pipeline stages per replica")
     layers_per_stage: list = _f([], "decoder layers per stage, e.g. 3,1 (empty: balanced)")
-    backend: str = _f("auto", "torch.distributed backend: auto (nccl with CUDA, else gloo), gloo, nccl")
+    dist_backend: str = _f("auto", "torch.distributed backend of the mesh (not a kernel backend, see MESHKERN_BACKEND): "
+                               "auto (nccl with CUDA, else gloo), gloo, nccl")
     timeout_s: float = _f(60.0, "a rank that waits on a dead or stalled peer longer than this fails with an error")
     start_method: str = _f("fork", "how the local launcher starts ranks: fork (fast: the parent loads model and data once) or spawn")
     threads_per_rank: int = _f(1, "torch intra-op threads per rank (1: ranks share few cores; OpenMP spin-waiting otherwise)")
@@ -177,6 +178,7 @@ SECTIONS = [f.name for f in dataclasses.fields(Config) if f.name != "preset"]
 COMPRESSORS = ("none", "powersgd", "sparseloco", "int8")
 ANCHOR_TRANSPORTS = ("dense", "factored")  # orchestration.anchor.wire numbers them on the wire
 SNAPSHOT_CODECS = ("full", "int8")  # orchestration.anchor.snapshot.SnapshotCoder
+RENAMED = {("mesh", "backend"): "dist_backend"}  # old field name -> its name now (old config files)
 ALIASES = {  # short flag -> dotted field
     "model": "model.path", "data": "data.source", "steps": "train.steps",
     "resume": "checkpoint.resume", "rows": "mesh.rows", "stages": "mesh.stages",
@@ -248,6 +250,7 @@ def apply_dict(cfg: Config, d: dict, where: str) -> None:
         obj = getattr(cfg, sec)
         hints = _hints(type(obj))
         for k, v in vals.items():
+            k = RENAMED.get((sec, k), k)
             if k not in hints:
                 known = ", ".join(f.name for f in dataclasses.fields(obj))
                 raise ValueError(f"{where}: unknown field {sec}.{k}; known in {sec}: {known}")
@@ -307,8 +310,10 @@ def build_parser() -> argparse.ArgumentParser:
             kw = dict(dest=dotted, default=None, metavar=type(default).__name__.upper(), **flag)
             g.add_argument(*names, **kw,
                            help=f"{f.metadata.get('help', '')} (default: {default!r})".replace("%", "%%"))
-            if f"--{dotted}" != names[0]:  # the field's own spelling (--data.seq_len): accepted, not listed
-                g.add_argument(f"--{dotted}", **kw, help=argparse.SUPPRESS)
+            hidden = [f"--{dotted}"] if f"--{dotted}" != names[0] else []  # the field's spelling: --data.seq_len
+            hidden += [f"--{sec}.{old}" for (s_, old), new in RENAMED.items() if s_ == sec and new == f.name]
+            if hidden:  # accepted, not listed
+                g.add_argument(*hidden, **kw, help=argparse.SUPPRESS)
     ap.set_defaults()
     ap.formatter_class = argparse.HelpFormatter  # defaults are already in each help line
     return ap
@@ -349,7 +354,8 @@ def validate(cfg: Config) -> Config:
         _need(len(m.layers_per_stage) == m.stages,
               f"--mesh.layers-per-stage has {len(m.layers_per_stage)} entries for {m.stages} stages")
         _need(all(n >= 1 for n in m.layers_per_stage), "--mesh.layers-per-stage entries must be >= 1")
-    _need(m.backend in ("auto", "gloo", "nccl"), f"--mesh.backend must be auto, gloo or nccl, got {m.backend!r}")
+    _need(m.dist_backend in ("auto", "gloo", "nccl"),
+          f"--mesh.dist-backend must be auto, gloo or nccl, got {m.dist_backend!r}")
     _need(m.timeout_s > 0, f"--mesh.timeout-s must be > 0, got {m.timeout_s}")
     _need(m.start_method in ("fork", "spawn"), f"--mesh.start-method must be fork or spawn, got {m.start_method!r}")
     _need(m.threads_per_rank >= 1, "--mesh.threads-per-rank must be >= 1")

@@ -150,21 +150,22 @@ class Mesh:
         return self.layout.describe(self.rank if rank is None else rank)
 
 
-def resolve_backend(backend: str) -> str:
-    if backend == "auto":
+def resolve_dist_backend(dist_backend: str) -> str:
+    """The torch.distributed backend (gloo | nccl; not a kernel backend) for ``dist_backend``."""
+    if dist_backend == "auto":
         return "nccl" if torch.cuda.is_available() else "gloo"
-    return backend
+    return dist_backend
 
 
-def _device(backend: str) -> torch.device:
-    if backend == "nccl":  # NCCL moves CUDA tensors only: one GPU per local rank
+def _device(dist_backend: str) -> torch.device:
+    if dist_backend == "nccl":  # NCCL moves CUDA tensors only: one GPU per local rank
         d = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(d)
         return d
     return torch.device("cpu")
 
 
-def init_mesh(layout: MeshLayout, *, backend: str = "auto", timeout_s: float = 60.0) -> Mesh:
+def init_mesh(layout: MeshLayout, *, dist_backend: str = "auto", timeout_s: float = 60.0) -> Mesh:
     """Joins the fast circuit's world (env:// rendezvous: RANK, MASTER_ADDR, MASTER_PORT,
     as set by torchrun or orchestration.launch; its size is ``layout.fast_world_size``) and
     creates every group. Fast ranks only: the anchor row joins with ``init_anchor_row``.
@@ -177,7 +178,7 @@ def init_mesh(layout: MeshLayout, *, backend: str = "auto", timeout_s: float = 6
     if layout.is_anchor(rank):
         raise ValueError(f"{layout.describe(rank)} is in the anchor row: it joins with init_anchor_row, not init_mesh")
     if not dist.is_initialized():
-        dist.init_process_group(resolve_backend(backend), init_method="env://", rank=rank,
+        dist.init_process_group(resolve_dist_backend(dist_backend), init_method="env://", rank=rank,
                                 world_size=layout.fast_world_size, timeout=timedelta(seconds=timeout_s))
     world, rank = dist.get_world_size(), dist.get_rank()
     if world != layout.fast_world_size:
@@ -205,7 +206,7 @@ def init_mesh(layout: MeshLayout, *, backend: str = "auto", timeout_s: float = 6
     return m
 
 
-def init_anchor_row(layout: MeshLayout, stage: int, store, generation: int, *, backend: str = "auto",
+def init_anchor_row(layout: MeshLayout, stage: int, store, generation: int, *, dist_backend: str = "auto",
                     timeout_s: float = 60.0) -> Mesh:
     """Joins anchor row ``generation``'s own world: the anchor ranks of every stage, rank =
     stage, rendezvous on ``store`` (a client of the fast circuit's store) under a prefix
@@ -216,7 +217,7 @@ def init_anchor_row(layout: MeshLayout, stage: int, store, generation: int, *, b
     if not layout.anchor:
         raise ValueError("init_anchor_row needs a mesh layout with the anchor")
     if not dist.is_initialized():
-        dist.init_process_group(resolve_backend(backend), store=dist.PrefixStore(f"meshkern/anchor/g{generation}/row", store),
+        dist.init_process_group(resolve_dist_backend(dist_backend), store=dist.PrefixStore(f"meshkern/anchor/g{generation}/row", store),
                                 rank=stage, world_size=layout.stages, timeout=timedelta(seconds=timeout_s))
     m = Mesh(layout, layout.anchor_rank(stage), layout.rows - 1, stage, store=store, generation=generation)
     m.device = _device(dist.get_backend())

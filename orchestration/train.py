@@ -98,8 +98,8 @@ def prepare(cfg: Config, *, load_model: bool = True) -> Plan:
             balanced_layers(n_layers, cfg.mesh.stages)
         except ValueError as e:  # more stages than layers
             raise ValueError(f"--mesh.stages {cfg.mesh.stages}: {e}") from None
-    if cfg.mesh.backend == "nccl" and not torch.cuda.is_available():
-        raise ValueError("--mesh.backend nccl needs CUDA GPUs, and torch sees none (torch.cuda.is_available() is False)")
+    if cfg.mesh.dist_backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("--mesh.dist-backend nccl needs CUDA GPUs, and torch sees none (torch.cuda.is_available() is False)")
     source = cfg.data.source or DEFAULT_DATA
     if not source.startswith(("corpus:", "task:")) and not os.path.exists(source):
         raise FileNotFoundError(f"--data.source {source!r} does not exist")
@@ -203,7 +203,7 @@ def run_rank(rank: int, world_size: int, cfg: Config, plan: Plan) -> dict:
 
         mesh = anchor.join_anchor_row(layout, rank, cfg)
     else:
-        mesh = init_mesh(layout, backend=cfg.mesh.backend, timeout_s=cfg.mesh.timeout_s)
+        mesh = init_mesh(layout, dist_backend=cfg.mesh.dist_backend, timeout_s=cfg.mesh.timeout_s)
     try:
         stage = build_stage(cfg, plan, mesh)
         if mesh.is_anchor:

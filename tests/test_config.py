@@ -94,3 +94,17 @@ def test_round_trip_through_dict():
     cfg, _ = parse_args(["--preset", "m90-ap", "--mesh.rows", "4"])
     again = validate(Config.from_dict(cfg.to_dict()))
     assert again == cfg
+
+
+def test_mesh_dist_backend_is_not_a_kernel_backend_and_old_name_still_loads(tmp_path):
+    """mesh.dist_backend (gloo/nccl) was mesh.backend, the word the kernels use for
+    cpp/cuda/triton/reference; a config file or flag with the old name still works."""
+    f = tmp_path / "old.yaml"
+    f.write_text("mesh: {backend: gloo}\n")
+    cfg, _ = parse_args(["--config", str(f)])
+    assert cfg.mesh.dist_backend == "gloo" and not hasattr(cfg.mesh, "backend")
+    cfg, _ = parse_args(["--mesh.backend", "gloo"])
+    assert cfg.mesh.dist_backend == "gloo"
+    assert "--mesh.dist-backend" in build_parser().format_help()
+    with pytest.raises(ValueError, match="--mesh.dist-backend must be"):
+        parse_args(["--mesh.dist-backend", "cpp"])

@@ -151,8 +151,10 @@ def test_model_without_weights_and_join_without_fast_circuit_are_refused(tiny, t
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
 def test_nccl_without_cuda_is_refused(tiny, tmp_path, capsys):
-    assert main(_args(tiny, tmp_path, "--mesh.backend", "nccl")) == 2
-    assert "--mesh.backend nccl needs CUDA GPUs" in capsys.readouterr().err
+    assert main(_args(tiny, tmp_path, "--mesh.dist-backend", "nccl")) == 2
+    assert "--mesh.dist-backend nccl needs CUDA GPUs" in capsys.readouterr().err
+    assert main(_args(tiny, tmp_path, "--mesh.backend", "nccl")) == 2  # the field's old name still works
+    assert "--mesh.dist-backend nccl needs CUDA GPUs" in capsys.readouterr().err
 
 
 def test_unknown_architecture_is_refused(tiny, tmp_path, capsys):

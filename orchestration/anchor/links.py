@@ -120,7 +120,7 @@ def join_anchor_row(layout, rank: int, cfg):
     store = side_store(store_address(cfg), cfg.mesh.timeout_s)
     generation = claim_generation(store, stage, cfg.mesh.timeout_s)
     try:
-        mesh = init_anchor_row(layout, stage, store, generation, backend=cfg.mesh.backend,
+        mesh = init_anchor_row(layout, stage, store, generation, dist_backend=cfg.mesh.dist_backend,
                                timeout_s=cfg.mesh.timeout_s)
     except Exception as e:
         raise store_failure(
