@@ -16,9 +16,9 @@ used like any local checkpoint from then on:
   marker (``save_pretrained`` refuses a model loaded from GGUF), plus the tokenizer.
 
 Only families that ``orchestration.stages`` can split are accepted (llama, mistral,
-qwen2, qwen3). Needs the ``gguf`` and ``accelerate`` packages (``pip install
-"meshkern[real]"``); without them every entry point raises :class:`MissingDependencyError`
-naming the pip command, before touching any file.
+qwen2, qwen3). Converting needs the ``gguf`` and ``accelerate`` packages (pyproject's
+``real`` extra); without them it raises :class:`MissingDependencyError` naming the pip
+command, before writing anything to the cache.
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ import torch
 CONVERT_VERSION = "gguf-v1"
 CACHE_SUBDIR = "gguf"
 METADATA_FILE = "meshkern_gguf.json"
-INSTALL_EXTRA = 'pip install gguf accelerate  (or: pip install "meshkern[real]")'
+INSTALL_EXTRA = "pip install gguf accelerate"  # = pyproject's "real" extra
 
 # GGUF model types (as transformers names them after reading the file) whose HF class
 # orchestration.stages can split. transformers knows more GGUF families (gpt2, phi3,
