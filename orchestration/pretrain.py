@@ -109,7 +109,7 @@ def pretrain(out_dir: str | os.PathLike, cfg: PretrainConfig | None = None, *,
     from tqdm.auto import tqdm
     from transformers import LlamaForCausalLM
 
-    from orchestration import corpora, data, evaluate, models
+    from orchestration import corpora, data, models, scoring
 
     cfg = cfg or PretrainConfig()
     cfg.validate()
@@ -135,7 +135,7 @@ def pretrain(out_dir: str | os.PathLike, cfg: PretrainConfig | None = None, *,
         train_set = sets[cfg.corpus][0]
         initial = None
         if cfg.init_from:  # where adaptation starts from, on the same held-out rows
-            initial = {name: evaluate.eval_loss(model, ev, batch_size=16, max_batches=cfg.eval_batches)
+            initial = {name: scoring.eval_loss(model, ev, batch_size=16, max_batches=cfg.eval_batches)
                        for name, (_, ev) in sets.items()}
         model.train()
         decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
@@ -164,7 +164,7 @@ def pretrain(out_dir: str | os.PathLike, cfg: PretrainConfig | None = None, *,
                 bar.set_postfix(loss=f"{losses[-1]:.3f}", lr=f"{lr_at(step, cfg):.1e}")
         train_s = time.perf_counter() - t_train
         model.eval()
-        held_out = {name: evaluate.eval_loss(model, ev, batch_size=16, max_batches=cfg.eval_batches)
+        held_out = {name: scoring.eval_loss(model, ev, batch_size=16, max_batches=cfg.eval_batches)
                     for name, (_, ev) in sets.items()}
         tail = losses[-min(20, len(losses)):]
         meta = {

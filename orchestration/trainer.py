@@ -270,7 +270,6 @@ class Trainer:
         return out
 
     def _summary(self, history, elapsed, steps_done, last_ckpt, links_path) -> dict:
-        from orchestration.evaluate import checkpoint_loss
         from orchestration.linkmodel import model_run
 
         cfg, plan = self.cfg, self.plan
@@ -282,6 +281,16 @@ class Trainer:
         s["eval_loss_base"] = checkpoint_loss(plan.model_path, rows, dtype=dtype) if scored else None
         s["links_path"] = links_path
         return s
+
+
+def checkpoint_loss(path: str, rows: torch.Tensor, *, dtype: torch.dtype = torch.float32) -> float:
+    """Mean next-token loss of the checkpoint at ``path`` (loaded in ``dtype``) on ``rows``
+    (int64 [N, T]): the run's held-out score of its exported checkpoint (and of the base)."""
+    from orchestration.models import load_causal_lm
+    from orchestration.scoring import eval_loss
+
+    model, _ = load_causal_lm(path, dtype=dtype)
+    return eval_loss(model, rows)["loss"]
 
 
 def _tied_across(plan, cfg: Config) -> bool:
