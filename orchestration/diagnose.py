@@ -370,14 +370,19 @@ class Calibration:
     dim_order: torch.Tensor  # dims by calibration mean |h|, descending
     mean: torch.Tensor  # per-dim mean of h
     grad_pca: PCA | None = None  # of the dense boundary gradients of calibration rows (grad_calibration)
+    pca_robust: PCA | None = None  # of h without the outlier tokens (norm >= 10x the median: attention sinks)
 
 
 def calibrate(h_cal: torch.Tensor, e_cal: torch.Tensor, pca: PCA | None = None,
               grad_pca: PCA | None = None) -> Calibration:
     H = h_cal.shape[-1]
     x = h_cal.reshape(-1, H).float()
-    return Calibration(x, pca or fit_pca(x), fit_pca(x - e_cal.reshape(-1, H).float()),
-                       torch.argsort(x.abs().mean(0), descending=True), x.mean(0), grad_pca)
+    tn = x.norm(dim=1)
+    inl = tn < OUTLIER_TOKEN_RATIO * tn.median()
+    pca = pca or fit_pca(x)
+    return Calibration(x, pca, fit_pca(x - e_cal.reshape(-1, H).float()),
+                       torch.argsort(x.abs().mean(0), descending=True), x.mean(0), grad_pca,
+                       pca if bool(inl.all()) else fit_pca(x[inl]))
 
 
 def boundary_gradients(split: "LayerSplit", h: torch.Tensor, L: int, ids: torch.Tensor, chunk: int = 4) -> torch.Tensor:
@@ -472,15 +477,21 @@ CANDIDATES = {
     "pca-int8/gpca-int8": "forward as pca-int8; backward: the gradient's own PCA basis (fitted on dense boundary "
                           "gradients of calibration rows), B-4 int8 coordinates per token (needs the gradient pass)",
     "pca-int4/gpca-int4": "as pca-int8/gpca-int8 with int4 codes, 2(B-4) directions each way",
+    "sink+pca": "PCA fitted without the outlier tokens (norm >= 10x median: attention sinks); position 0 of every "
+                "row travels as int8 over all H dims ((H+4)/T bytes per token), the other tokens as pca",
+    "sink+pca-int8": "as sink+pca with the pca-int8 coordinates",
+    "sink+pca-int4": "as sink+pca with the pca-int4 coordinates",
+    "sink+pca-int4/gpca-int4": "as sink+pca-int4 forward; backward in the gradient PCA basis, int4",
 }
 
 
 def candidate_transforms(cal: Calibration, embed, H: int, L: int, seed: int, budget: int,
                          names: Sequence[str] | None = None, massive_m: int = 8,
-                         dtype=torch.float32) -> list[Transform]:
+                         dtype=torch.float32, seq_len: int = 128) -> list[Transform]:
     """The diagnose-local candidate designs (CANDIDATES) at <= B = dense_bytes/budget bytes
     per token per direction: k = B // 4 fp32 values, m = min(massive_m, k // 2) massive
-    dims. A candidate that cannot fit this H at this budget is left out."""
+    dims; sink+* spend ceil((H+4)/seq_len) of B on position 0. A candidate that cannot fit
+    this H at this budget is left out."""
     from meshkern.mask import MaskKey
 
     elem = torch.empty((), dtype=dtype).element_size()
@@ -506,6 +517,15 @@ def candidate_transforms(cal: Calibration, embed, H: int, L: int, seed: int, bud
 
     pca_rest = fit_pca(cal.tokens[:, rest]) if m and "massive+pca" in names else None
     n8, n4, n8e = min(H, B - SCALE_BYTES), min(H, 2 * (B - SCALE_BYTES)), min(H, B - SCALE_BYTES - ID_BYTES)
+    pos0 = -(-(quant_bytes(H, 8)) // seq_len)  # position 0 as int8 (H codes + scale), amortized over the row
+    Bs = B - pos0
+    ks, ns8, ns4 = Bs // elem, min(H, Bs - SCALE_BYTES), min(H, 2 * (Bs - SCALE_BYTES))
+    rp = cal.pca_robust or cal.pca
+
+    def sink(f):
+        def g(h, ids):
+            return torch.cat([_quant(h[..., :1, :], 8), f(h[..., 1:, :], ids)], dim=-2)
+        return g
     table: dict[str, tuple[bool, Fn, int]] = {
         "pca": (k >= 1, lambda h, ids: pca_project(h, cal.pca, k), k * elem),
         "mean+mask": (k >= 1, lambda h, ids: random_mask(h, k, key, mu), k * elem),
@@ -536,6 +556,14 @@ def candidate_transforms(cal: Calibration, embed, H: int, L: int, seed: int, bud
                                lambda h, ids: _TwoWay.apply(h, lambda x: pca_project(x, cal.pca, n4, bits=4),
                                                             lambda g: pca_project(g, cal.grad_pca, n4, bits=4)),
                                quant_bytes(n4, 4)),
+        "sink+pca": (ks >= 1, sink(lambda h, ids: pca_project(h, rp, ks)), ks * elem + pos0),
+        "sink+pca-int8": (ns8 >= 1, sink(lambda h, ids: pca_project(h, rp, ns8, bits=8)), quant_bytes(ns8, 8) + pos0),
+        "sink+pca-int4": (ns4 >= 1, sink(lambda h, ids: pca_project(h, rp, ns4, bits=4)), quant_bytes(ns4, 4) + pos0),
+        "sink+pca-int4/gpca-int4": (ns4 >= 1 and cal.grad_pca is not None,
+                                    sink(lambda h, ids: _TwoWay.apply(h, lambda x: pca_project(x, rp, ns4, bits=4),
+                                                                      lambda g: pca_project(g, cal.grad_pca, ns4,
+                                                                                            bits=4))),
+                                    quant_bytes(ns4, 4) + pos0),
     }
     out = []
     for name in names:
@@ -746,8 +774,8 @@ class Settings:
     candidates: list[str] | None = None  # None: all CANDIDATES; []: none
     pca_sweep: bool = True
     every_layer: bool = False
-    scan: list[str] = field(default_factory=lambda: ["mask:p=0.95", "massive+mask", "mean+mask", "pca", "emb+pca",
-                                                     "pca-int8"])
+    scan: list[str] = field(default_factory=lambda: ["mask:p=0.95", "massive+mask", "pca", "emb+pca", "pca-int8",
+                                                     "sink+pca-int4"])
     budget: int = 15
     seq_len: int = 128
     eval_rows: int = 8
@@ -881,7 +909,8 @@ def run_diagnostics(model, model_path: str, train_rows: torch.Tensor, eval_rows:
         if s.pca_sweep:
             ts += pca_sweep_transforms(pca, H)
         if s.candidates != []:
-            ts += candidate_transforms(calib, split.embed, H, L, s.seed, s.budget, s.candidates, s.massive_m, dtype)
+            ts += candidate_transforms(calib, split.embed, H, L, s.seed, s.budget, s.candidates, s.massive_m, dtype,
+                                       s.seq_len)
         rows = []
         for j, t in enumerate(ts):
             loss, lr = forward_loss(split, hs_ev[L], L, ev, t.fn)
@@ -916,7 +945,8 @@ def run_diagnostics(model, model_path: str, train_rows: torch.Tensor, eval_rows:
             losses = {}
             for name in s.scan:
                 prev = report["boundaries"].get(str(L))
-                t = (candidate_transforms(calib, split.embed, H, L, s.seed, s.budget, [name], s.massive_m, dtype)
+                t = (candidate_transforms(calib, split.embed, H, L, s.seed, s.budget, [name], s.massive_m, dtype,
+                                          s.seq_len)
                      if name in CANDIDATES else [codec_transform(name, H, L, s.seed, dtype)])
                 if not t:
                     continue

@@ -177,9 +177,9 @@ def test_candidates_fit_the_budget_and_are_differentiable(tiny_setup):
         hc = split.prefix(train[:8], L)
         cal = dg.calibrate(hc, split.embed(train[:8]))
     assert {t.name for t in dg.candidate_transforms(cal, split.embed, H, L, 0, 15)} == set(dg.CANDIDATES) - {
-        "pca-int8/gpca-int8", "pca-int4/gpca-int4"}  # needs the gradient calibration
+        "pca-int8/gpca-int8", "pca-int4/gpca-int4", "sink+pca-int4/gpca-int4"}  # needs the gradient calibration
     cal.grad_pca = dg.fit_pca(dg.boundary_gradients(split, hc, L, train[:8]))
-    ts = dg.candidate_transforms(cal, split.embed, H, L, seed=0, budget=15)
+    ts = dg.candidate_transforms(cal, split.embed, H, L, seed=0, budget=15, seq_len=SEQ)
     assert {t.name for t in ts} == set(dg.CANDIDATES)
     h = split.prefix(held[:2], L).detach().requires_grad_(True)
     for t in ts:
@@ -208,6 +208,23 @@ def test_two_way_candidate_sends_the_gradient_through_its_own_basis(tiny_setup):
     (got,) = torch.autograd.grad(t.fn(h, held[:2]), h, g)
     n8 = dg.dense_bytes(H) // 15 - dg.SCALE_BYTES
     assert torch.equal(got, dg.pca_project(g, gp, n8, bits=8))
+
+
+def test_sink_candidates_fit_pca_without_outlier_tokens_and_keep_position_0():
+    torch.manual_seed(0)
+    B, T, H = 6, 16, 40
+    x = torch.randn(B, T, H) @ torch.randn(H, H) * 0.3
+    x[:, 0] = torch.randn(H) * 400.0  # an attention-sink-like constant first token
+    cal = dg.calibrate(x, torch.zeros_like(x))
+    assert torch.allclose(cal.pca_robust.mean, x[:, 1:].reshape(-1, H).mean(0), atol=1e-4)
+    (t,) = dg.candidate_transforms(cal, lambda ids: torch.zeros(*ids.shape, H), H, 1, 0, 15,
+                                   names=["sink+pca"], seq_len=T)
+    y = t.fn(x, torch.zeros(B, T, dtype=torch.long))
+    qc = dg.QuantCodec(8)
+    assert torch.equal(y[:, 0], qc.dequantize(qc.quantize(x[:, :1]), (B, 1, H), x.dtype)[:, 0])
+    k = (dg.dense_bytes(H) // 15 - (-(-(H + 4) // T))) // 4
+    assert torch.allclose(y[:, 1:], dg.pca_project(x[:, 1:], cal.pca_robust, k), atol=1e-5)
+    assert t.bytes_fwd == k * 4 + (-(-(H + 4) // T)) <= dg.dense_bytes(H) // 15
 
 
 def test_pca_at_full_rank_is_lossless(tiny_setup):
