@@ -117,13 +117,9 @@ def load_data(model_path: str, source: str, seq_len: int, *, eval_fraction: floa
 
 def resolve_and_load(spec: str | None):
     """(model in eval mode, fp32, checkpoint directory) for ``--model`` as the trainer reads it."""
-    from orchestration import models
+    from orchestration import model_paths, models
 
-    resolve = getattr(models, "resolve_model", None)
-    if resolve is not None:
-        path = resolve(spec or None, progress=True)
-    else:  # pragma: no cover - before models.resolve_model existed
-        path = spec or models.default_base_model()
+    path = model_paths.resolve_model(spec or None, progress=True)
     model, tok = models.load_causal_lm(path)
     if tok is None:
         raise UsageError(f"--model {path}: the checkpoint holds no tokenizer")

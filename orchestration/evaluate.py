@@ -256,10 +256,10 @@ def main(argv=None):
     ap.add_argument("--json", default=None, help="also write the report to this file")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
-    from orchestration import models, tasks
+    from orchestration import model_paths, models, tasks
 
     try:  # the trainer's resolution: default, built-in name (smollm2-135m), .gguf or a directory
-        path = models.resolve_model(a.model)
+        path = model_paths.resolve_model(a.model)
         model, tok_path = models.load_causal_lm(path)
     except (ValueError, FileNotFoundError) as e:
         ap.error(str(e))

@@ -275,7 +275,7 @@ def settings_from(a) -> Settings:
     if base["steps"] % base["eval_every"]:
         raise ValueError(f"--steps {base['steps']} is not a multiple of --eval-every {base['eval_every']}")
     if not a.model:
-        from orchestration.models import default_base_model
+        from orchestration.model_paths import default_base_model
 
         a.model = default_base_model(progress=True)
     return Settings(model=os.path.abspath(a.model) if os.path.exists(a.model) else a.model, data=a.data,

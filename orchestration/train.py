@@ -68,7 +68,7 @@ def prepare(cfg: Config, *, load_model: bool = True) -> Plan:
     from transformers import AutoConfig
 
     from orchestration import data as data_mod
-    from orchestration import models
+    from orchestration import model_paths, models
     from orchestration.stages import SUPPORTED_ARCHITECTURES, balanced_layers
     from transformers.utils import logging as hf_logging
 
@@ -77,7 +77,7 @@ def prepare(cfg: Config, *, load_model: bool = True) -> Plan:
 
     _backend.load_all()  # load (or warn about) the extensions once here; forked ranks inherit it
 
-    path = models.resolve_model(cfg.model.path, progress=True)  # default, built-in name, .gguf or a directory
+    path = model_paths.resolve_model(cfg.model.path, progress=True)  # default, built-in name, .gguf or a directory
     if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"--model.path {path!r} is not a Hugging Face checkpoint directory (no config.json)")
     try:

