@@ -49,10 +49,14 @@ def make_table(by_row: dict[str, list[dict]], s: Settings) -> str:
     dense = {r["seed"]: r["final_loss"] for r in by_row.get("dense", [])}
     prune_cols = [str(f) for f in s.prune]
     has_em = any("exact_match" in r for rs in by_row.values() for r in rs)
+    has_codec = any(r.get("codec_on_loss") is not None for rs in by_row.values() for r in rs)
     head = ["row", "seeds", "held-out loss", "Δ vs base", "Δ vs Dense (paired)", "ppl",
             "B/tok PP fwd", "B/tok PP bwd", "B/tok DP", "B/tok anchor", "B/tok total",
-            "modeled tok/s @200Mbps", "network-only tok/s", "prune " + "/".join(f"{float(f):.0%}" for f in s.prune)
-            + " (loss +%)"]
+            "modeled tok/s @200Mbps", "network-only tok/s"]
+    if s.prune:
+        head.append("prune " + "/".join(f"{float(f):.0%}" for f in s.prune) + " (loss +%)")
+    if has_codec:
+        head += ["codec-on loss", "codec-on − deployed"]
     if has_em:
         head.append("exact match")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -69,7 +73,13 @@ def make_table(by_row: dict[str, list[dict]], s: Settings) -> str:
                  _fmt(bpt("pp_fwd"), 1), _fmt(bpt("pp_bwd"), 1), _fmt(bpt("dp"), 1), _fmt(bpt("anchor"), 1),
                  _fmt([r["bytes_per_token_total"] for r in rs], 1),
                  _fmt([r["modeled_tokens_per_s"] for r in rs], 0),
-                 _fmt([r["network_bound_tokens_per_s"] for r in rs], 0), prune]
+                 _fmt([r["network_bound_tokens_per_s"] for r in rs], 0)]
+        if s.prune:
+            cells.append(prune)
+        if has_codec:
+            co = [r for r in rs if r.get("codec_on_loss") is not None]
+            cells += [_fmt([r["codec_on_loss"] for r in co]) if co else "= deployed (dense codec)",
+                      _fmt([r["codec_on_loss"] - r["final_loss"] for r in co]) if co else "0"]
         if has_em:
             cells.append(", ".join(f"{t} {_fmt([r['exact_match'][t] for r in rs])}"
                                    for t in (rs[0].get("exact_match") or {})) or "-")
@@ -77,10 +87,36 @@ def make_table(by_row: dict[str, list[dict]], s: Settings) -> str:
     return "\n".join(lines) + "\n"
 
 
+def make_curve_table(by_row: dict[str, list[dict]]) -> str:
+    """Held-out loss of the deployed (unmasked) model at every evaluated step, mean ± sd
+    over seeds; Δ vs the base model (step 0) and vs Dense at the same step, paired by seed."""
+    steps = sorted({p["step"] for rs in by_row.values() for r in rs for p in r["curve"]})
+
+    def at(r, st):
+        return next((p["loss"] for p in r["curve"] if p["step"] == st), None)
+
+    dense = {r["seed"]: r for r in by_row.get("dense", [])}
+    head = ["row", "seeds"] + [f"loss @ step {st}" for st in steps]
+    head += [f"Δ vs base @ {st}" for st in steps if st] + [f"Δ vs Dense @ {st} (paired)" for st in steps if st]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, rs in by_row.items():
+        cells = [name, ",".join(str(r["seed"]) for r in rs)]
+        cells += [_fmt([x for x in (at(r, st) for r in rs) if x is not None]) for st in steps]
+        cells += [_fmt([at(r, st) - r["base_loss"] for r in rs if at(r, st) is not None]) for st in steps if st]
+        for st in steps:
+            if not st:
+                continue
+            d = [at(r, st) - at(dense[r["seed"]], st) for r in rs
+                 if r["seed"] in dense and at(r, st) is not None and at(dense[r["seed"]], st) is not None]
+            cells.append("0" if name == "dense" else _fmt(d))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def write_csv(by_row: dict[str, list[dict]], path: str) -> None:
     cols = ["row", "group", "seed", "base_loss", "final_loss", "final_perplexity", "bpt_pp_fwd", "bpt_pp_bwd",
             "bpt_dp", "bpt_anchor", "bpt_total", "modeled_tokens_per_s", "network_bound_tokens_per_s",
-            "measured_tokens_per_s", "modeled_limit", "train_wall_s"]
+            "measured_tokens_per_s", "modeled_limit", "train_wall_s", "codec_on_loss", "curve_step_loss"]
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(cols)
@@ -90,7 +126,9 @@ def write_csv(by_row: dict[str, list[dict]], path: str) -> None:
                 w.writerow([r["row"], r["group"], r["seed"], r["base_loss"], r["final_loss"], r["final_perplexity"],
                             b["pp_fwd"], b["pp_bwd"], b["dp"], b["anchor"], r["bytes_per_token_total"],
                             r["modeled_tokens_per_s"], r["network_bound_tokens_per_s"],
-                            r["measured_tokens_per_s"], r["modeled_limit"], r.get("train_wall_s")])
+                            r["measured_tokens_per_s"], r["modeled_limit"], r.get("train_wall_s"),
+                            r.get("codec_on_loss"),
+                            " ".join(f"{p['step']}:{p['loss']:.6f}" for p in r["curve"])])
 
 
 def make_plots(by_row: dict[str, list[dict]], fig_dir: str) -> list[str]:
@@ -143,7 +181,43 @@ def make_plots(by_row: dict[str, list[dict]], fig_dir: str) -> list[str]:
                              os.path.join(fig_dir, f"{group}_paired_delta.png"))
             if p:
                 written.append(p)
+    p = _codec_on_bars(plt, by_row, os.path.join(fig_dir, "codec_on_vs_deployed.png"))
+    if p:
+        written.append(p)
     return written
+
+
+def _codec_on_bars(plt, by_row, path):
+    """Final held-out loss per row: base model, deployed (unmasked) model and, for rows
+    trained through a lossy boundary codec, the same model scored with that codec on
+    (mean over seeds, error bar = sd). None when no row has a codec-on loss."""
+    names = list(by_row)
+    if not any(r.get("codec_on_loss") is not None for n in names for r in by_row[n]):
+        return None
+    import numpy as np
+
+    def ms(xs):
+        return (statistics.fmean(xs), statistics.stdev(xs) if len(xs) > 1 else 0.0) if xs else (float("nan"), 0.0)
+
+    base = [ms([r["base_loss"] for r in by_row[n]]) for n in names]
+    dep = [ms([r["final_loss"] for r in by_row[n]]) for n in names]
+    con = [ms([r["codec_on_loss"] for r in by_row[n] if r.get("codec_on_loss") is not None]) for n in names]
+    x = np.arange(len(names))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for off, vals, lab, col in ((-0.27, base, "base model (step 0)", "tab:gray"),
+                                (0.0, dep, "deployed (unmasked) after training", "tab:blue"),
+                                (0.27, con, "same model, training-time codec on", "tab:red")):
+        ax.bar(x + off, [m for m, _ in vals], 0.26, yerr=[sd for _, sd in vals], capsize=3, label=lab, color=col,
+               alpha=0.8)
+    ax.set_xticks(x, [f"{n} (n={len(by_row[n])})" for n in names])
+    ax.set_ylabel("held-out loss")
+    ax.set_title("final model: deployed vs codec-on (train/test mismatch)")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def _paired_bars(plt, by_row, names, ref, path):
@@ -174,7 +248,8 @@ def report(a, s: Settings) -> None:
     if not by_row:
         print("no complete results for these settings yet; nothing to tabulate", flush=True)
         return
-    table = make_table(by_row, s)
+    table = make_table(by_row, s) + "\nHeld-out loss of the deployed model at every evaluation:\n\n" \
+        + make_curve_table(by_row)
     header = (f"<!-- generated by python -m orchestration.experiments; settings: {json.dumps(s.key())} -->\n")
     with open(os.path.join(a.out, "table.md"), "w") as f:
         f.write(header + table)

@@ -82,6 +82,33 @@ def _checkpoints(run_dir: str) -> list[tuple[int, str]]:
     return out
 
 
+_BASE_LOSS: dict = {}  # (base model path, held-out rows) -> eval_loss result, within one invocation
+
+
+def codec_eval_loss(model, held, cfg, *, seed: int = 0, step: int = 0) -> dict:
+    """Held-out loss of ``model`` through the training-time pipeline: split into
+    ``cfg.mesh.stages`` stages as the trainer splits it (``stages.split_model`` with
+    ``--mesh.layers-per-stage``), the trainer's boundary codec (``codecs.make_codec`` from
+    ``cfg.boundary``) round-tripped at every stage boundary by ``codecs.apply_codec``, the
+    loss by ``scoring.eval_loss``; no training. Mask keys ``MaskKey((seed << 16) | 0, i, step, 0)``
+    between stages i and i+1: replica 0's seed rule, at a step the run never trained on
+    (``step`` = the run's step count), as in ``diagnose.anchor_diagnostics``. With the dense
+    codec this is the unsplit model's loss (the split is exact)."""
+    from meshkern.mask import MaskKey
+    from orchestration.codecs import apply_codec, make_codec
+    from orchestration.scoring import eval_loss
+    from orchestration.stages import split_model
+
+    stages = split_model(model, cfg.mesh.stages, cfg.mesh.layers_per_stage or None)
+    codec = make_codec(cfg.boundary.codec, p=cfg.boundary.p, rescale=cfg.boundary.rescale, **cfg.boundary.options)
+    mask_seed = (int(seed) << 16) | 0
+    chain: list = [stages[0]]
+    for i, st in enumerate(stages[1:]):
+        chain.append(lambda h, i=i: apply_codec(codec, h, MaskKey(mask_seed, i, int(step), 0)))
+        chain.append(st)
+    return eval_loss(chain, held)
+
+
 def evaluate_run(row: Row, seed: int, s: Settings, argv: list[str], run_dir: str) -> dict:
     """Evaluates a finished trainer run; returns the row's result record."""
     from orchestration import evaluate
@@ -103,14 +130,26 @@ def evaluate_run(row: Row, seed: int, s: Settings, argv: list[str], run_dir: str
     curve = []
     final_model = None
     for step, path in [(0, plan.model_path)] + _checkpoints(run_dir):
-        model, _ = load_causal_lm(path)
-        r = evaluate.eval_loss(model, held)
+        base_key = (path, tuple(held.shape), hash(held.numpy().tobytes()))
+        if step == 0 and base_key in _BASE_LOSS:  # the base model on the same held-out rows: scored once
+            r = _BASE_LOSS[base_key]
+        else:
+            model, _ = load_causal_lm(path)
+            r = evaluate.eval_loss(model, held)
+            if step == 0:
+                _BASE_LOSS[base_key] = r
+            if step == s.steps:
+                final_model = model
         curve.append({"step": step, "tokens": step * tokens_per_step,
                       "modeled_s": step * model_step.step_s, "loss": r["loss"], "perplexity": r["perplexity"]})
-        if step == s.steps:
-            final_model = model
     if final_model is None:
         raise RuntimeError(f"{run_dir}: no complete checkpoint at the last step {s.steps}")
+    # The deployed model is unmasked; the masked rows trained through their boundary codec.
+    # Their final model scored WITH that codec at every stage boundary (no training) shows
+    # how much of the deployed model's loss is train/test mismatch.
+    codec_on = None
+    if cfg.boundary.codec != "dense":
+        codec_on = codec_eval_loss(final_model, held, cfg, seed=seed, step=s.steps)["loss"]
 
     rec: dict = {
         "row": row.name, "group": row.group, "label": row.label, "seed": seed,
@@ -122,6 +161,11 @@ def evaluate_run(row: Row, seed: int, s: Settings, argv: list[str], run_dir: str
         "eval_sequences": int(held.shape[0]), "eval_tokens": int(held.shape[0] * (held.shape[1] - 1)),
         "base_loss": curve[0]["loss"], "final_loss": curve[-1]["loss"],
         "final_perplexity": curve[-1]["perplexity"], "curve": curve,
+        "boundary_codec": cfg.boundary.codec, "codec_on_loss": codec_on,
+        "train_config": {"lr": cfg.train.lr, "min_lr_ratio": cfg.train.min_lr_ratio,
+                         "warmup_steps": cfg.train.warmup_steps, "optimizer": cfg.train.optimizer,
+                         "tau": cfg.train.tau, "alpha": cfg.train.alpha, "beta_anc": cfg.train.beta_anc,
+                         "split_seed": cfg.data.split_seed},
         "train_loss": [h["loss"] for h in history],
         "bytes_per_token": history[-1]["bytes_per_token"],
         "bytes_per_token_total": sum(history[-1]["bytes_per_token"].values()),
@@ -235,7 +279,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--rows", default="main",
                     help="comma list of rows and/or groups (main, baselines, ablations, all); rows: "
                          + ", ".join(ROW_BY_NAME))
-    ap.add_argument("--seeds", default="0,1,2", help="comma list of training seeds (also the held-out split seed)")
+    ap.add_argument("--seeds", default="0,1,2",
+                    help="comma list of training seeds (--train.seed: initialization, data order, masks); the "
+                         "held-out split is --data.split-seed (trainer default 0, not set per seed), so every "
+                         "seed scores the same held-out set and rows are paired by seed")
     ap.add_argument("--steps", type=int, default=None, help=f"trainer steps per row (default {DEFAULT['steps']}, "
                                                              f"--quick {QUICK['steps']})")
     ap.add_argument("--eval-every", type=int, default=None,
@@ -243,8 +290,17 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--eval-sequences", type=int, default=None, help="held-out sequences scored per evaluation")
     ap.add_argument("--fast-rows", type=int, default=None, help="fast replicas (anchor rows add one mesh row)")
     ap.add_argument("--stages", type=int, default=None, help="pipeline stages")
-    ap.add_argument("--model", default="", help="local HF checkpoint (default: the default base model, resolved "
-                                                "once so every row adapts the same one)")
+    ap.add_argument("--batch-size", type=int, default=None,
+                    help=f"sequences per step per fast replica (default {DEFAULT['batch_size']})")
+    ap.add_argument("--microbatches", type=int, default=None,
+                    help=f"pipeline micro-batches per step (default {DEFAULT['microbatches']})")
+    ap.add_argument("--seq-len", type=int, default=None, help=f"tokens per sequence (default {DEFAULT['seq_len']})")
+    ap.add_argument("--model", default="",
+                    help="the base model, resolved like the trainer's --model (orchestration.model_paths."
+                         "resolve_model): a built-in name (smollm2-135m: the pretrained SmolLM2-135M-Instruct, "
+                         "converted once from its GGUF into ~/.cache/meshkern/gguf), a local .gguf file, or a "
+                         "local HF checkpoint directory; default: the default base model, resolved once so every "
+                         "row adapts the same one")
     ap.add_argument("--data", default="corpus:python",
                     help="adaptation data (trainer --data); task:<names> also scores exact match")
     ap.add_argument("--trainer-args", default="", help="extra flags appended to every trainer command")
@@ -255,14 +311,20 @@ def build_parser() -> argparse.ArgumentParser:
                     + ", ".join(f"{k}={v}" for k, v in QUICK.items()))
     ap.add_argument("--row-timeout", type=float, default=1800.0, help="seconds before a trainer run is killed")
     ap.add_argument("--force", action="store_true", help="re-run rows finished with other settings")
-    ap.add_argument("--keep-checkpoints", action="store_true", help="keep run checkpoints after evaluation")
+    ap.add_argument("--prune", default=None,
+                    help="comma list of magnitude-pruning fractions scored on the main rows' final model "
+                         "(default 0.3,0.5,0.7; --quick 0.5); 'none' skips the sweep (saves 3 evaluations "
+                         "per row on a real model)")
+    ap.add_argument("--keep-checkpoints", action="store_true",
+                    help="keep run checkpoints after evaluation (default: each is deleted once scored; with "
+                         "optimizer state they are ~1.3 GB per rank on smollm2-135m)")
     ap.add_argument("--table-only", action="store_true", help="only rebuild table and plots from OUT/records")
     return ap
 
 
 def settings_from(a) -> Settings:
     base = dict(QUICK if a.quick else DEFAULT)
-    for k in ("steps", "fast_rows", "stages", "eval_sequences"):
+    for k in ("steps", "fast_rows", "stages", "eval_sequences", "batch_size", "microbatches", "seq_len"):
         if getattr(a, k) is not None:
             base[k] = getattr(a, k)
     if a.eval_every is not None:
@@ -278,8 +340,19 @@ def settings_from(a) -> Settings:
         from orchestration.model_paths import default_base_model
 
         a.model = default_base_model(progress=True)
+    if a.prune is None:
+        prune = (0.5,) if a.quick else (0.3, 0.5, 0.7)
+    elif a.prune.strip().lower() in ("", "none"):
+        prune = ()
+    else:
+        try:
+            prune = tuple(float(x) for x in a.prune.split(",") if x.strip())
+        except ValueError:
+            raise ValueError(f"--prune {a.prune!r}: need a comma list of fractions in (0, 1) or 'none'") from None
+        if not all(0 < f < 1 for f in prune):
+            raise ValueError(f"--prune {a.prune!r}: fractions must be in (0, 1)")
     return Settings(model=os.path.abspath(a.model) if os.path.exists(a.model) else a.model, data=a.data,
-                    trainer_args=a.trainer_args, prune=(0.5,) if a.quick else (0.3, 0.5, 0.7),
+                    trainer_args=a.trainer_args, prune=prune,
                     n_task=10 if a.quick else 100, **base)
 
 

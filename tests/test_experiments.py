@@ -92,3 +92,46 @@ def test_trainer_argv_adds_the_anchor_row_and_is_valid():
         assert cfg.mesh.rows == s.fast_rows + int(cfg.anchor.enabled)
     cfg, _ = parse_args(experiments.trainer_argv(experiments.ROW_BY_NAME["delay50"], 0, s, "/tmp/w", "n"))
     assert cfg.anchor.delay == 50 and cfg.anchor.max_staleness >= 50 and cfg.mesh.rows == s.fast_rows + 1
+
+
+def test_codec_eval_loss_dense_is_plain_loss_and_mask_is_the_hand_computation(tiny):
+    """The codec-on held-out loss (experiments.codec_eval_loss: the trainer's stage split +
+    boundary codec, no training): with the dense codec it is the plain held-out loss; with
+    the p=0.95 mask it differs, and equals zeroing the dims the Philox key drops at the one
+    boundary of a 2-stage split, by hand."""
+    import torch
+    import torch.nn.functional as F
+
+    from meshkern.mask import MaskKey, mask_indices
+    from orchestration.config import parse_args
+    from orchestration.models import load_causal_lm
+    from orchestration.scoring import eval_loss
+
+    model, _ = load_causal_lm(tiny / "model")
+    V, H = model.config.vocab_size, model.config.hidden_size
+    held = torch.randint(0, V, (6, 24), generator=torch.Generator().manual_seed(0))
+    plain = eval_loss(model, held)["loss"]
+
+    def cfg_of(preset):
+        return parse_args(["--preset", preset, "--model", str(tiny / "model"), "--mesh.rows", "1",
+                           "--mesh.stages", "2"])[0]
+
+    dense = experiments.codec_eval_loss(model, held, cfg_of("dense"), seed=1, step=20)
+    assert dense["loss"] == pytest.approx(plain, rel=1e-6, abs=1e-6)
+
+    cfg = cfg_of("m95")
+    masked = experiments.codec_eval_loss(model, held, cfg, seed=1, step=20)["loss"]
+    assert abs(masked - plain) > 1e-3  # 95% of the boundary dims dropped (random init: either sign)
+
+    # by hand: stage 0 = embedding + the first half of the layers, then keep the K dims
+    # mask_indices names for every token (key: replica 0's seed rule, boundary 0, step 20)
+    from orchestration.stages import split_model
+
+    s0, s1 = split_model(model, 2, cfg.mesh.layers_per_stage or None)
+    with torch.no_grad():
+        h = s0(held)
+        idx = mask_indices(MaskKey((1 << 16) | 0, 0, 20, 0), held.numel(), H, cfg.boundary.p)
+        keep = torch.zeros(held.numel(), H).scatter_(1, idx, 1.0).view_as(h)
+        logits = s1(h * keep)
+        hand = F.cross_entropy(logits[:, :-1].reshape(-1, V).float(), held[:, 1:].reshape(-1)).item()
+    assert masked == pytest.approx(hand, rel=1e-5)
