@@ -260,20 +260,36 @@ class StreamingDiLoCo:
     # ---- checkpoint ---------------------------------------------------------------------
     def state_dict(self) -> dict:
         """Global copies, outer optimizer (momentum), compressor state (error feedback,
-        warm-start factors), step and sync counters: tensors and plain values only
-        (loadable with ``torch.load(weights_only=True)``). Call :meth:`finish` first."""
-        if self._pending:
-            raise RuntimeError(f"{len(self._pending)} syncs are in flight: call finish() before state_dict()")
+        warm-start factors), step and sync counters, and the syncs in flight: tensors and
+        plain values only (loadable with ``torch.load(weights_only=True)``), all copies
+        (later steps never change a returned state).
+
+        A sync in flight is waited for (its all-reduce ran in the background) but NOT
+        merged: its averaged delta is saved with its due step, and a loaded instance
+        merges it at that step, so a checkpoint never changes the trajectory and a resume
+        continues it exactly (call :meth:`finish` first only to merge early, e.g. at the
+        end of training)."""
+        pending = []
+        for due, f, start, fut in self._pending:
+            try:
+                avg, sent, received = fut.result(timeout=4 * self.timeout_s)
+            except BaseException as e:
+                self._failed = f"sync of fragment {f} started at step {start} failed: {e}"
+                raise SyncError(self._failed) from e
+            pending.append({"due": due, "fragment": f, "start": start, "sent": sent, "received": received,
+                            "avg": [a.detach().clone() for a in avg]})
         return {
             "names": list(self.names), "shapes": [list(p.shape) for p in self.params],
             "sync_every": self.sync_every, "num_fragments": self.num_fragments,
             "step_count": self.step_count, "syncs_done": self.syncs_done, "syncs_skipped": self.syncs_skipped,
             "global": [g.detach().clone() for g in self._global],
-            "outer": self._outer.state_dict(), "compressor": self.compressor.state_dict(),
+            "outer": _clone_state(self._outer.state_dict()), "compressor": _clone_state(self.compressor.state_dict()),
+            "pending": pending,
         }
 
     def load_state_dict(self, sd: dict) -> None:
-        """Restore a :meth:`state_dict` taken with the same parameters and schedule."""
+        """Restore a :meth:`state_dict` taken with the same parameters and schedule
+        (including its syncs in flight, merged at their due steps)."""
         if self._pending:
             raise RuntimeError("cannot load state while syncs are in flight")
         if list(sd["names"]) != self.names or [list(s) for s in sd["shapes"]] != [list(p.shape) for p in self.params]:
@@ -289,3 +305,19 @@ class StreamingDiLoCo:
         self.step_count = int(sd["step_count"])
         self.syncs_done = int(sd["syncs_done"])
         self.syncs_skipped = int(sd["syncs_skipped"])
+        for job in sd.get("pending", []):
+            fut: cf.Future = cf.Future()
+            fut.set_result(([a.to(self.params[0].device).clone() for a in job["avg"]], int(job["sent"]),
+                            int(job["received"])))
+            self._pending.append((int(job["due"]), int(job["fragment"]), int(job["start"]), fut))
+
+
+def _clone_state(x):
+    """A deep copy of a state dict's tensors (nested dicts / lists / tuples)."""
+    if isinstance(x, Tensor):
+        return x.detach().clone()
+    if isinstance(x, dict):
+        return {k: _clone_state(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_clone_state(v) for v in x)
+    return x

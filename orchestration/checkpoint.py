@@ -13,23 +13,34 @@ Layout of one checkpoint, ``<dir>/step_00000020/``:
                                           optimizer, DiLoCo/compressor state, byte counters
                                           and step; tensors and plain numbers only, loaded
                                           with torch.load(weights_only=True)
-    meta.json                             step, mesh shape, config (written last)
+    meta.json                             step, mesh shape, config and the sha256 and size
+                                          of every other file ("files"; written last)
 
 Why per-stage shards and not one merged file: each stage's weights live on a different
 process; merging would move the whole model through one rank for nothing, while HF
 already reads sharded checkpoints. The exported model is replica 0's current weights
 (with DiLoCo, replicas agree only right after an outer sync).
 
-Atomicity: ranks write into ``step_XXXXXXXX.tmp``; after a barrier rank 0 writes
-meta.json, renames the directory into place and updates ``latest`` (os.replace). A rank
-dying mid-save leaves only a .tmp directory, which is never read: the previous
-checkpoint stays intact and loadable.
+Atomicity: ranks write into ``step_XXXXXXXX.tmp`` and fsync their files; after a barrier
+rank 0 writes meta.json, fsyncs it and the directory, renames the directory into place
+and updates ``latest`` (os.replace, fsync of the checkpoint root). A rank dying mid-save
+leaves only a .tmp directory, which is never read: the previous checkpoint stays intact
+and loadable.
+
+Verification: ``verify`` checks every file against meta.json's sha256 and size.
+``resolve`` (resume, in train.prepare, before any process starts) and
+orchestration.evaluate run it; a corrupt checkpoint is a CheckpointError naming the
+file. ``--checkpoint.resume latest`` whose ``latest`` is corrupt falls back to the
+newest valid checkpoint and says so. Weights that are not finite are never saved
+(``Checkpointer.save``).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
+import sys
 
 import torch
 import torch.distributed as dist
@@ -37,6 +48,39 @@ import torch.distributed as dist
 LATEST = "latest"
 _COPY = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
          "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, incomplete or corrupt (the message names the file)."""
+
+
+def _fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return  # a platform without directory fds
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def step_dir(root: str, step: int) -> str:
@@ -56,12 +100,14 @@ def write_stage_shard(tmp: str, stage, num_stages: int) -> dict[str, str]:
         sd.pop("lm_head.weight", None)  # the copy of the tied embedding: stage 0 holds it
     fname = shard_name(stage.index, num_stages)
     save_file(sd, os.path.join(tmp, fname), metadata={"format": "pt"})
+    _fsync_file(os.path.join(tmp, fname))
     return {k: fname for k in sd}
 
 
 def write_rank_state(tmp: str, rank: int, state: dict) -> None:
     path = os.path.join(tmp, f"rank_{rank:05d}.pt")
     torch.save(state, path + ".part")
+    _fsync_file(path + ".part")
     os.replace(path + ".part", path)
 
 
@@ -83,17 +129,38 @@ def finalize(root: str, tmp: str, step: int, meta: dict, model_dir: str | None, 
             src = os.path.join(model_dir, name)
             if os.path.isfile(src):
                 shutil.copy2(src, os.path.join(tmp, name))
+    files = {}
+    for name in sorted(os.listdir(tmp)):
+        p = os.path.join(tmp, name)
+        if name == "meta.json" or not os.path.isfile(p) or name.endswith(".part"):
+            continue
+        _fsync_file(p)  # the ranks fsynced theirs; this covers the index and the copied files
+        files[name] = {"sha256": sha256_file(p), "size": os.path.getsize(p)}
+    meta = dict(meta, files=files)
     with open(os.path.join(tmp, "meta.json"), "w") as f:
         json.dump(meta, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(tmp)
     final = step_dir(root, step)
     if os.path.exists(final):
         shutil.rmtree(final)
     os.replace(tmp, final)
-    with open(os.path.join(root, LATEST + ".part"), "w") as f:
-        f.write(os.path.basename(final) + "\n")
-    os.replace(os.path.join(root, LATEST + ".part"), os.path.join(root, LATEST))
+    _fsync_dir(root)
+    set_latest(root, final)
     _prune(root, keep, protect=os.path.basename(final))
     return final
+
+
+def set_latest(root: str, path: str) -> None:
+    """Points ``root/latest`` at checkpoint ``path`` (atomic, fsynced)."""
+    part = os.path.join(root, LATEST + ".part")
+    with open(part, "w") as f:
+        f.write(os.path.basename(os.path.normpath(path)) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(part, os.path.join(root, LATEST))
+    _fsync_dir(root)
 
 
 def _prune(root: str, keep: int, protect: str) -> None:
@@ -121,22 +188,86 @@ def continue_command(plan) -> str:
             "--checkpoint.resume latest")
 
 
-def resolve(resume: str, root: str) -> str:
-    """The checkpoint directory named by ``--checkpoint.resume`` ('latest' or a path).
-
-    Raises ValueError if there is none or it is incomplete (no meta.json).
-    """
-    if resume == "latest":
-        p = os.path.join(root, LATEST)
+def verify(path: str) -> dict:
+    """Checks checkpoint ``path`` against its meta.json (every file present, with the
+    recorded size and sha256); returns the metadata. Raises CheckpointError naming the
+    first bad file. A checkpoint written before meta.json had "files" is only checked
+    for meta.json."""
+    mp = os.path.join(path, "meta.json")
+    if not os.path.isfile(mp):
+        raise CheckpointError(f"{path} is not a complete checkpoint (no meta.json)")
+    try:
+        with open(mp) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: meta.json is unreadable ({e})") from None
+    for name, want in (meta.get("files") or {}).items():
+        p = os.path.join(path, name)
         if not os.path.isfile(p):
-            raise ValueError(f"--checkpoint.resume latest: no checkpoint in {root}")
-        with open(p) as f:
-            path = os.path.join(root, f.read().strip())
-    else:
-        path = resume
-    if not os.path.isfile(os.path.join(path, "meta.json")):
-        raise ValueError(f"--checkpoint.resume {resume}: {path} is not a complete checkpoint (no meta.json)")
-    return path
+            raise CheckpointError(f"checkpoint {path} is corrupt: {name} is missing")
+        size = os.path.getsize(p)
+        if size != want["size"]:
+            raise CheckpointError(f"checkpoint {path} is corrupt: {name} has {size} bytes, meta.json says "
+                                  f"{want['size']} (truncated or overwritten)")
+        if sha256_file(p) != want["sha256"]:
+            raise CheckpointError(f"checkpoint {path} is corrupt: {name} does not match its sha256 in meta.json")
+    return meta
+
+
+def _step_dirs(root: str) -> list[str]:
+    """Complete-looking checkpoint directories under ``root``, newest step first (.tmp never)."""
+    if not os.path.isdir(root):
+        return []
+    done = [d for d in os.listdir(root) if d.startswith("step_") and d[5:].isdigit()
+            and os.path.isdir(os.path.join(root, d))]
+    return [os.path.join(root, d) for d in sorted(done, key=lambda d: -int(d[5:]))]
+
+
+def newest_valid(root: str, *, max_step: int | None = None, exclude: str = "") -> str | None:
+    """The newest checkpoint under ``root`` that passes ``verify`` (and whose step is at
+    most ``max_step``), or None."""
+    for d in _step_dirs(root):
+        if max_step is not None and int(os.path.basename(d)[5:]) > max_step:
+            continue
+        if exclude and os.path.abspath(d) == os.path.abspath(exclude):
+            continue
+        try:
+            verify(d)
+        except CheckpointError:
+            continue
+        return d
+    return None
+
+
+def resolve(resume: str, root: str, *, quiet: bool = False) -> str:
+    """The verified checkpoint directory named by ``--checkpoint.resume`` ('latest' or a path).
+
+    Raises CheckpointError (a ValueError) if there is none, or it is incomplete or
+    corrupt. 'latest' naming a corrupt or missing checkpoint falls back to the newest
+    valid one under ``root`` and says so on stderr (unless ``quiet``)."""
+    if resume != "latest":
+        try:
+            verify(resume)
+        except CheckpointError as e:
+            raise CheckpointError(f"--checkpoint.resume {resume}: {e}") from None
+        return resume
+    p = os.path.join(root, LATEST)
+    if not os.path.isfile(p):
+        raise CheckpointError(f"--checkpoint.resume latest: no checkpoint in {root}")
+    with open(p) as f:
+        path = os.path.join(root, f.read().strip())
+    try:
+        verify(path)
+        return path
+    except CheckpointError as e:
+        problem = str(e)
+    fallback = newest_valid(root, exclude=path)
+    if fallback is None:
+        raise CheckpointError(f"--checkpoint.resume latest: {problem}; no other valid checkpoint in {root}")
+    if not quiet:
+        print(f"warning: `latest` is unusable ({problem}); falling back to the newest valid checkpoint {fallback}",
+              file=sys.stderr, flush=True)
+    return fallback
 
 
 def read_meta(path: str) -> dict:
@@ -147,7 +278,7 @@ def read_meta(path: str) -> dict:
 def load_rank_state(path: str, rank: int) -> dict:
     f = os.path.join(path, f"rank_{rank:05d}.pt")
     if not os.path.isfile(f):
-        raise ValueError(f"checkpoint {path} has no state for rank {rank}")
+        raise CheckpointError(f"checkpoint {path} has no state for rank {rank} ({os.path.basename(f)} is missing)")
     return torch.load(f, weights_only=True, map_location="cpu")
 
 
@@ -162,10 +293,18 @@ class Checkpointer:
     def __init__(self, cfg, plan, mesh, stage, parts: dict):
         self.cfg, self.plan, self.mesh, self.stage, self.parts = cfg, plan, mesh, stage, parts
 
-    def save(self, step: int) -> str:
-        """Every fast rank calls it at the same step; returns the checkpoint directory."""
+    def save(self, step: int) -> str | None:
+        """Every fast rank calls it at the same step; returns the checkpoint directory, or
+        None (nothing written) if any fast rank's weights are not finite."""
         cfg, plan, mesh = self.cfg, self.plan, self.mesh
         root = plan.ckpt_dir
+        ok = torch.tensor([float(all(bool(torch.isfinite(p).all()) for p in self.stage.parameters()))],
+                          dtype=torch.float64).to(mesh.device)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=mesh.fast)
+        if ok.item() < 1:
+            if mesh.rank == 0:
+                print(f"warning: no checkpoint at step {step}: the weights are not finite", file=sys.stderr, flush=True)
+            return None
         tmp = step_dir(root, step) + ".tmp"
         os.makedirs(tmp, exist_ok=True)
         dist.barrier(group=mesh.fast)  # the directory exists before anyone writes (rank 0 may have removed an old one)

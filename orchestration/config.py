@@ -79,6 +79,8 @@ class TrainConfig:
     beta2: float = _f(0.95, "AdamW beta2")
     eps: float = _f(1e-8, "AdamW eps")
     clip_grad_norm: float = _f(1.0, "clip the replica's global gradient norm to this (0: off)")
+    max_bad_steps: int = _f(5, "divergence guard: this many consecutive bad steps (non-finite loss or gradient in any replica, or a loss spike) stop the run with DivergenceError, exit code 3, without saving (0: never stop)")
+    spike_factor: float = _f(3.0, "divergence guard: a step whose loss exceeds this factor times the median loss of the last 50 good steps counts as bad (0: only non-finite steps are bad)")
     tau: float = _f(1e-3, "spectral filter tau (SpectralAdamW)")
     alpha: float = _f(0.3, "spectral mix alpha: G_proj = alpha*G + (1-alpha)*G_filt (SpectralAdamW)")
     beta_anc: float = _f(0.9, "anchor momentum decay (SpectralAdamW)")
@@ -373,6 +375,8 @@ def validate(cfg: Config) -> Config:
     _need(t.optimizer in ("adamw", "spectral"), f"--train.optimizer must be adamw or spectral, got {t.optimizer!r}")
     _need(t.lr > 0 and 0 <= t.min_lr_ratio <= 1 and t.warmup_steps >= 0, "--train.lr/min_lr_ratio/warmup_steps out of range")
     _need(t.clip_grad_norm >= 0, "--train.clip-grad-norm must be >= 0")
+    _need(t.max_bad_steps >= 0, f"--train.max-bad-steps must be >= 0, got {t.max_bad_steps}")
+    _need(t.spike_factor == 0 or t.spike_factor > 1, f"--train.spike-factor must be 0 (off) or > 1, got {t.spike_factor}")
     from orchestration.codecs import CODECS  # the one list of boundary codecs
 
     _need(b.codec in CODECS, f"--boundary.codec must be one of {', '.join(CODECS)}, got {b.codec!r}")

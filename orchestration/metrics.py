@@ -74,6 +74,34 @@ class JsonlWriter:
         self.f.close()
 
 
+def drop_records_after(path: str, step: int) -> int:
+    """Rewrites the metrics file at ``path`` without its records of steps after ``step``
+    (what a run that crashed or was stopped after its last checkpoint logged; a resume
+    from that checkpoint logs those steps again) and without a torn last line; atomic
+    (os.replace). Returns the number of records dropped."""
+    if not os.path.isfile(path):
+        return 0
+    keep, dropped = [], 0
+    with open(path) as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                dropped += 1  # a line torn by a crash
+                continue
+            if isinstance(rec, dict) and int(rec.get("step", 0)) > step:
+                dropped += 1
+            else:
+                keep.append(line if line.endswith("\n") else line + "\n")
+    if dropped:
+        with open(path + ".part", "w") as f:
+            f.writelines(keep)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(path + ".part", path)
+    return dropped
+
+
 def read_jsonl(path: str) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
@@ -100,6 +128,11 @@ def summary_rows(s: dict) -> list[tuple[str, str]]:
     if s.get("eval_loss") is not None:
         base = s.get("eval_loss_base")
         rows.append(("held-out loss base -> final", (f"{base:.4f} -> " if base is not None else "") + f"{s['eval_loss']:.4f}"))
+    if s.get("skipped_steps") is not None:
+        rows.append(("skipped / bad steps", f"{s['skipped_steps']} replica-steps skipped (non-finite gradient), "
+                     f"{s.get('bad_steps', 0)} bad steps (non-finite or spiking loss, --train.spike-factor)"))
+    if s.get("diverged"):
+        rows.append(("stopped", "diverged (DivergenceError, see the error below)"))
     rows.append(("measured tokens/s (CPU)", f"{s['tokens_per_s']:.1f}"))
     if s.get("modeled_tokens_per_s") is not None:
         rows.append((f"modeled tokens/s @ {s['bandwidth_bps'] / 1e6:.0f} Mbps", f"{s['modeled_tokens_per_s']:.1f}"))
@@ -214,7 +247,10 @@ class RunLog:
 
     def __init__(self, cfg, plan, start: int, active: bool):
         self.cfg, self.active = cfg, active
-        self.writer = JsonlWriter(os.path.join(plan.run_dir, "metrics.jsonl")) if active else None
+        path = os.path.join(plan.run_dir, "metrics.jsonl")
+        if active:
+            drop_records_after(path, start)  # a resume at step `start` logs the later steps again
+        self.writer = JsonlWriter(path) if active else None
         self.bar = None
         if active and cfg.run.progress:
             from tqdm import tqdm

@@ -42,6 +42,7 @@ from orchestration.mesh import MeshLayout, init_mesh, destroy_mesh
 from orchestration.trainer import (RankContext, Trainer, build_stage, data_shard,  # noqa: F401 (data_shard,
                                    replica_sampler)  # replica_sampler: importable here for tests and tools)
 
+DIVERGED = 3  # exit code of a run stopped by the divergence guard (trainer.DivergenceError)
 DEFAULT_DATA = "corpus:python"  # domain B of orchestration.corpora: the base model never saw it
 
 
@@ -263,7 +264,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[anchor] the fast circuit's store is {addr}; start the anchor row (one process per stage) "
                   f"with: torchrun --nproc-per-node {layout.stages} ... -m orchestration.train <this run's flags> "
                   f"--anchor.join --anchor.store {addr}", file=sys.stderr, flush=True)
-        run_rank(layout.anchor_rank(rank) if join else rank, world, cfg, plan)
+        out = run_rank(layout.anchor_rank(rank) if join else rank, world, cfg, plan)
+        if isinstance(out, dict) and out.get("diverged"):
+            if rank == 0:
+                print(f"error: {out['diverged']}", file=sys.stderr, flush=True)
+            return DIVERGED
         return 0
     os.makedirs(plan.run_dir, exist_ok=True)
     if not join:
@@ -300,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
         res = run_local(run_rank, cfg.world_size, (cfg, plan), start_method=cfg.mesh.start_method,
                         threads=cfg.mesh.threads_per_rank, describe=layout.describe, optional=anchors,
                         restarts=cfg.anchor.restarts if anchors else 0, port=port)
+        if res and res[0] and res[0].get("diverged"):
+            print(f"error: {res[0]['diverged']}", file=sys.stderr, flush=True)
+            return DIVERGED
         if res and res[0] and res[0].get("interrupted"):
             return 130  # stopped by Ctrl-C / SIGTERM after saving: the shell's convention
     except MeshFailure as e:
@@ -307,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         if e.details:
             print(e.details, file=sys.stderr)
         try:
-            last = ckpt.resolve("latest", plan.ckpt_dir)
+            last = ckpt.resolve("latest", plan.ckpt_dir, quiet=True)
         except ValueError:
             last = None  # none, or `latest` names a checkpoint that is gone
         if last:

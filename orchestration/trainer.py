@@ -19,8 +19,10 @@ from __future__ import annotations
 import math
 import os
 import signal
+import statistics
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -135,6 +137,74 @@ def make_optimizer(cfg: Config, stage):
     return torch.optim.AdamW([p for p in stage.parameters() if p.requires_grad], **kw)
 
 
+class DivergenceError(RuntimeError):
+    """The run diverged: ``--train.max-bad-steps`` consecutive bad steps (DivergenceGuard)."""
+
+
+class DivergenceGuard:
+    """Decides, from the step records (identical on every fast rank: they are all-reduced),
+    whether a step is bad and whether the run has diverged.
+
+    A step is bad when its loss is non-finite, when any replica skipped its update (a
+    non-finite gradient: the record's cumulative ``skipped_steps`` grew), or when its loss
+    exceeds ``spike_factor`` times the median loss of the last ``WINDOW`` good steps (0:
+    no spike rule). ``max_bad`` consecutive bad steps trip it (0: never). Bad steps never
+    enter the median. Saved in every rank's checkpoint (part "guard"), with the trainer's
+    count of skipped updates, so a resumed run judges steps exactly as an uninterrupted one.
+    """
+
+    WINDOW = 50
+
+    def __init__(self, max_bad: int, spike_factor: float, trainer=None):
+        self.max_bad, self.spike_factor, self.trainer = max_bad, spike_factor, trainer
+        self.good: deque = deque(maxlen=self.WINDOW)
+        self.streak = 0
+        self.first_bad = 0  # record step (1-based) of the streak's first bad step
+        self.bad_total = 0
+        self.skipped_seen = 0
+        self.reason = ""
+
+    def observe(self, rec: dict) -> str:
+        """Judges one step record; returns why it is bad ("" if good)."""
+        loss, skipped = rec["loss"], int(rec["skipped_steps"])
+        new_skips, self.skipped_seen = skipped - self.skipped_seen, skipped
+        reason = ""
+        if not math.isfinite(loss):
+            reason = f"non-finite loss {loss}"
+        elif new_skips > 0:
+            reason = f"non-finite gradient in {new_skips} replica(s), update skipped"
+        elif self.spike_factor and self.good:
+            med = statistics.median(self.good)
+            if loss > self.spike_factor * med:
+                reason = f"loss {loss:.4g} above {self.spike_factor:g} x the running median {med:.4g}"
+        if reason:
+            self.streak += 1
+            self.bad_total += 1
+            if self.streak == 1:
+                self.first_bad = int(rec["step"])
+            self.reason = reason
+        else:
+            self.streak = 0
+            self.good.append(float(loss))
+        return reason
+
+    @property
+    def tripped(self) -> bool:
+        return self.max_bad > 0 and self.streak >= self.max_bad
+
+    def state_dict(self) -> dict:
+        return {"good": list(self.good), "streak": self.streak, "first_bad": self.first_bad,
+                "bad_total": self.bad_total, "skipped_seen": self.skipped_seen,
+                "skipped": 0 if self.trainer is None else self.trainer.skipped}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.good = deque((float(x) for x in sd["good"]), maxlen=self.WINDOW)
+        self.streak, self.first_bad = int(sd["streak"]), int(sd["first_bad"])
+        self.bad_total, self.skipped_seen = int(sd["bad_total"]), int(sd["skipped_seen"])
+        if self.trainer is not None:
+            self.trainer.skipped = int(sd["skipped"])
+
+
 class Trainer:
     """A fast rank: built from (rank, cfg, plan, mesh, stage); ``run()`` trains to the end
     (or to a stop request) and returns the rank's record (rank 0: with the summary)."""
@@ -170,11 +240,12 @@ class Trainer:
             from orchestration.anchor import FastHook
 
             self.hook = FastHook(self)
+        self.stop_requested = False
+        self.skipped = 0  # this rank's replica-steps whose update was skipped (non-finite gradient)
+        self.guard = DivergenceGuard(t.max_bad_steps, t.spike_factor, trainer=self)
         self.checkpointer = Checkpointer(cfg, plan, mesh, stage, {
             "stage": stage, "optimizer": self.optimizer, "diloco": self.diloco, "compressor": self.allreduce,
-            "counter": self.counter})
-        self.stop_requested = False
-        self.skipped = 0
+            "counter": self.counter, "guard": self.guard})
 
     # ------------------------------------------------------------------ one step
     def step(self, step: int):
@@ -208,11 +279,35 @@ class Trainer:
         self.hook.after_step(step)
         return stats, gnorm
 
-    def save(self, step: int) -> str:
-        if self.diloco is not None:
+    def save(self, step: int, final: bool = False) -> str | None:
+        """Checkpoint at ``step`` (None if the weights are not finite: nothing is written).
+        Only the end of training waits for and merges DiLoCo syncs in flight; a checkpoint
+        during training saves them as they are (StreamingDiLoCo.state_dict), so saving
+        never changes the run's trajectory and a resume continues it exactly."""
+        if self.diloco is not None and final:
             self.diloco.finish()
             self.counter.set_total("dp", self.diloco.bytes_sent)  # in-flight syncs are now counted too
         return self.checkpointer.save(step)
+
+    def _diverged(self, step: int, last_ckpt: str) -> str:
+        """The DivergenceError message; rank 0 points ``latest`` at the newest checkpoint
+        that predates the bad stretch (weights after step first_bad - 2 produced the loss of
+        step first_bad - 1, the last good one)."""
+        from orchestration import checkpoint as ckpt
+
+        g, cfg = self.guard, self.cfg
+        good = ckpt.newest_valid(self.plan.ckpt_dir, max_step=g.first_bad - 2) if self.rank == 0 else None
+        if good and self.rank == 0:
+            ckpt.set_latest(self.plan.ckpt_dir, good)
+        where = (f"the last good checkpoint is {good} (now `latest`)" if good else
+                 "no checkpoint predates the bad stretch")
+        return (f"DivergenceError: the run diverged: {g.streak} consecutive bad steps "
+                f"({g.first_bad}..{step + 1}, --train.max-bad-steps {cfg.train.max_bad_steps}); last: {g.reason}; "
+                f"{self.skipped_total()} replica-steps skipped in all; nothing saved since step {g.first_bad}; {where}. "
+                f"Lower --train.lr (now {cfg.train.lr:g}) or raise --train.clip-grad-norm / --train.warmup-steps")
+
+    def skipped_total(self) -> int:
+        return self.guard.skipped_seen
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> dict:
@@ -232,7 +327,7 @@ class Trainer:
         history: list[dict] = []
         last_ckpt = plan.resume_from
         t_start = t_last = time.perf_counter()
-        steps_done, step, interrupted = 0, start, False
+        steps_done, step, interrupted, diverged = 0, start, False, ""
         for step in range(start, cfg.train.steps):
             if rank == cfg.run.fail_rank and step == cfg.run.fail_step:
                 os.kill(os.getpid(), signal.SIGKILL)  # fault injection (tests): die like a crashed node
@@ -248,9 +343,22 @@ class Trainer:
             t_last = now
             history.append(rec)
             log.record(rec, step)
+            bad = self.guard.observe(rec)
+            if bad and rank == 0:
+                print(f"\nwarning: step {step + 1} is bad ({bad}); {self.guard.streak} in a row"
+                      + (f" of --train.max-bad-steps {cfg.train.max_bad_steps}" if cfg.train.max_bad_steps else ""),
+                      file=sys.stderr, flush=True)
+            if self.guard.tripped:
+                diverged = self._diverged(step, last_ckpt)
+                break
             due = cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0
             if due or stopping or step + 1 == cfg.train.steps:
-                last_ckpt = self.save(step + 1)
+                if self.guard.streak:  # never publish weights of a bad stretch: the last good checkpoint stays latest
+                    if rank == 0:
+                        print(f"warning: no checkpoint at step {step + 1}: the run is in a bad stretch "
+                              f"(since step {self.guard.first_bad})", file=sys.stderr, flush=True)
+                else:
+                    last_ckpt = self.save(step + 1, final=step + 1 == cfg.train.steps) or last_ckpt
             if stopping:
                 interrupted = True
                 break
@@ -259,21 +367,29 @@ class Trainer:
         elapsed = time.perf_counter() - t_start
         links_path = write_link_bytes(plan, self.mesh, self.counter)
         out = {"rank": rank, "losses": [h["loss"] for h in history], "bytes": self.counter.totals(),
-               "by_link": self.counter.by_link(), "interrupted": interrupted, "checkpoint": last_ckpt}
+               "by_link": self.counter.by_link(), "interrupted": interrupted, "checkpoint": last_ckpt,
+               "diverged": diverged}
         if rank == 0:
             log.close()
-            out["summary"] = self._summary(history, elapsed, steps_done, last_ckpt, links_path)
+            out["summary"] = self._summary(history, elapsed, steps_done, last_ckpt, links_path, diverged)
             if interrupted:
                 print(f"interrupted: checkpoint saved at step {step + 1} in {last_ckpt}; continue with: "
                       f"{continue_command(plan)}", flush=True)
             print(format_table(summary_rows(out["summary"]), title="meshkern run summary"), flush=True)
         return out
 
-    def _summary(self, history, elapsed, steps_done, last_ckpt, links_path) -> dict:
+    def _summary(self, history, elapsed, steps_done, last_ckpt, links_path, diverged: str = "") -> dict:
         from orchestration.linkmodel import model_run
 
         cfg, plan = self.cfg, self.plan
         s = summarize(cfg, plan, history, elapsed, steps_done, last_ckpt, model_run(cfg, plan, history))
+        s["skipped_steps"] = self.guard.skipped_seen
+        s["bad_steps"] = self.guard.bad_total
+        s["diverged"] = diverged
+        if diverged:
+            s["eval_loss"] = s["eval_loss_base"] = None
+            s["links_path"] = links_path
+            return s
         scored = plan.eval_rows is not None and cfg.run.eval_sequences > 0
         dtype = getattr(torch, cfg.model.dtype)
         rows = plan.eval_rows[:cfg.run.eval_sequences] if scored else None

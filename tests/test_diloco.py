@@ -134,15 +134,50 @@ def test_non_finite_average_is_skipped_and_state_kept(world1):
     assert all(torch.equal(g, h) for g, h in zip(dl._global, glob))
 
 
-def test_state_dict_refuses_while_syncs_in_flight(world1):
+def test_state_dict_saves_syncs_in_flight_and_a_restore_merges_them_on_time(world1):
+    """A checkpoint mid-sync neither merges early nor loses the sync: the restored
+    instance merges it at its due step, exactly as the uninterrupted one (issue #14)."""
+    def run(interrupt_at=None, steps=6):
+        torch.manual_seed(0)
+        p = [torch.zeros(4), torch.zeros(3)]
+        dl = StreamingDiLoCo(p, None, sync_every=2, overlap_steps=1)
+        for t in range(1, steps + 1):
+            with torch.no_grad():
+                for q in p:
+                    q.add_(torch.randn(q.shape))
+            dl.step()
+            if t == interrupt_at:
+                assert dl._pending  # a sync is in flight
+                buf = io.BytesIO()
+                torch.save(dl.state_dict(), buf)
+                sd_live = dl.state_dict()
+                new_p = [q.clone() for q in p]
+                dl = StreamingDiLoCo(new_p, None, sync_every=2, overlap_steps=1)
+                buf.seek(0)
+                dl.load_state_dict(torch.load(buf, weights_only=True))
+                p = new_p
+                assert all(torch.equal(a, b) for a, b in zip(sd_live["global"], dl._global))
+        return [q.clone() for q in p], dl.syncs_done
+
+    full, done = run()
+    resumed, done2 = run(interrupt_at=4)
+    assert done == done2 == 2  # merged at steps 3 and 5 (the one started at 4 was in flight at the save)
+    assert all(torch.equal(a, b) for a, b in zip(full, resumed))
+
+
+def test_state_dict_returns_copies(world1):
     p = [torch.zeros(4)]
-    dl = StreamingDiLoCo(p, None, sync_every=2, overlap_steps=1)
+    dl = StreamingDiLoCo(p, None, sync_every=1, outer_momentum=0.9)
+    p[0].add_(1.0)
     dl.step()
-    dl.step()  # starts a sync due at step 3
-    with pytest.raises(RuntimeError, match="finish"):
-        dl.state_dict()
-    dl.finish()
-    assert dl.state_dict()["syncs_done"] == 1
+    sd = dl.state_dict()
+    before = [g.clone() for g in sd["global"]], [v.clone() for v in sd["outer"]["state"][0].values()
+                                                if isinstance(v, torch.Tensor)]
+    p[0].add_(1.0)
+    dl.step()
+    assert all(torch.equal(a, b) for a, b in zip(before[0], sd["global"]))
+    assert all(torch.equal(a, b) for a, b in zip(before[1], [v for v in sd["outer"]["state"][0].values()
+                                                            if isinstance(v, torch.Tensor)]))
 
 
 # ---- spawned gloo ranks -------------------------------------------------------------------------

@@ -60,7 +60,7 @@ class Int8(Compressor):
         return from_chunks(total.div_(world), tensors)
 
     def _state_dict(self):
-        return dict(self._state)
+        return {k: v.detach().clone() for k, v in self._state.items()}  # copies: later calls update in place
 
     def _load_state_dict(self, sd):
         self._state = {k: v.clone() for k, v in sd.items()}

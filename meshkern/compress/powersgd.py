@@ -230,7 +230,8 @@ class PowerSGD(Compressor):
 
     # ---- state ------------------------------------------------------------------------
     def _state_dict(self):
-        return {k: {g: dict(v) for g, v in d.items()} for k, d in self._state.items()}
+        # copies: later calls update the error feedback / warm-start factors in place
+        return {k: {g: {n: t.detach().clone() for n, t in v.items()} for g, v in d.items()} for k, d in self._state.items()}
 
     def _load_state_dict(self, sd):
         self._state = {k: {g: {n: t.clone() for n, t in v.items()} for g, v in d.items()} for k, d in sd.items()}
