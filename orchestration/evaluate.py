@@ -10,6 +10,7 @@ then called one after the other on the previous one's output).
 from __future__ import annotations
 
 import copy
+import sys
 from typing import Sequence
 
 import torch
@@ -255,17 +256,64 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", default=None, help="also write the report to this file")
     a = ap.parse_args(argv)
-    torch.set_num_threads(a.threads)
-    from orchestration import model_paths, models, tasks
+    try:
+        return _run(a)
+    except (ValueError, FileNotFoundError, FileExistsError, IsADirectoryError) as e:
+        # a user's mistake (a path that does not exist, a bad number, a corrupt checkpoint): one line, rc 2
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
-    try:  # the trainer's resolution: default, built-in name (smollm2-135m), .gguf or a directory
-        path = model_paths.resolve_model(a.model)
-        model, tok_path = models.load_causal_lm(path)
-    except (ValueError, FileNotFoundError) as e:
-        ap.error(str(e))
+
+def _check_args(a) -> None:
+    """ValueError/FileNotFoundError naming the flag, before anything is loaded."""
+    import os
+
+    if a.seq_len < 2:
+        raise ValueError(f"--seq-len must be >= 2, got {a.seq_len}")
+    if not 0 < a.eval_fraction < 1:
+        raise ValueError(f"--eval-fraction must be in (0, 1), got {a.eval_fraction}")
+    if a.max_batches < 0:
+        raise ValueError(f"--max-batches must be >= 0 (0 = all), got {a.max_batches}")
+    if a.n_task < 1:
+        raise ValueError(f"--n-task must be >= 1, got {a.n_task}")
+    if a.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {a.threads}")
+    try:
+        fracs = [float(f) for f in a.prune.split(",") if f]
+    except ValueError:
+        raise ValueError(f"--prune must be comma-separated fractions, e.g. 0.3,0.5, got {a.prune!r}") from None
+    if not all(0 <= f < 1 for f in fracs):
+        raise ValueError(f"--prune fractions must be in [0, 1), got {a.prune!r}")
+    from orchestration import tasks
+
+    unknown = [t for t in a.tasks.split(",") if t and a.tasks != "all" and t not in tasks.TASKS]
+    if unknown:
+        raise ValueError(f"--tasks: unknown task(s) {', '.join(unknown)}; known: {', '.join(sorted(tasks.TASKS))} or all")
+    for src in (s for s in a.data.split(",") if s):
+        if not src.startswith(("corpus:", "task:")) and not os.path.exists(src):
+            raise FileNotFoundError(f"--data source {src!r} does not exist")
+    if a.tokenizer and not os.path.exists(a.tokenizer):
+        raise FileNotFoundError(f"--tokenizer {a.tokenizer!r} does not exist")
+    if a.model and not os.path.exists(a.model) and (os.sep in a.model or a.model.endswith(".gguf")):
+        raise FileNotFoundError(f"--model {a.model!r} does not exist")
+
+
+def _run(a) -> int:
+    import json
+    import os
+
+    _check_args(a)
+    torch.set_num_threads(a.threads)
+    from orchestration import checkpoint, model_paths, models, tasks
+
+    # the trainer's resolution: default, built-in name (smollm2-135m), .gguf or a directory
+    path = model_paths.resolve_model(a.model)
+    if os.path.isfile(os.path.join(path, "meta.json")):  # a trainer checkpoint: verify its files first
+        checkpoint.verify(path)
+    model, tok_path = models.load_causal_lm(path)
     tokenizer = a.tokenizer or tok_path
     if tokenizer is None:
-        ap.error(f"{path} holds no tokenizer; pass --tokenizer")
+        raise ValueError(f"{path} holds no tokenizer; pass --tokenizer")
     task_names = sorted(tasks.TASKS) if a.tasks == "all" else [t for t in a.tasks.split(",") if t]
     rep = evaluate_model(model, tokenizer, data_sources=[s for s in a.data.split(",") if s],
                          seq_len=a.seq_len, eval_fraction=a.eval_fraction, seed=a.seed,
@@ -285,7 +333,8 @@ def main(argv=None):
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(rep, fh, indent=2, default=str)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

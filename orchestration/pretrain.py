@@ -21,6 +21,7 @@ bit-identical weights.
 from __future__ import annotations
 
 import argparse
+import sys
 import dataclasses
 import json
 import os
@@ -237,14 +238,32 @@ def main(argv=None):
                          warmup_steps=a.warmup_steps, seed=a.seed, threads=a.threads,
                          vocab_size=a.vocab_size, max_corpus_bytes=a.max_corpus_bytes,
                          corpus=a.corpus, init_from=a.init_from)
-    meta = pretrain(a.out, cfg, progress=not a.no_progress, overwrite=a.overwrite)
+    try:
+        if a.init_from and not os.path.exists(a.init_from):
+            raise FileNotFoundError(f"--init-from {a.init_from!r} does not exist")
+        from orchestration import corpora
+
+        if a.corpus not in corpora.DOMAINS and not a.corpus.startswith(("corpus:", "task:")) \
+                and not os.path.exists(a.corpus):
+            raise FileNotFoundError(f"--corpus {a.corpus!r} is neither an embedded domain "
+                                    f"({', '.join(corpora.DOMAINS)}) nor an existing path")
+        meta = pretrain(a.out, cfg, progress=not a.no_progress, overwrite=a.overwrite)
+    except (ValueError, FileNotFoundError, FileExistsError) as e:
+        # a user's mistake (--steps -1, a missing path, an existing --out): one line, rc 2
+        msg = str(e)
+        for field in ("steps", "seq_len", "batch_size", "threads", "vocab_size", "lr", "warmup_steps"):
+            if msg.startswith(f"{field} must"):
+                msg = f"--{field.replace('_', '-')}" + msg[len(field):]
+        print(f"error: {msg}", file=sys.stderr)
+        return 2
     ho = "  ".join(f"{k}: loss {v['loss']:.3f} ppl {v['perplexity']:.1f}" for k, v in meta["held_out"].items())
     if meta["held_out_initial"]:
         ho += "\n  before: " + "  ".join(f"{k}: loss {v['loss']:.3f}" for k, v in meta["held_out_initial"].items())
     print(f"saved {a.out}  ({meta['parameters'] / 1e6:.2f}M params, {meta['train_tokens']} tokens, "
           f"train {meta['train_seconds']:.0f}s, wall {meta['wall_seconds']:.0f}s)\n"
           f"final train loss {meta['final_train_loss']:.3f}   held-out  {ho}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
