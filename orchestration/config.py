@@ -90,7 +90,7 @@ class TrainConfig:
 
 @dataclass
 class BoundaryConfig:
-    codec: str = _f("mask", "pipeline boundary codec: dense, mask, topk, int8, int4, bottleneck")
+    codec: str = _f("mask", "pipeline boundary codec: dense, mask, topk, int8, int4, bottleneck, pca (calibrated PCA basis, orchestration.calibration)")
     p: float = _f(0.95, "fraction of hidden dims dropped per token (mask; also the ratio target of topk/bottleneck)")
     rescale: bool = _f(False, "mask: scale kept values by 1/(1-p) (dropout-style unbiased estimate)")
     options: dict = _f({}, "extra keyword arguments for the codec, as JSON, e.g. '{\"k\": 64}'")

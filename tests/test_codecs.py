@@ -11,6 +11,21 @@ KEY = MaskKey(seed=7, boundary=1, step=3, microbatch=2)
 B, T, H = 2, 6, 64
 
 
+@pytest.fixture(autouse=True)
+def _pca_basis():
+    """The generic tests run every codec at boundary KEY.boundary, H: give "pca" a basis
+    there (calibrated bases come from orchestration.calibration; tests/test_codecs_pca.py)."""
+    from orchestration import codecs
+
+    k = codecs.pca_width(H)
+    g = torch.Generator().manual_seed(3)
+    U, _ = torch.linalg.qr(torch.randn(H, k, generator=g, dtype=torch.float64))
+    codecs.PCA_BASES[KEY.boundary] = codecs.PCABasis(torch.randn(H, generator=g), U.float(),
+                                                     torch.rand(k, generator=g) + 0.5, torch.ones(k))
+    yield
+    codecs.PCA_BASES.pop(KEY.boundary, None)
+
+
 def _h(dtype=torch.float32, seed=0, shape=(B, T, H)):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(shape, generator=g).to(dtype)

@@ -1,0 +1,170 @@
+"""The calibrated PCA boundary codec (codecs.PCACodec) against a pure-torch reference."""
+import math
+
+import pytest
+import torch
+
+from meshkern.mask import MaskKey
+from orchestration.codecs import (NonFiniteWire, PCABasis, PCACodec, apply_codec, make_codec, pca_width)
+
+
+def _basis(H=24, k=6, seed=0, gsd=True):
+    g = torch.Generator().manual_seed(seed)
+    U, _ = torch.linalg.qr(torch.randn(H, k, generator=g, dtype=torch.float64))
+    return PCABasis(torch.randn(H, generator=g) * 3, U.float(), torch.rand(k, generator=g) * 4 + 0.5,
+                    (torch.rand(k, generator=g) + 0.1) if gsd else torch.ones(k))
+
+
+def _q(x, bits):
+    """Reference per-token symmetric absmax quantization (round to nearest), dequantized."""
+    qmax = 7 if bits == 4 else 127
+    s = x.abs().amax(-1, keepdim=True) / qmax
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    return torch.round(x / s).clamp(-qmax, qmax) * s
+
+
+def _ref_fwd(h, b, bits, sink):
+    body = h[..., 1:, :] if sink else h
+    c = (body - b.mean) @ b.U / b.sd
+    out = b.mean + (_q(c, bits) * b.sd) @ b.U.T
+    if sink:
+        out = torch.cat([_q(h[..., :1, :], 8), out], dim=-2)
+    return out
+
+
+def _ref_bwd(g, b, bits, sink):
+    body = g[..., 1:, :] if sink else g
+    out = (_q(body @ b.U / b.gsd, bits) * b.gsd) @ b.U.T
+    if sink:
+        out = torch.cat([_q(g[..., :1, :], 8), out], dim=-2)
+    return out
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("sink", [True, False])
+@pytest.mark.parametrize("k", [5, 6])  # odd k: int4 pads a nibble
+def test_round_trip_and_gradient_match_reference(bits, sink, k):
+    H, B, T = 24, 3, 7
+    b = _basis(H, k)
+    codec = make_codec("pca", bits=bits, k=k, sink=sink, bases={2: b})
+    key = MaskKey(1, 2, 5, 0)
+    h = torch.randn(B, T, H) * 2 + 1
+    h[:, 0] *= 40  # a sink-like first token
+    wire, ctx = codec.encode_fwd(h, key)
+    shape = (B, T, H)
+    specs = codec.wire_specs(shape, torch.float32, "fwd")
+    assert [(tuple(t.shape), t.dtype) for t in wire] == [(tuple(s), d) for s, d in specs]
+    nbytes = sum(t.numel() * t.element_size() for t in wire)
+    assert nbytes == codec.wire_bytes(shape, torch.float32, "fwd")
+    cw = (k + 1) // 2 if bits == 4 else k
+    rows_body = T - 1 if sink else T
+    assert nbytes == B * ((H + 4 if sink else 0) + rows_body * (cw + 4))
+    out = codec.decode_fwd(wire, key, shape, torch.float32)
+    torch.testing.assert_close(out, _ref_fwd(h, b, bits, sink), rtol=1e-5, atol=1e-4)
+    g = torch.randn(B, T, H)
+    wb = codec.encode_bwd(g, key, wire)
+    assert sum(t.numel() * t.element_size() for t in wb) == codec.wire_bytes(shape, torch.float32, "bwd")
+    gb = codec.decode_bwd(wb, key, ctx)
+    torch.testing.assert_close(gb, _ref_bwd(g, b, bits, sink), rtol=1e-5, atol=1e-5)
+
+
+def test_gradient_is_adjoint_of_projection():
+    """Without quantization loss (codes exact), the gradient path is U U^T g: the autograd of
+    h -> mean + U (U^T (h - mean) / sd) sd, i.e. the exact adjoint, straight through the quantizer."""
+    H, k = 16, 4
+    b = _basis(H, k, gsd=False)
+    codec = PCACodec(bits=8, k=k, sink=False, bases={0: b})
+    # gradient whose coordinates U^T g are exactly representable on the int8 grid
+    coords = torch.tensor([[[127.0, -64.0, 3.0, 0.0]]]) / 127
+    g = coords @ b.U.T
+    h = torch.randn(1, 1, H, requires_grad=True)
+    out = apply_codec(codec, h, MaskKey(0, 0, 0, 0))
+    out.backward(g)
+    href = h.detach().clone().requires_grad_(True)
+    ((b.mean + ((href - b.mean) @ b.U / b.sd) * b.sd @ b.U.T) * g).sum().backward()
+    torch.testing.assert_close(h.grad, href.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(h.grad, g @ b.U @ b.U.T, rtol=1e-5, atol=1e-6)
+    # and <codec-linear fwd(x), g> = <x, bwd(g)> for the unquantized maps (adjoint identity)
+    x = torch.randn(5, H)
+    assert math.isclose(float(((x @ b.U) @ b.U.T * g[0]).sum()), float((x * (g[0] @ b.U @ b.U.T)).sum()),
+                        rel_tol=1e-5, abs_tol=1e-6)
+
+
+def test_int4_nibble_order():
+    """Coordinate 2i in the low nibble, 2i+1 in the high nibble, stored as q + 8."""
+    H, k = 8, 3
+    U = torch.eye(H)[:, :k]
+    b = PCABasis(torch.zeros(H), U, torch.ones(k), torch.ones(k))
+    codec = PCACodec(bits=4, k=k, sink=False, bases={0: b})
+    h = torch.zeros(1, 1, H)
+    h[0, 0, :3] = torch.tensor([7.0, -7.0, 3.0])  # scale 1: q = 7, -7, 3
+    codes, scale = codec.encode_fwd(h, MaskKey(0, 0, 0, 0))[0]
+    assert scale.item() == 1.0
+    assert codes.shape == (1, 1, 2)
+    assert codes[0, 0, 0].item() == (7 + 8) | ((-7 + 8) << 4)
+    assert codes[0, 0, 1].item() == (3 + 8) | (8 << 4)  # padding nibble = 0 (stored 8)
+
+
+def test_width_from_budget_matches_diagnose_candidate():
+    # diagnose sink+pca-int4 at H=576, budget 15, seq_len 128: B=153, pos0=5, ns4=2*(148-4)=288
+    assert pca_width(576, 4, 15, True, 128) == 288
+    assert pca_width(576, 8, 15, True, 128) == 144
+    assert pca_width(576, 4, 15, False) == 298
+    codec = make_codec("pca", bits=4, budget=15)
+    assert codec.width(576) == 288
+    # bytes/token at [4, 128, 576] stay within 1/15 of dense fp32 (153 B)
+    per_tok = codec.wire_bytes((4, 128, 576), torch.float32, "fwd") / (4 * 128)
+    assert per_tok == (580 + 127 * (144 + 4)) / 128 <= 153
+    with pytest.raises(ValueError):
+        make_codec("pca", k=4, budget=15)
+    with pytest.raises(ValueError):
+        pca_width(8, 4, 100)
+
+
+def test_rejects_bad_wire_and_missing_basis():
+    H, k = 12, 4
+    b = _basis(H, k)
+    codec = PCACodec(bits=4, k=k, bases={0: b})
+    key = MaskKey(0, 0, 0, 0)
+    h = torch.randn(2, 5, H)
+    wire, ctx = codec.encode_fwd(h, key)
+    bad = [t.clone() for t in wire]
+    bad[3][0, 0, 0] = float("nan")
+    with pytest.raises(NonFiniteWire):
+        codec.decode_fwd(bad, key, h.shape, h.dtype)
+    bad = [t.clone() for t in wire]
+    bad[1][0, 0] = float("inf")
+    with pytest.raises(NonFiniteWire):
+        codec.decode_fwd(bad, key, h.shape, h.dtype)
+    with pytest.raises(ValueError):
+        codec.decode_fwd(wire[:3], key, h.shape, h.dtype)  # truncated
+    bad = [t.clone() for t in wire]
+    bad[3][0, 0, 0] = -1.0
+    with pytest.raises(ValueError):
+        codec.decode_fwd(bad, key, h.shape, h.dtype)  # non-positive scale
+    wb = codec.encode_bwd(torch.randn_like(h), key, wire)
+    wb[3][1, 1, 0] = float("nan")
+    with pytest.raises(NonFiniteWire):
+        codec.decode_bwd(wb, key, ctx)
+    with pytest.raises(ValueError, match="no basis for boundary 1"):
+        codec.encode_fwd(h, MaskKey(0, 1, 0, 0))
+    with pytest.raises(ValueError, match="needs"):
+        PCACodec(bits=4, k=k + 1, bases={0: b}).encode_fwd(h, key)
+    with pytest.raises(ValueError):
+        PCABasis(torch.zeros(H), b.U, -b.sd, b.gsd)
+
+
+def test_bf16_activations_and_default_registry():
+    from orchestration import codecs
+    H, k = 16, 4
+    b = _basis(H, k)
+    codecs.PCA_BASES[7] = b
+    try:
+        codec = make_codec("pca", k=k)  # bases default: the module registry
+        h = torch.randn(2, 3, H, dtype=torch.bfloat16, requires_grad=True)
+        out = apply_codec(codec, h, MaskKey(0, 7, 0, 0))
+        assert out.dtype == torch.bfloat16 and out.shape == h.shape
+        out.float().sum().backward()
+        assert h.grad.dtype == torch.bfloat16 and torch.isfinite(h.grad).all()
+    finally:
+        codecs.PCA_BASES.pop(7, None)
