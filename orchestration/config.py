@@ -121,6 +121,7 @@ class AnchorConfig:
     restarts: int = _f(2, "local launcher: restart a dead anchor row up to this many times (it rejoins the running fast circuit)")
     join: bool = _f(False, "start only the anchor row and join a running fast circuit (with --anchor.store; same config otherwise)")
     store: str = _f("", "host:port of the running fast circuit's rendezvous store (its MASTER_ADDR:MASTER_PORT) for --anchor.join")
+    secret_file: str = _f("", "the run's anchor secret (anchor rows authenticate with it; docs/security.md); default RUN_DIR/anchor.secret, created 0600 by the fast circuit; pass a copy with --anchor.join on another machine (or set MESHKERN_ANCHOR_SECRET)")
 
 
 @dataclass

@@ -26,6 +26,7 @@ rank is its stage index).
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -112,6 +113,7 @@ class Mesh:
     device: torch.device = torch.device("cpu")  # where this rank computes (cuda:LOCAL_RANK with NCCL)
     store: object = None  # anchor row: its client of the fast circuit's store
     generation: int = 0   # anchor row: its generation (orchestration.anchor.claim_generation)
+    secret: bytes = b""   # anchor row: the run's anchor secret (orchestration.anchor.auth)
 
     @property
     def is_anchor(self) -> bool:
@@ -165,6 +167,49 @@ def _device(dist_backend: str) -> torch.device:
     return torch.device("cpu")
 
 
+STORE_BIND_ENV = "MESHKERN_STORE_BIND"
+_KEEP: list = []  # the store rank 0 holds: anchor rows and side links use it after destroy_mesh
+
+
+def store_bind_address() -> str:
+    """The address the fast circuit's store listens on: MESHKERN_STORE_BIND if set (e.g.
+    0.0.0.0 behind a NAT whose MASTER_ADDR is not a local address), else MASTER_ADDR:
+    loopback only when MASTER_ADDR is 127.0.0.1 / localhost, as orchestration.launch sets."""
+    return os.environ.get(STORE_BIND_ENV) or os.environ["MASTER_ADDR"]
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on (``host``, ``port``) only. torch's TCPStore master binds
+    every interface when it opens its own socket; given this one's descriptor
+    (``master_listen_fd``) it serves on exactly this address."""
+    err = None
+    for family, kind, proto, _, addr in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(addr)
+            sock.listen(4096)
+            return sock
+        except OSError as e:
+            sock.close()
+            err = e
+    raise OSError(f"the fast circuit's store cannot listen on {host}:{port}: {err}")
+
+
+def rendezvous_store(rank: int, world_size: int, timeout_s: float):
+    """The fast circuit's TCPStore, like torch's env:// rendezvous (MASTER_ADDR,
+    MASTER_PORT; rank 0 holds it, waiting for ``world_size`` ranks), except that rank 0's
+    listens on ``store_bind_address()`` only instead of on every interface."""
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    tmo = timedelta(seconds=timeout_s)
+    if rank != 0:
+        return dist.TCPStore(host, port, world_size, False, tmo)
+    fd = listen_socket(store_bind_address(), port).detach()  # the store owns (and closes) the descriptor
+    store = dist.TCPStore(host, port, world_size, True, tmo, master_listen_fd=fd, use_libuv=True)
+    _KEEP.append(store)  # serves until the process ends, as env://'s (multi-tenant, cached) store does
+    return store
+
+
 def init_mesh(layout: MeshLayout, *, dist_backend: str = "auto", timeout_s: float = 60.0) -> Mesh:
     """Joins the fast circuit's world (env:// rendezvous: RANK, MASTER_ADDR, MASTER_PORT,
     as set by torchrun or orchestration.launch; its size is ``layout.fast_world_size``) and
@@ -178,8 +223,13 @@ def init_mesh(layout: MeshLayout, *, dist_backend: str = "auto", timeout_s: floa
     if layout.is_anchor(rank):
         raise ValueError(f"{layout.describe(rank)} is in the anchor row: it joins with init_anchor_row, not init_mesh")
     if not dist.is_initialized():
-        dist.init_process_group(resolve_dist_backend(dist_backend), init_method="env://", rank=rank,
-                                world_size=layout.fast_world_size, timeout=timedelta(seconds=timeout_s))
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":  # torchrun's agent holds the store
+            dist.init_process_group(resolve_dist_backend(dist_backend), init_method="env://", rank=rank,
+                                    world_size=layout.fast_world_size, timeout=timedelta(seconds=timeout_s))
+        else:  # env:// as torch does it, but the store listens on MASTER_ADDR only (docs/security.md)
+            store = rendezvous_store(rank, layout.fast_world_size, timeout_s)
+            dist.init_process_group(resolve_dist_backend(dist_backend), store=dist.PrefixStore("default_pg", store),
+                                    rank=rank, world_size=layout.fast_world_size, timeout=timedelta(seconds=timeout_s))
     world, rank = dist.get_world_size(), dist.get_rank()
     if world != layout.fast_world_size:
         raise ValueError(f"WORLD_SIZE={world} but the fast circuit of the mesh {layout.rows}x{layout.stages} "

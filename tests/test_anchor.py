@@ -169,7 +169,7 @@ def test_a_bug_in_the_link_thread_is_raised_on_the_trainers_thread(monkeypatch):
 
     monkeypatch.setattr(A.FastLink, "_link", buggy)
     link = A.FastLink(stage=0, row=0, layout=None, numel=1, snapshot_codec="full", serves=False, newest_first=True,
-                      timeout_s=1.0)
+                      timeout_s=1.0, secret=b"k" * 32)
     link.thread.join(10)
     hook = A.FastHook.__new__(A.FastHook)  # only what _drain reads
     hook.link, hook.stage_index = link, 0
@@ -537,13 +537,14 @@ def test_generations_form_whatever_the_start_order():
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=5))
-    assert A.claim_generation(store, 0, 1) == 1
-    assert A.claim_generation(store, 1, 1) == 1 and A.claim_generation(store, 2, 1) == 1
+    key = b"k" * 32  # the run's anchor secret (orchestration.anchor.auth)
+    assert A.claim_generation(store, 0, 1, secret=key) == 1
+    assert A.claim_generation(store, 1, 1, secret=key) == 1 and A.claim_generation(store, 2, 1, secret=key) == 1
     # row 2: stage 2 starts first and waits for a stage 0; stage 1 never comes (crashed)
     with pytest.raises(TimeoutError, match="no anchor stage 0 opened"):
-        A.claim_generation(store, 2, 0.5)  # generation 1's slot 2 is taken
-    assert A.claim_generation(store, 0, 1) == 2
-    assert A.claim_generation(store, 2, 1) == 2
+        A.claim_generation(store, 2, 0.5, secret=key)  # generation 1's slot 2 is taken
+    assert A.claim_generation(store, 0, 1, secret=key) == 2
+    assert A.claim_generation(store, 2, 1, secret=key) == 2
     # row 3 (stage 1 of row 2 never claimed): every stage lands in generation 3
-    assert A.claim_generation(store, 0, 1) == 3
-    assert [A.claim_generation(store, s, 1) for s in (2, 1)] == [3, 3]
+    assert A.claim_generation(store, 0, 1, secret=key) == 3
+    assert [A.claim_generation(store, s, 1, secret=key) for s in (2, 1)] == [3, 3]

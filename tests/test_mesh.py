@@ -36,6 +36,7 @@ def _groups_worker(rank, world, anchor):
         dist.all_reduce(t)
         out = {"anchor_world": t.item(), "world": dist.get_world_size(), "prev": m.prev_rank, "next": m.next_rank}
         destroy_mesh()
+        store.set(f"test/anchor_done/{rank}", "1")
         return out
     m = init_mesh(lay, timeout_s=20)
     out = {"world": dist.get_world_size()}
@@ -44,6 +45,10 @@ def _groups_worker(rank, world, anchor):
         dist.all_reduce(t, group=g)
         out[name] = t.item()
     destroy_mesh()
+    if rank == 0 and anchor:  # rank 0 holds the store the anchor row meets on: it stays until the row is done
+        from orchestration.anchor import side_store, store_address
+
+        side_store(store_address(), 60).wait([f"test/anchor_done/{r}" for r in lay.pp_ranks(lay.rows - 1)])
     return out
 
 

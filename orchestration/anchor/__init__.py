@@ -2,25 +2,32 @@
 docs/anchor.md).
 
     wire       message header, GRAD payload layout (Layout), send/recv on a pair link
+    bounds     magnitude / orthonormality bounds on a decoded GRAD payload
+    auth       the run's secret, MAC'd store keys, the pair-link handshake (docs/security.md)
     links      the fast circuit's store, anchor-row generations, pair links, join
     snapshot   replica 0 -> anchor snapshot stream (full or int8 deltas)
     node       the anchor rank's loop (run_anchor_rank), fault injection, saved state
     fastlink   a fast rank's link thread (FastLink)
     hook       a fast rank's per-step hook on the trainer's thread (FastHook)
 """
+from orchestration.anchor.auth import (SECRET_ENV, AuthError, anchor_handshake, anchor_secret, ensure_secret,
+                                       fast_handshake, generation_value, load_secret, parse_generation, secret_path)
+from orchestration.anchor.bounds import check_entries, orthonormality_error
 from orchestration.anchor.fastlink import Arrival, FastLink
 from orchestration.anchor.hook import FastHook
-from orchestration.anchor.links import (ANCHOR, FAST, PREFIX, FastCircuitGone, claim_generation, is_link_failure,
+from orchestration.anchor.links import (ANCHOR, FAST, PREFIX, FastCircuitGone, announced_generation, claim_generation, is_link_failure,
                                         is_store_error, join_anchor_row, link_to_fast, pair_link, side_store,
                                         store_address)
 from orchestration.anchor.node import (load_state, parse_faults, round_batch, run_anchor_rank, save_state,
                                        state_path)
 from orchestration.anchor.snapshot import SNAP_DELTA, SNAP_FULL, SNAPSHOT_CHUNK, SnapshotCoder
-from orchestration.anchor.wire import (F_DTYPE, F_KIND, F_LAYOUT, F_MAGIC, F_NUMEL, F_TRANSPORT, F_VERSION,
+from orchestration.anchor.wire import (AUTH, F_DTYPE, F_KIND, F_LAYOUT, F_MAGIC, F_NUMEL, F_TRANSPORT, F_VERSION,
                                        GRAD, HEADER_LEN, MAGIC, REQ, SNAP, STOP, TRANSPORTS, Layout, ProtocolError,
                                        Rejected, eligible_params, layout_hash)
 
-__all__ = ["ANCHOR", "FAST", "PREFIX", "Arrival", "FastCircuitGone", "FastHook", "FastLink", "Layout",
+__all__ = ["AUTH", "SECRET_ENV", "AuthError", "anchor_handshake", "anchor_secret", "ensure_secret", "fast_handshake",
+           "generation_value", "load_secret", "parse_generation", "secret_path", "check_entries",
+           "orthonormality_error", "announced_generation", "ANCHOR", "FAST", "PREFIX", "Arrival", "FastCircuitGone", "FastHook", "FastLink", "Layout",
            "ProtocolError", "Rejected", "SNAPSHOT_CHUNK", "SNAP_DELTA", "SNAP_FULL", "SnapshotCoder", "TRANSPORTS",
            "F_DTYPE", "F_KIND", "F_LAYOUT", "F_MAGIC", "F_NUMEL", "F_TRANSPORT", "F_VERSION", "GRAD", "HEADER_LEN",
            "MAGIC", "REQ", "SNAP", "STOP", "claim_generation", "eligible_params", "is_link_failure",

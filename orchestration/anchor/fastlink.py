@@ -6,7 +6,8 @@ of its stage in turn, serves snapshot requests (replica 0) and receives updates.
 exactly three things with the trainer's thread:
 
     events      a queue it fills: ("joined", G), ("lost", why), ("update", Arrival),
-                ("rejected", reason, version), ("error", exception)
+                ("rejected", reason, version), ("refused", why) (a peer that did not
+                prove the run's secret), ("error", exception)
     snapshots   the versions replica 0 may serve, under ``cv`` (``offer`` fills it)
     *_bytes     counters it only adds to (read by the trainer's thread)
 
@@ -25,7 +26,9 @@ from datetime import timedelta
 
 import torch
 
-from orchestration.anchor.links import ANCHOR, FAST, PREFIX, is_link_failure, pair_link, side_store, store_address
+from orchestration.anchor.auth import AuthError, fast_handshake
+from orchestration.anchor.links import (ANCHOR, FAST, PREFIX, Warner, announced_generation, is_link_failure, pair_link,
+                                        side_store, store_address)
 from orchestration.anchor.snapshot import SnapshotCoder
 from orchestration.anchor.wire import (CODE_DTYPES, DRAIN_FACTOR, DTYPE_CODES, F_DTYPE, F_KIND, F_MAGIC, F_MS,
                                        F_NUMEL, F_ROUND, F_VERSION, GRAD, HEADER_BYTES, HEADER_LEN, MAGIC, REQ,
@@ -52,8 +55,8 @@ class FastLink:
     than the oldest (delay mode)."""
 
     def __init__(self, *, stage: int, row: int, layout, numel: int, snapshot_codec: str, serves: bool,
-                 newest_first: bool, timeout_s: float):
-        self.stage, self.row, self.layout, self.numel = stage, row, layout, numel
+                 newest_first: bool, timeout_s: float, secret: bytes):
+        self.stage, self.row, self.layout, self.numel, self.secret = stage, row, layout, numel, secret
         self.snapshot_codec, self.serves, self.newest_first, self.timeout_s = snapshot_codec, serves, newest_first, timeout_s
         self.events: queue.Queue = queue.Queue()
         self.cv = threading.Condition()
@@ -65,6 +68,7 @@ class FastLink:
         self.snapshot_bytes = 0
         self.update_bytes = 0
         self.snapshots_sent = 0
+        self.warn = Warner(f"stage {stage} replica {row}")
         self.thread = threading.Thread(target=self._run, name=f"anchor-link-{stage}", daemon=True)
         self.thread.start()
 
@@ -102,7 +106,7 @@ class FastLink:
                 if store is None:
                     store = side_store(store_address(), self.timeout_s)
                     store.compare_set(f"{PREFIX}run_id", "", os.urandom(8).hex())  # the first fast rank's wins
-                latest = int(store.add(f"{PREFIX}rowgen", 0))
+                latest = announced_generation(store, self.secret, self.warn, after=gen)  # MAC'd announces only
                 if latest <= gen:  # no new anchor of this stage: look again soon
                     time.sleep(0.2)  # (polling, not a timed-out store.wait: c10d logs every timeout)
                     continue
@@ -110,6 +114,15 @@ class FastLink:
                 store.wait([f"{PREFIX}g{gen}/open/{s}"], timedelta(seconds=self.timeout_s))
                 store.set(f"{PREFIX}g{gen}/here/{s}/{self.row}", "1")
                 pg = pair_link(store, gen, s, self.row, FAST, self.timeout_s)
+                try:  # nothing is sent or used before the anchor end proved the run's secret
+                    fast_handshake(pg, self.secret, gen, s, self.row, self.timeout_s)
+                except Exception as e:
+                    if not is_link_failure(e):
+                        raise
+                    self.events.put(("refused", f"generation {gen}: {e}" if isinstance(e, AuthError)
+                                     else f"generation {gen}: no valid handshake ({gloo_reason(e)})"))
+                    del pg
+                    continue  # wait for the next generation
             except Exception as e:
                 if not (self.closing or is_link_failure(e)):
                     raise

@@ -9,12 +9,16 @@ anchor except in the deterministic delay mode.
 """
 from __future__ import annotations
 
+import os
 import queue
 import sys
 import time
+import warnings
 
 import torch
 
+from orchestration.anchor.auth import SECRET_ENV, load_secret, secret_path
+from orchestration.anchor.bounds import check_entries
 from orchestration.anchor.fastlink import Arrival, FastLink
 from orchestration.anchor.wire import Layout, Rejected, eligible_params
 
@@ -49,7 +53,11 @@ class FastHook:
         self.refused: set[int] = set()  # versions whose update the link thread refused
         self.base_bytes = None
         self.c = {"arrivals": 0, "applied": 0, "rejected": 0, "rejected_stale": 0, "rejected_nonfinite": 0,
-                  "rejected_shape": 0, "rejected_optimizer": 0, "joins": 0}
+                  "rejected_shape": 0, "rejected_negative": 0, "rejected_magnitude": 0, "rejected_ortho": 0,
+                  "rejected_optimizer": 0, "rejected_auth": 0, "joins": 0}
+        self.said: set[str] = set()  # rejection reasons already logged
+        self.eligible = [p for _, p in named]  # wire entry -> parameter (bounds.check_entries)
+        self.max_ratio = float(getattr(opt, "max_anchor_ratio", 1e3))
         self.hist: dict[int, int] = {}
         self.last_staleness = None
         self.last_round_ms = None
@@ -61,9 +69,15 @@ class FastHook:
         self.stalled = False
         self.degraded = False     # delay mode fell back to the asynchronous rule
         self.blocked_s = 0.0
+        secret = load_secret(cfg, ctx.plan, create=True)
+        if mesh.rank == 0 and not os.environ.get(SECRET_ENV):
+            print(f"[anchor] anchor rows authenticate with this run's secret {secret_path(cfg, ctx.plan)} (mode 0600); "
+                  f"an anchor row on another machine needs a copy: --anchor.secret-file PATH (or {SECRET_ENV})",
+                  file=sys.stderr, flush=True)
         self.link = FastLink(stage=mesh.stage, row=mesh.row, layout=self.layout,
                              numel=sum(p.numel() for p in self.params), snapshot_codec=a.snapshot_codec,
-                             serves=self.serves, newest_first=not self.delay, timeout_s=self.timeout_s)
+                             serves=self.serves, newest_first=not self.delay, timeout_s=self.timeout_s,
+                             secret=secret)
 
     # ------------------------------------------------------------------ helpers
     def _store_snapshot(self, version: int) -> None:
@@ -107,6 +121,8 @@ class FastHook:
                 self.c["arrivals"] += 1
                 self.refused.add(ev[2])
                 self._reject(ev[1])
+            elif ev[0] == "refused":  # a peer at the pair link without the run's secret: got nothing
+                self._reject("auth", ev[1], step)
             elif ev[0] == "joined":
                 self.generation = ev[1]
                 self.c["joins"] += 1
@@ -120,9 +136,14 @@ class FastHook:
                 self._log(f"step {step}: lost the anchor ({ev[1]}); the fast circuit continues as plain masked "
                           "AdamW (after the updates already received)")
 
-    def _reject(self, reason: str) -> None:
+    def _reject(self, reason: str, why: str = "", step: int | None = None) -> None:
         self.c["rejected"] += 1
         self.c[f"rejected_{reason}"] = self.c.get(f"rejected_{reason}", 0) + 1
+        if why and reason not in self.said:  # one line per reason and column
+            self.said.add(reason)
+            at = "" if step is None else f"step {step}: "
+            self._log(f"{at}rejected an anchor update ({reason}: {why}); it changes nothing (counted in "
+                      f"anchor_rejected_{reason})")
 
     def _due(self, step: int) -> int | None:
         """Delay mode: the snapshot version whose update is due at ``step``, if any."""
@@ -174,15 +195,30 @@ class FastHook:
         self._watch(step)
 
     def _apply(self, x: Arrival, step: int) -> None:
+        """Checks an update completely (layout, finiteness, magnitude, orthonormal factors)
+        and hands it to the optimizer; a bad one is rejected and counted and changes
+        nothing: no weight, no optimizer state, not the prior switch. Never raises."""
         staleness = step - x.version
         try:
             entries = self.layout.decode(x.payload)
+            check_entries(self.layout, entries, self.eligible, self.max_ratio)
         except Rejected as r:
-            self._reject(r.reason)
+            self._reject(r.reason, str(r), step)
             return
         aligned = [None] * self.n_opt
         for slot, e in zip(self.slots, entries):
             aligned[slot] = e
+        try:
+            with warnings.catch_warnings():  # the hook counts and logs a rejection itself
+                warnings.simplefilter("ignore", RuntimeWarning)
+                ok = self.opt.observe_anchor_update(aligned, staleness, factored=self.layout.transport == "factored")
+        except (ValueError, RuntimeError, ArithmeticError) as e:  # a bad update must never stop the fast step
+            ok, why = False, f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+        else:
+            why = "the optimizer refused it (out of its bounds)"
+        if not ok:
+            self._reject("optimizer", why, step)
+            return
         self._applied(x, entries, staleness)
         self.last_applied_step = step
         if self.stalled:
@@ -190,8 +226,6 @@ class FastHook:
             self._log(f"step {step}: anchor updates resumed (staleness {staleness})")
         if self.link_state == "up":
             self._set_prior(True, step, "fresh anchor update: anchor prior back on")
-        if not self.opt.observe_anchor_update(aligned, staleness, factored=self.layout.transport == "factored"):
-            self._reject("optimizer")
 
     def _applied(self, x: Arrival, entries, staleness: int) -> None:
         """Bookkeeping of one update handed to the optimizer (tests wrap this to inspect it)."""

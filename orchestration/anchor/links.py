@@ -4,17 +4,26 @@ pair links, and which errors mean "the link is gone" (``is_link_failure``)."""
 from __future__ import annotations
 
 import os
+import sys
 import time
 from datetime import timedelta
 
 import torch.distributed as dist
 
+from orchestration.anchor.auth import AuthError, anchor_handshake, anchor_secret, generation_value, parse_generation
 from orchestration.anchor.wire import ProtocolError
 from orchestration.launch import is_peer_error
 
-# Keys under PREFIX in the fast circuit's rendezvous store, per stage column s:
-#   rowgen            counter: the newest anchor-row generation (its stage 0 opens it)
-#   g<G>/claim/s      counter: taken by the one stage-s process of generation G
+# Keys under PREFIX in the fast circuit's rendezvous store, per stage column s (anyone who
+# reaches the store can write any key: the ones the protocol trusts are authenticated or
+# parsed defensively, and nothing here is ever incremented with add(), which makes the
+# store drop the connection of whoever adds to a value that is not a number):
+#   latest            "G:MAC": the newest anchor-row generation, announced by its stage 0
+#                     with the run secret's MAC (auth.generation_value); a value without a
+#                     valid MAC is ignored (one warning)
+#   g<G>/announce     "G:MAC" as well, per generation (readers walk up from the last one they
+#                     know, so a ``latest`` overwritten with garbage hides no generation)
+#   g<G>/claim/s      first writer wins (compare_set): the one stage-s process of generation G
 #   g<G>/open/s       anchor s of generation G is up and links to the fast ranks
 #   g<G>/here/s/r     fast replica r of stage s waits to link with generation G
 #   g<G>/link/s/r/    the pair link's gloo rendezvous (fast end 0, anchor end 1)
@@ -59,7 +68,7 @@ def is_link_failure(e: BaseException) -> bool:
     """True for what a broken or misbehaving link raises (a closed connection, a timeout, a
     store that went away, a peer that broke the protocol); False for a programming error,
     which must surface instead of passing for "anchor lost"."""
-    return (isinstance(e, (ProtocolError, ConnectionError, TimeoutError, FastCircuitGone))
+    return (isinstance(e, (ProtocolError, AuthError, ConnectionError, TimeoutError, FastCircuitGone))
             or is_peer_error(e) or is_store_error(e))
 
 
@@ -88,21 +97,79 @@ def pair_link(store, generation: int, stage: int, row: int, end: int, timeout_s:
     return dist.ProcessGroupGloo(pre, end, 2, timedelta(seconds=timeout_s))
 
 
-def claim_generation(store, stage: int, timeout_s: float) -> int:
+MAX_CLAIM_TRIES = 10_000  # generations stage 0 skips at most (slots squatted by someone without the secret)
+
+
+class Warner:
+    """Says each distinct problem once (malformed keys are ignored with one warning)."""
+
+    def __init__(self, who: str):
+        self.who, self.said = who, set()
+
+    def __call__(self, key: str, msg: str) -> None:
+        if key not in self.said:
+            self.said.add(key)
+            print(f"[anchor] {self.who}: warning: {msg}", file=sys.stderr, flush=True)
+
+
+def _valid_generation(store, key: str, secret: bytes, warn) -> int:
+    """G from store ``key`` if it holds an announce with a valid MAC, else 0 (warned once)."""
+    if not store.check([key]):
+        return 0
+    raw = store.get(key)
+    g = parse_generation(secret, raw)
+    if g is None:
+        if warn is not None:
+            warn(key, f"ignoring a malformed or unauthenticated store key {key} = {raw[:80]!r} (written by a "
+                      "process without the run's secret?)")
+        return 0
+    return g
+
+
+def announced_generation(store, secret: bytes, warn=None, after: int = 0) -> int:
+    """The newest anchor-row generation announced with the secret's MAC (0: none): the
+    ``latest`` key as a hint, then the per-generation announces g<G>/announce upwards
+    (so a ``latest`` overwritten with garbage hides nothing that follows ``after``)."""
+    g = max(after, _valid_generation(store, f"{PREFIX}latest", secret, warn))
+    for _ in range(MAX_CLAIM_TRIES):
+        nxt = _valid_generation(store, f"{PREFIX}g{g + 1}/announce", secret, warn)
+        if nxt != g + 1:
+            break
+        g = nxt
+    return g
+
+
+def _claim(store, generation: int, stage: int, token: str) -> bool:
+    """Takes generation G's stage slot if still free (compare_set: the first writer wins)."""
+    got = store.compare_set(f"{PREFIX}g{generation}/claim/{stage}", "", token)
+    return (got.decode() if isinstance(got, bytes) else str(got)) == token
+
+
+def claim_generation(store, stage: int, timeout_s: float, *, secret: bytes) -> int:
     """The anchor-row generation this new anchor process of ``stage`` joins. Stage 0 opens
     a new one (1 for the first anchor row of this fast circuit, 2 for the first restart,
-    ...); a stage s > 0 takes the newest generation whose stage-s slot is still free,
-    waiting up to ``timeout_s`` for a stage 0 to open one. So whatever order the stages of
-    a row are (re)started in, and however often one of them failed before, every stage
-    of one row lands in one generation. TimeoutError if no stage 0 opened one in time."""
+    ...) and announces it with the secret's MAC; a stage s > 0 takes the newest announced
+    generation whose stage-s slot is still free, waiting up to ``timeout_s`` for a stage 0
+    to announce one. So whatever order the stages of a row are (re)started in, and
+    however often one of them failed before, every stage of one row lands in one
+    generation; a key written without the secret is ignored (one warning). TimeoutError
+    if no stage 0 announced one in time."""
+    token = os.urandom(8).hex()
+    warn = Warner(f"anchor stage {stage}")
     if stage == 0:
-        gen = int(store.add(f"{PREFIX}rowgen", 1))
-        store.add(f"{PREFIX}g{gen}/claim/0", 1)
-        return gen
+        gen = announced_generation(store, secret, warn) + 1
+        for _ in range(MAX_CLAIM_TRIES):
+            if _claim(store, gen, 0, token):
+                store.set(f"{PREFIX}g{gen}/announce", generation_value(secret, gen))
+                store.set(f"{PREFIX}latest", generation_value(secret, gen))
+                return gen
+            gen += 1  # taken (a previous row, or squatted): the next one
+        raise TimeoutError(f"anchor stage 0: {MAX_CLAIM_TRIES} generations after {gen - MAX_CLAIM_TRIES} are all "
+                           "taken (someone is writing the store's anchor keys)")
     end = time.monotonic() + timeout_s
     while True:
-        gen = int(store.add(f"{PREFIX}rowgen", 0))
-        if gen > 0 and int(store.add(f"{PREFIX}g{gen}/claim/{stage}", 1)) == 1:
+        gen = announced_generation(store, secret, warn)
+        if gen > 0 and _claim(store, gen, stage, token):
             return gen
         if time.monotonic() > end:
             raise TimeoutError(f"anchor stage {stage}: no anchor stage 0 opened a new anchor-row generation within "
@@ -110,15 +177,18 @@ def claim_generation(store, stage: int, timeout_s: float) -> int:
         time.sleep(0.2)  # polling, not a timed-out store.wait: c10d logs every timeout
 
 
-def join_anchor_row(layout, rank: int, cfg):
+def join_anchor_row(layout, rank: int, cfg, secret: bytes | None = None):
     """Anchor rank ``rank``: connects to the fast circuit's store, takes the next
     generation of its stage and joins that generation's anchor-row world; returns the
-    orchestration.mesh.Mesh (``store`` and ``generation`` set)."""
+    orchestration.mesh.Mesh (``store``, ``generation`` and ``secret`` set). ``secret``:
+    the run's (default: auth.anchor_secret(cfg))."""
     from orchestration.mesh import init_anchor_row
 
+    if secret is None:
+        secret = anchor_secret(cfg)
     _, stage = layout.coords(rank)
     store = side_store(store_address(cfg), cfg.mesh.timeout_s)
-    generation = claim_generation(store, stage, cfg.mesh.timeout_s)
+    generation = claim_generation(store, stage, cfg.mesh.timeout_s, secret=secret)
     try:
         mesh = init_anchor_row(layout, stage, store, generation, dist_backend=cfg.mesh.dist_backend,
                                timeout_s=cfg.mesh.timeout_s)
@@ -128,25 +198,30 @@ def join_anchor_row(layout, rank: int, cfg):
                f"{cfg.mesh.timeout_s:g} s (restart every stage of the anchor row together)",
             f"{layout.describe(rank)}: the fast circuit's store closed before anchor-row generation {generation} "
             "formed (the fast circuit finished or failed)") from None
+    mesh.secret = secret
     return mesh
 
 
 def link_to_fast(mesh, fast_rows: int, timeout_s: float) -> list:
     """Anchor side: one pair link per fast replica of this stage (replica order), each
-    made once that replica said it waits for this generation; TimeoutError names a
-    replica that did not within ``timeout_s``; FastCircuitGone if the fast circuit's
-    store closed first (a short run can finish before its anchor row links)."""
+    made once that replica said it waits for this generation, and authenticated both
+    ways (auth.anchor_handshake with ``mesh.secret``; AuthError if the fast end cannot
+    prove the secret); TimeoutError names a replica that did not link within
+    ``timeout_s``; FastCircuitGone if the fast circuit's store closed first (a short run
+    can finish before its anchor row links)."""
     store, g, s = mesh.store, mesh.generation, mesh.stage
     store.set(f"{PREFIX}g{g}/open/{s}", "1")
     pgs = []
     for r in range(fast_rows):
         try:
             store.wait([f"{PREFIX}g{g}/here/{s}/{r}"], timedelta(seconds=timeout_s))
-            pgs.append(pair_link(store, g, s, r, ANCHOR, timeout_s))
+            pg = pair_link(store, g, s, r, ANCHOR, timeout_s)
         except Exception as e:
             who = mesh.layout.describe(mesh.layout.rank_of(r, s))
             raise store_failure(
                 e, f"anchor generation {g}, stage {s}: {who} did not link within {timeout_s:g} s",
                 f"anchor generation {g}, stage {s}: the fast circuit's store closed before {who} linked (the "
                 "fast circuit finished or failed)") from None
+        anchor_handshake(pg, mesh.secret, g, s, r, timeout_s)
+        pgs.append(pg)
     return pgs

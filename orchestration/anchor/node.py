@@ -27,6 +27,10 @@ from orchestration.pipeline import PipelineExecutor
 from orchestration.schedule import make_schedule
 
 
+FAULT_KINDS = ("nan", "shape", "stall", "die", "huge", "ortho")
+HUGE_DEFAULT = 1e10  # huge:K without a value: a finite payload of 1e10s (issue #14)
+
+
 def parse_faults(spec: str) -> dict[str, dict[int, float]]:
     """``"nan:1,stall:3=30"`` -> {"nan": {1: 0.0}, "stall": {3: 30.0}} (docs/anchor.md, "Fault injection")."""
     out: dict[str, dict[int, float]] = {}
@@ -34,12 +38,12 @@ def parse_faults(spec: str) -> dict[str, dict[int, float]]:
         try:
             kind, rest = item.split(":", 1)
             rnd, _, arg = rest.partition("=")
-            if kind not in ("nan", "shape", "stall", "die"):
+            if kind not in FAULT_KINDS:
                 raise ValueError
             out.setdefault(kind, {})[int(rnd)] = float(arg) if arg else 0.0
         except ValueError:
             raise ValueError(f"MESHKERN_ANCHOR_FAULT: bad item {item!r}; use kind:round[=seconds] with kind "
-                             "nan, shape, stall or die") from None
+                             + ", ".join(FAULT_KINDS)) from None
     return out
 
 
@@ -120,7 +124,7 @@ def run_anchor_rank(ctx) -> dict:
     coder = SnapshotCoder(a.snapshot_codec, sum(p.numel() for p in params))
     try:
         links = link_to_fast(mesh, cfg.fast_rows, cfg.mesh.timeout_s)
-        run_id = mesh.store.get(f"{PREFIX}run_id").decode()
+        run_id = mesh.store.get(f"{PREFIX}run_id").decode("ascii", "replace")  # a token; junk only loses a restore
         path = state_path(plan, mesh.stage)
         if mesh.generation > 1 or plan.resume_from:
             got, rec["restored"] = load_state(path, run_id, layout, momentum, bool(plan.resume_from))
@@ -148,6 +152,12 @@ def run_anchor_rank(ctx) -> dict:
             if k in faults.get("nan", {}):
                 payload = payload.clone()
                 payload[payload.numel() // 2] = float("nan")
+            if k in faults.get("huge", {}):  # finite but far out of scale: every value = arg (default 1e10)
+                payload = torch.full_like(payload, faults["huge"][k] or HUGE_DEFAULT)
+            if k in faults.get("ortho", {}) and layout.transport == "factored":
+                payload = payload.clone()  # U of every entry scaled by 2: finite, in scale, not orthonormal
+                for U, _, _ in layout.decode(payload):
+                    U.mul_(2.0)
             if k in faults.get("shape", {}):
                 payload = torch.cat([payload, torch.zeros(3, dtype=payload.dtype)])
                 hdr[F_NUMEL], hdr[F_LAYOUT] = payload.numel(), layout.hash ^ 1

@@ -15,7 +15,7 @@ from orchestration.config import ANCHOR_TRANSPORTS
 MAGIC = 0x4D4B414E  # "MKAN"
 HEADER_LEN = 16
 F_MAGIC, F_KIND, F_ROUND, F_VERSION, F_TRANSPORT, F_NUMEL, F_LAYOUT, F_DTYPE, F_MS = range(9)
-REQ, SNAP, GRAD, STOP = 1, 2, 3, 4
+REQ, SNAP, GRAD, STOP, AUTH = 1, 2, 3, 4, 5
 TRANSPORTS = {name: i for i, name in enumerate(ANCHOR_TRANSPORTS)}  # dense 0, factored 1
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.uint8: 3}
 CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
