@@ -448,3 +448,23 @@ def test_an_unauthenticated_store_client_gets_no_weights_and_changes_nothing(tin
     assert last["anchor_rejected"] == 0 and last["anchor_rejected_auth"] == 0
     assert [r["rounds"] for r in res[2:]] == [6, 6]
     _finite_weights(plan)
+
+
+@pytest.mark.parametrize("transport", ["dense", "factored"])
+def test_the_hook_stands_alone_without_the_optimizers_checks(tmp_path, monkeypatch, transport):
+    """Issue #14 as reported (before SpectralAdamW had bounds, and in case they are lost
+    again, as in e5ad050): with the optimizer's magnitude and orthonormality checks switched
+    off, a 1e10 factored / 3e38 dense payload is still rejected by the fast rank, and the
+    next step is finite."""
+    import meshkern.optim as O
+
+    monkeypatch.setattr(O.SpectralAdamW, "_out_of_bounds", lambda self, norms: [])
+    monkeypatch.setattr(O, "_orthonormality_error", lambda Q: 0.0)
+    hook, opt, params = _hook(tmp_path, monkeypatch, transport)
+    value = 3e38 if transport == "dense" else 1e10
+    hook.link.events.put(("update", A.Arrival(0, 0, torch.full((hook.layout.numel,), value), 0, 0)))
+    hook.poll(1)
+    assert hook.stats()["applied"] == 0 and hook.stats()["rejected"] == 1
+    assert opt.anchor_stats()["arrivals"] == opt.anchor_stats()["factored_arrivals"] == 0
+    opt.step()
+    assert all(torch.isfinite(p).all() for p in params)
