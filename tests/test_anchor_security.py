@@ -468,3 +468,38 @@ def test_the_hook_stands_alone_without_the_optimizers_checks(tmp_path, monkeypat
     assert opt.anchor_stats()["arrivals"] == opt.anchor_stats()["factored_arrivals"] == 0
     opt.step()
     assert all(torch.isfinite(p).all() for p in params)
+
+
+class _ScriptedPG:
+    """A pair link whose peer sends random bytes; records what this end sends."""
+
+    def __init__(self, rng):
+        self.rng, self.sent = rng, []
+
+    def send(self, ts, peer, tag):
+        self.sent.append(ts[0].clone())
+        return types.SimpleNamespace(wait=lambda *a: True)
+
+    def recv(self, ts, peer, tag):
+        t = ts[0]
+        raw = bytes(self.rng.getrandbits(8) for _ in range(t.numel() * t.element_size()))
+        if self.rng.random() < 0.3 and t.dtype == torch.int64:  # sometimes a well-formed AUTH header
+            raw = wire.header(wire.AUTH, round=1, version=0, numel=0).numpy().tobytes()
+        t.copy_(torch.frombuffer(bytearray(raw), dtype=t.dtype))
+        return types.SimpleNamespace(wait=lambda *a: True)
+
+
+def test_1000_unauthenticated_handshakes_are_all_refused():
+    """Random answers to the fast end's challenge and random challenges/answers to an
+    anchor end: every one ends in AuthError; the fast end never sends more than its
+    challenge (so nothing that depends on the secret), the anchor end never accepts."""
+    rng = random.Random(2)
+    for i in range(500):
+        pg = _ScriptedPG(rng)
+        with pytest.raises(auth.AuthError):
+            auth.fast_handshake(pg, KEY, 1, 0, 0, 1.0)
+        assert len(pg.sent) == 2 and pg.sent[0].dtype == torch.int64 and pg.sent[1].numel() == auth.NONCE_BYTES
+    for i in range(500):
+        pg = _ScriptedPG(rng)
+        with pytest.raises(auth.AuthError):
+            auth.anchor_handshake(pg, KEY, 1, 0, 0, 1.0)
