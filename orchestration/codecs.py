@@ -456,6 +456,8 @@ class PCACodec(BoundaryCodec):
     ``k`` coordinates per token, explicit or from ``budget`` (``pca_width``; default 1/15
     of dense fp32 bytes). The basis of boundary b is ``bases[b]`` (default: the module's
     PCA_BASES, which orchestration.calibration fills); ``k`` must equal its width.
+    ``calib_rows`` / ``grad_rows``: how many training rows calibration fits the basis on
+    (and of those, how many give the gradient std gsd).
     Wire per direction, for a boundary tensor [..., T, H]:
         sink=False: codes [..., T, ceil(k/2)] uint8 (int4, low nibble = even coordinate) or
                     [..., T, k] int8; scales [..., T, 1] fp32.
@@ -466,7 +468,7 @@ class PCACodec(BoundaryCodec):
     name = "pca"
 
     def __init__(self, bits: int = 4, k: int | None = None, budget: float | None = None, sink: bool = True,
-                 seq_len: int = 128, bases: dict | None = None):
+                 seq_len: int = 128, bases: dict | None = None, calib_rows: int = 16, grad_rows: int = 8):
         if bits not in (4, 8):
             raise ValueError(f"pca: bits must be 4 or 8, got {bits}")
         if k is not None and budget is not None:
@@ -478,6 +480,9 @@ class PCACodec(BoundaryCodec):
         self.bits, self.k = int(bits), _optional_width("pca: k", k)
         self.budget = None if k is not None else float(15 if budget is None else budget)
         self.sink, self.seq_len = bool(sink), int(seq_len)
+        if int(calib_rows) < 1 or int(grad_rows) < 0:
+            raise ValueError(f"pca: calib_rows must be >= 1 and grad_rows >= 0, got {calib_rows}, {grad_rows}")
+        self.calib_rows, self.grad_rows = int(calib_rows), int(grad_rows)  # orchestration.calibration's
         self.bases = PCA_BASES if bases is None else bases
         self._q, self._q8 = QuantCodec(self.bits), QuantCodec(8)
         self._dev: dict = {}

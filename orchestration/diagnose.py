@@ -62,7 +62,8 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from orchestration.codecs import CODECS, BoundaryCodec, QuantCodec, apply_codec, make_codec
+from orchestration.calibration import PCA, fit_pca  # noqa: F401 (PCA, fit_pca: moved there, importable here)
+from orchestration.codecs import CODECS, BoundaryCodec, PCACodec, QuantCodec, apply_codec, make_codec
 from orchestration.stages import balanced_layers, causal_lm_loss, split_model
 
 # The trainer's defaults (orchestration/config.py); read from there when present.
@@ -246,10 +247,20 @@ def codec_label(spec: str) -> str:
     return name + ("" if not kw else " " + " ".join(f"{k}={v}" for k, v in kw.items()))
 
 
-def codec_transform(spec: str, H: int, L: int, seed: int, dtype=torch.float32) -> Transform:
+def codec_transform(spec: str, H: int, L: int, seed: int, dtype=torch.float32,
+                    h_cal: torch.Tensor | None = None) -> Transform:
+    """The codec of ``spec`` round-tripped at boundary L; a ``pca`` codec gets its basis
+    from the calibration hidden states ``h_cal`` [B, T, H] (calibration.fit_basis: as the
+    trainer fits it, forward only here, so gsd = 1)."""
     from meshkern.mask import MaskKey
 
     codec = build_codec(spec, H)
+    if isinstance(codec, PCACodec):
+        if h_cal is None:
+            raise UsageError(f"--codecs {spec!r}: the pca codec needs calibration rows")
+        from orchestration.calibration import fit_basis
+
+        codec.bases = {L: fit_basis(h_cal, codec.width(H), codec.sink)}
     key = MaskKey(seed, L, 0, 0)
     return Transform(codec_label(spec), lambda h, ids: apply_codec(codec, h, key),
                      codec.wire_bytes((1, H), dtype, "fwd"), codec.wire_bytes((1, H), dtype, "bwd"), "codec", spec)
@@ -272,37 +283,6 @@ def default_codec_specs(H: int, budget: int, elem: int = 4) -> list[str]:
 
 
 # --------------------------------------------------------------------- PCA and stats
-@dataclass
-class PCA:
-    mean: torch.Tensor  # [H]
-    eigvals: torch.Tensor  # [H] descending (covariance, float64)
-    eigvecs: torch.Tensor  # [H, H] columns, float32
-
-    def basis(self, k: int) -> torch.Tensor:
-        return self.eigvecs[:, :k]
-
-    def energy(self, k: int) -> float:
-        """Share of the (centered) variance the top k directions keep, in-sample."""
-        tot = float(self.eigvals.clamp_min(0).sum())
-        return float(self.eigvals[:k].clamp_min(0).sum()) / tot if tot > 0 else 1.0
-
-    def energy_on(self, x: torch.Tensor, k: int) -> float:
-        """Share of the centered variance of other tokens x [N, H] that the top k keep."""
-        xc = (x.reshape(-1, x.shape[-1]).double() - self.mean.double())
-        tot = float(xc.pow(2).sum())
-        kept = float((xc @ self.eigvecs[:, :k].double()).pow(2).sum())
-        return kept / tot if tot > 0 else 1.0
-
-
-def fit_pca(x: torch.Tensor) -> PCA:
-    """Mean and eigendecomposition of the covariance of tokens x [..., H] (float64)."""
-    x = x.reshape(-1, x.shape[-1]).double()
-    mu = x.mean(0)
-    xc = x - mu
-    w, V = torch.linalg.eigh(xc.T @ xc / max(1, x.shape[0]))
-    return PCA(mu.float(), w.flip(0), V.flip(1).float().contiguous())
-
-
 def spectrum_stats(eigvals: torch.Tensor) -> dict:
     """Participation ratio (sum l)^2 / sum l^2 and entropy rank exp(H(l / sum l))."""
     lam = eigvals.double().clamp_min(0)
@@ -901,7 +881,7 @@ def run_diagnostics(model, model_path: str, train_rows: torch.Tensor, eval_rows:
             progress(f"boundary {L}: dense boundary gradients of {nb} calibration rows (gradient PCA)")
             gpca = fit_pca(boundary_gradients(split, hs_cal[L][:nb], L, cal[:nb], s.grad_rows))
         calib = calibrate(hs_cal[L], e_cal, pca, gpca)
-        ts = [codec_transform(sp, H, L, s.seed, dtype) for sp in codec_specs]
+        ts = [codec_transform(sp, H, L, s.seed, dtype, hs_cal[L]) for sp in codec_specs]
         if s.pca_sweep:
             ts += pca_sweep_transforms(pca, H)
         if s.candidates != []:
@@ -943,7 +923,7 @@ def run_diagnostics(model, model_path: str, train_rows: torch.Tensor, eval_rows:
                 prev = report["boundaries"].get(str(L))
                 t = (candidate_transforms(calib, split.embed, H, L, s.seed, s.budget, [name], s.massive_m, dtype,
                                           s.seq_len)
-                     if name in CANDIDATES else [codec_transform(name, H, L, s.seed, dtype)])
+                     if name in CANDIDATES else [codec_transform(name, H, L, s.seed, dtype, hs_cal[L])])
                 if not t:
                     continue
                 t = t[0]

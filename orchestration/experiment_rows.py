@@ -44,6 +44,9 @@ ROWS: tuple[Row, ...] = (
         label="4-bit quantization ~4x/4x (no anchor)", paper="collapses on generation"),
     Row("bottleneck", "baseline", "m95", ("--boundary.codec", "bottleneck", "--boundary.p", "0.95"),
         label="bottleneck projection 20x/20x (no anchor)", paper="collapses on generation"),
+    # Calibrated PCA codec at 1/15 of dense fp32 per direction (k int4 coordinates + position 0 as int8).
+    Row("pca4", "baseline", "pca4", label="PCA-int4 + sink, 1/15 of dense (no anchor)",
+        paper="(not in the paper; diagnose: sink+pca-int4)"),
     # Ablations around M95+AP (p=0.90 with the anchor is the main row m90-ap; m90 is its
     # no-anchor control, separating the effect of p from the anchor's).
     Row("m90", "ablation", "m95", ("--boundary.p", "0.90"), label="M90 (mask p=0.90, no anchor)",

@@ -85,7 +85,7 @@ def _checkpoints(run_dir: str) -> list[tuple[int, str]]:
 _BASE_LOSS: dict = {}  # (base model path, held-out rows) -> eval_loss result, within one invocation
 
 
-def codec_eval_loss(model, held, cfg, *, seed: int = 0, step: int = 0) -> dict:
+def codec_eval_loss(model, held, cfg, *, seed: int = 0, step: int = 0, run_dir: str | None = None) -> dict:
     """Held-out loss of ``model`` through the training-time pipeline: split into
     ``cfg.mesh.stages`` stages as the trainer splits it (``stages.split_model`` with
     ``--mesh.layers-per-stage``), the trainer's boundary codec (``codecs.make_codec`` from
@@ -101,6 +101,9 @@ def codec_eval_loss(model, held, cfg, *, seed: int = 0, step: int = 0) -> dict:
 
     stages = split_model(model, cfg.mesh.stages, cfg.mesh.layers_per_stage or None)
     codec = make_codec(cfg.boundary.codec, p=cfg.boundary.p, rescale=cfg.boundary.rescale, **cfg.boundary.options)
+    if cfg.boundary.codec == "pca":  # the basis the run trained with (RUN_DIR/pca_basis.pt)
+        from orchestration import calibration
+        codec.bases = calibration.load(run_dir)
     mask_seed = (int(seed) << 16) | 0
     chain: list = [stages[0]]
     for i, st in enumerate(stages[1:]):
@@ -149,7 +152,7 @@ def evaluate_run(row: Row, seed: int, s: Settings, argv: list[str], run_dir: str
     # how much of the deployed model's loss is train/test mismatch.
     codec_on = None
     if cfg.boundary.codec != "dense":
-        codec_on = codec_eval_loss(final_model, held, cfg, seed=seed, step=s.steps)["loss"]
+        codec_on = codec_eval_loss(final_model, held, cfg, seed=seed, step=s.steps, run_dir=run_dir)["loss"]
 
     rec: dict = {
         "row": row.name, "group": row.group, "label": row.label, "seed": seed,

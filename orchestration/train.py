@@ -154,6 +154,8 @@ def prepare(cfg: Config, *, load_model: bool = True) -> Plan:
                 resume_from, num_layers=n_layers, hidden_size=hf_cfg.hidden_size, arch=arch)
     if load_model:
         plan.model = _load_model(cfg, path)
+        from orchestration.calibration import prepare_run  # pca codec: fit the basis here, forked ranks inherit it
+        prepare_run(cfg, plan)
     return plan
 
 

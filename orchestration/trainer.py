@@ -217,6 +217,8 @@ class Trainer:
         t = cfg.train
         self.codec = make_codec(cfg.boundary.codec, p=cfg.boundary.p, rescale=cfg.boundary.rescale,
                                 **cfg.boundary.options)
+        from orchestration.calibration import attach  # pca codec: the run's basis, bytes counted once
+        attach(self)
         actions = make_schedule(t.schedule, cfg.mesh.stages, t.microbatches)[mesh.stage]
         mask_seed = (t.seed << 16) | mesh.row  # each replica draws its own masks: the row is in the Philox seed
         self.executor = PipelineExecutor(stage, actions, codec=self.codec, prev_rank=mesh.prev_rank,

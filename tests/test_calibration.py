@@ -1,0 +1,87 @@
+"""orchestration.calibration: the pca codec's per-boundary basis, fitted from training
+rows, the same on both sides of a boundary, counted once on the pp link."""
+import json
+import os
+
+import pytest
+import torch
+
+from meshkern.mask import MaskKey
+from orchestration import calibration, codecs
+from orchestration.codecs import PCACodec, apply_codec
+
+
+def test_codec_forward_equals_the_diagnose_sink_pca_int4_candidate():
+    """The real codec with a fit_basis basis = diagnose's sink+pca-int4 (robust PCA, int4
+    coordinates over their calibration std, position 0 as int8)."""
+    from orchestration import diagnose as dg
+
+    g = torch.Generator().manual_seed(0)
+    H, k = 32, 10
+    h_cal = torch.randn(8, 16, H, generator=g) @ torch.randn(H, H, generator=g) * 0.3 + 2.0
+    h_cal[:, 0] *= 200  # attention-sink-like position 0: an outlier, left out of the fit either way
+    h = torch.randn(3, 16, H, generator=g) @ torch.randn(H, H, generator=g) * 0.3 + 2.0
+    h[:, 0] *= 200
+    basis = calibration.fit_basis(h_cal, k, sink=True)
+    codec = PCACodec(bits=4, k=k, sink=True, bases={5: basis})
+    out = apply_codec(codec, h, MaskKey(0, 5, 0, 0))
+    rp = dg.calibrate(h_cal, torch.zeros_like(h_cal)).pca_robust
+    ref = torch.cat([dg._quant(h[..., :1, :], 8), dg.pca_project(h[..., 1:, :], rp, k, bits=4)], dim=-2)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(basis.sd, rp.eigvals[:k].sqrt().float())
+
+
+def test_gradient_std_and_rows_are_from_training_rows():
+    H, k = 16, 4
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(4, 8, H, generator=g)
+    grads = torch.randn(4, 8, H, generator=g)
+    b = calibration.fit_basis(h, k, sink=False, grads=grads)
+    c = grads.reshape(-1, H).double() @ b.U.double()
+    torch.testing.assert_close(b.gsd, c.pow(2).mean(0).sqrt().float())
+    rows = torch.arange(100).unsqueeze(1).repeat(1, 3)
+    a, a2 = calibration.calibration_rows(rows, 10, seed=3), calibration.calibration_rows(rows, 10, seed=3)
+    assert torch.equal(a, a2) and a.shape == (10, 3) and len(set(a[:, 0].tolist())) == 10
+
+
+@pytest.mark.parametrize("start", ["spawn", "fork"])
+def test_pca_codec_trains_through_the_mesh(tiny, tmp_path, start):
+    """2x2 mesh, pca codec: finite losses; the basis in RUN_DIR equals a fit on the run's
+    training rows with the model as loaded; PP bytes = the codec's wire bytes per
+    micro-batch + the basis once per boundary link (pp_fwd)."""
+    from orchestration.config import parse_args
+    from orchestration.launch import run_local
+    from orchestration.mesh import MeshLayout
+    from orchestration.models import load_causal_lm
+    from orchestration.train import prepare, run_rank
+
+    argv = ["--model", str(tiny / "model"), "--data", str(tiny / "data.txt"), "--data.seq-len", "32",
+            "--data.max-sequences", "200", "--train.batch-size", "4", "--train.microbatches", "2",
+            "--run.out-dir", str(tmp_path), "--run.name", "t", "--run.progress", "false",
+            "--run.eval-sequences", "4", "--mesh.timeout-s", "60", "--mesh.rows", "2", "--mesh.stages", "2",
+            "--train.steps", "3", "--preset", "pca4", "--boundary.options", '{"seq_len": 32, "calib_rows": 8}',
+            "--mesh.start-method", start]
+    codecs.PCA_BASES.clear()
+    try:
+        cfg, _ = parse_args(argv)
+        plan = prepare(cfg)
+        lay = MeshLayout(cfg.mesh.rows, cfg.mesh.stages)
+        res = run_local(run_rank, cfg.world_size, (cfg, plan), timeout_s=240, describe=lay.describe,
+                        start_method=start)
+    finally:
+        codecs.PCA_BASES.clear()
+    assert all(l == l and l > 0 for l in res[1]["losses"])
+    saved = calibration.load(plan.run_dir)
+    model, _ = load_causal_lm(tiny / "model")
+    fresh = calibration.bases_for_run(cfg, model, plan.train_rows)
+    assert sorted(saved) == [0]
+    for name in ("mean", "U", "sd", "gsd"):
+        torch.testing.assert_close(getattr(saved[0], name), getattr(fresh[0], name), rtol=1e-4, atol=1e-5)
+    codec = calibration.codec_of(cfg)
+    assert codec.width(40) == saved[0].k == 8  # B = 160 // 15 = 10: 2 for position 0, 4 for the scale, 4 B of int4
+    per_mb = codec.wire_bytes((2, 32, 40), torch.float32, "fwd")
+    assert per_mb == 2 * (44 + 31 * (4 + 4))
+    links = json.load(open(os.path.join(plan.run_dir, "link_bytes.json")))["links"]
+    basis = 4 * (40 + 40 * 8 + 2 * 8)
+    assert links["pp_fwd:0->1"] == links["pp_fwd:2->3"] == 3 * 2 * per_mb + basis
+    assert links["pp_bwd:1->0"] == links["pp_bwd:3->2"] == 3 * 2 * per_mb
