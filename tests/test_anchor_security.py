@@ -99,6 +99,8 @@ def _fuzz_payload(rng, n, layout):
                     V.reshape(-1)]
         return torch.cat(out)
     v = torch.randn(n, dtype=torch.float64) * 10 ** rng.uniform(-4, 45)
+    if rng.random() < 0.4:  # no negative S: gets as far as the orthonormality / magnitude checks
+        v = v.abs()
     if rng.random() < 0.2:
         v[rng.randrange(n)] = rng.choice([float("nan"), float("inf"), -float("inf")])
     return v
@@ -112,6 +114,7 @@ def test_1000_fuzzed_anchor_messages_never_crash_and_never_touch_a_weight(tmp_pa
     a clean rejection, a ProtocolError (the link would be dropped), or an update that is
     within the bounds; poll never raises, no weight changes, and what the optimizer took
     passed the same bounds checked here independently."""
+    torch.manual_seed(14)
     hook, opt, params = _hook(tmp_path, monkeypatch, transport)
     lay = hook.layout
     before = [p.detach().clone() for p in params]
@@ -139,6 +142,7 @@ def test_1000_fuzzed_anchor_messages_never_crash_and_never_touch_a_weight(tmp_pa
         for p, b in zip(params, before):
             assert torch.equal(p.detach(), b)  # poll hands updates to the optimizer; it never writes a weight
     st = hook.stats()
+    print(outcomes, {k: v for k, v in st.items() if k.startswith("rejected") or k == "applied"})
     assert sum(outcomes.values()) == 1000 and min(outcomes.values()) > 0, outcomes
     assert st["arrivals"] == outcomes["update"] + outcomes["rejected"]
     assert st["applied"] + st["rejected"] == st["arrivals"] and not hook.pending  # each one ends one way
