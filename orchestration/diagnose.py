@@ -262,8 +262,12 @@ def codec_transform(spec: str, H: int, L: int, seed: int, dtype=torch.float32,
 
         codec.bases = {L: fit_basis(h_cal, codec.width(H), codec.sink)}
     key = MaskKey(seed, L, 0, 0)
-    return Transform(codec_label(spec), lambda h, ids: apply_codec(codec, h, key),
-                     codec.wire_bytes((1, H), dtype, "fwd"), codec.wire_bytes((1, H), dtype, "bwd"), "codec", spec)
+    if isinstance(codec, PCACodec):  # per token over a row of seq_len (position 0 is per row)
+        T = codec.seq_len
+        nb = [-(-codec.wire_bytes((1, T, H), dtype, d) // T) for d in ("fwd", "bwd")]
+    else:
+        nb = [codec.wire_bytes((1, H), dtype, d) for d in ("fwd", "bwd")]
+    return Transform(codec_label(spec), lambda h, ids: apply_codec(codec, h, key), nb[0], nb[1], "codec", spec)
 
 
 def default_codec_specs(H: int, budget: int, elem: int = 4) -> list[str]:

@@ -85,3 +85,16 @@ def test_pca_codec_trains_through_the_mesh(tiny, tmp_path, start):
     basis = 4 * (40 + 40 * 8 + 2 * 8)
     assert links["pp_fwd:0->1"] == links["pp_fwd:2->3"] == 3 * 2 * per_mb + basis
     assert links["pp_bwd:1->0"] == links["pp_bwd:3->2"] == 3 * 2 * per_mb
+
+
+def test_diagnose_codec_transform_fits_the_pca_basis_and_counts_bytes_per_row():
+    from orchestration import diagnose as dg
+
+    h_cal = torch.randn(2, 128, 576)
+    t = dg.codec_transform("pca:bits=4,budget=15", 576, 15, 0, h_cal=h_cal)
+    assert t.bytes_fwd == t.bytes_bwd == 152  # ceil((580 + 127 * (144 + 4)) / 128) <= 153 = 2304 // 15
+    h = torch.randn(1, 128, 576)
+    out = t.fn(h, None)
+    assert out.shape == h.shape and torch.isfinite(out).all()
+    with pytest.raises(dg.UsageError):
+        dg.codec_transform("pca", 576, 15, 0)
