@@ -98,3 +98,26 @@ def test_diagnose_codec_transform_fits_the_pca_basis_and_counts_bytes_per_row():
     assert out.shape == h.shape and torch.isfinite(out).all()
     with pytest.raises(dg.UsageError):
         dg.codec_transform("pca", 576, 15, 0)
+
+
+def test_a_resumed_run_keeps_its_basis(tmp_path):
+    """prepare_run with RUN_DIR/pca_basis.pt present installs that file's basis (no refit:
+    the model it gets may already be trained)."""
+    from types import SimpleNamespace
+
+    from orchestration.config import parse_args
+
+    g = torch.Generator().manual_seed(2)
+    U, _ = torch.linalg.qr(torch.randn(16, 4, generator=g, dtype=torch.float64))
+    b = codecs.PCABasis(torch.randn(16, generator=g), U.float(), torch.rand(4, generator=g) + 0.1, torch.ones(4))
+    calibration.save({0: b}, str(tmp_path))
+    cfg, _ = parse_args(["--preset", "pca4", "--mesh.stages", "2"])
+    plan = SimpleNamespace(model=object(), train_rows=None, run_dir=str(tmp_path))  # a model it must not touch
+    codecs.PCA_BASES.clear()
+    try:
+        calibration.prepare_run(cfg, plan)
+        assert sorted(codecs.PCA_BASES) == [0]
+        for name in ("mean", "U", "sd", "gsd"):
+            assert torch.equal(getattr(codecs.PCA_BASES[0], name), getattr(b, name))
+    finally:
+        codecs.PCA_BASES.clear()
