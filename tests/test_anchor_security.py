@@ -208,7 +208,7 @@ def test_out_of_scale_orthonormal_factors_are_rejected_for_their_magnitude(tmp_p
 
 
 # ------------------------------------------------------------------ the secret and the store keys
-def test_secret_file_is_private_and_shared(tmp_path, monkeypatch):
+def test_secret_file_is_private_and_shared(tmp_path, monkeypatch, capfd):
     monkeypatch.delenv(auth.SECRET_ENV, raising=False)
     path = str(tmp_path / "run" / "anchor.secret")
     k1 = auth.ensure_secret(path)
@@ -224,6 +224,11 @@ def test_secret_file_is_private_and_shared(tmp_path, monkeypatch):
     cfg.run.name = "other"
     with pytest.raises(FileNotFoundError, match="--anchor.secret-file"):
         auth.anchor_secret(cfg)
+    cfg.anchor.secret_file = path  # another machine: a copy passed with --anchor.secret-file
+    assert auth.anchor_secret(cfg) == k1
+    os.chmod(path, 0o644)
+    assert auth.anchor_secret(cfg) == k1  # still used, with a warning
+    assert "readable by others" in capfd.readouterr().err
 
 
 def test_generation_announces_need_the_secret():
