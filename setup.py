@@ -21,6 +21,9 @@ import os
 from setuptools import setup
 
 GROUPS = {"mask": "_mask_C", "spectral": "_spectral_C", "dp": "_dp_C"}
+# Runtime requirements (pyproject.toml: dynamic = ["dependencies"]). torch is added by
+# _torch_requirement: the exact build torch when extensions are compiled.
+RUNTIME_REQUIRES = ["transformers>=5.0", "tokenizers", "safetensors", "pyyaml", "tqdm", "numpy"]
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -37,6 +40,19 @@ def _write_build_info(torch_version, groups, cuda_groups):
     keep = set(old.get("cuda_groups", [])) - set(groups) if old.get("torch") == torch_version else set()
     with open(path, "w") as f:
         json.dump({"torch": torch_version, "cuda_groups": sorted(keep | set(cuda_groups))}, f)
+
+
+def _torch_requirement():
+    """``torch==<the build's torch.__version__>`` (local label included: 2.13.0+cpu and
+    2.13.0+cu128 are different binaries) when extensions are built, else ``torch>=2.4``.
+    meshkern/_backend.py refuses an extension built for another torch, so a looser pin
+    would let pip install a torch (e.g. the newest CUDA one) under which every op silently
+    falls back to the pure-torch reference."""
+    if os.environ.get("MESHKERN_NO_EXT") == "1":
+        return "torch>=2.4"
+    import torch
+
+    return f"torch=={torch.__version__}"
 
 
 def _ext_modules():
@@ -88,4 +104,4 @@ def _ext_modules():
 
 
 ext_modules, cmdclass = _ext_modules()
-setup(ext_modules=ext_modules, cmdclass=cmdclass)
+setup(ext_modules=ext_modules, cmdclass=cmdclass, install_requires=RUNTIME_REQUIRES + [_torch_requirement()])
