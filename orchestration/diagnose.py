@@ -248,10 +248,11 @@ def codec_label(spec: str) -> str:
 
 
 def codec_transform(spec: str, H: int, L: int, seed: int, dtype=torch.float32,
-                    h_cal: torch.Tensor | None = None) -> Transform:
+                    h_cal: torch.Tensor | None = None, g_cal: torch.Tensor | None = None) -> Transform:
     """The codec of ``spec`` round-tripped at boundary L; a ``pca`` codec gets its basis
-    from the calibration hidden states ``h_cal`` [B, T, H] (calibration.fit_basis: as the
-    trainer fits it, forward only here, so gsd = 1)."""
+    from the calibration hidden states ``h_cal`` [B, T, H] (calibration.fit_basis, as the
+    trainer fits it; gsd from the dense boundary gradients ``g_cal`` of the first rows of
+    h_cal when given, else gsd = 1)."""
     from meshkern.mask import MaskKey
 
     codec = build_codec(spec, H)
@@ -260,7 +261,7 @@ def codec_transform(spec: str, H: int, L: int, seed: int, dtype=torch.float32,
             raise UsageError(f"--codecs {spec!r}: the pca codec needs calibration rows")
         from orchestration.calibration import fit_basis
 
-        codec.bases = {L: fit_basis(h_cal, codec.width(H), codec.sink)}
+        codec.bases = {L: fit_basis(h_cal, codec.width(H), codec.sink, g_cal)}
     key = MaskKey(seed, L, 0, 0)
     if isinstance(codec, PCACodec):  # per token over a row of seq_len (position 0 is per row)
         T = codec.seq_len
@@ -270,9 +271,10 @@ def codec_transform(spec: str, H: int, L: int, seed: int, dtype=torch.float32,
     return Transform(codec_label(spec), lambda h, ids: apply_codec(codec, h, key), nb[0], nb[1], "codec", spec)
 
 
-def default_codec_specs(H: int, budget: int, elem: int = 4) -> list[str]:
+def default_codec_specs(H: int, budget: int, elem: int = 4, seq_len: int = 128) -> list[str]:
     """Every codec at a few ratios; topk / bottleneck also at the bytes of mask p=0.95 and of
-    the 1/budget target (mask at the budget: K = the fp32 values that fit)."""
+    the 1/budget target (mask at the budget: K = the fp32 values that fit); pca (int4 and
+    int8, sink) at the budget."""
     from meshkern.mask import kept_dims
 
     k95 = kept_dims(H, 0.95)
@@ -283,6 +285,8 @@ def default_codec_specs(H: int, budget: int, elem: int = 4) -> list[str]:
         specs.append(f"mask:p={1 - k_budget / H:.6f}")
     specs += [f"topk:k={max(1, k95 * elem // (elem + idx))}", f"topk:k={max(1, k_budget * elem // (elem + idx))}",
               "bottleneck:p=0.95", f"bottleneck:rank={k_budget}", "int8", "int4"]
+    sl = "" if seq_len == 128 else f",seq_len={seq_len}"
+    specs += [f"pca:budget={budget}{sl}", f"pca:bits=8,budget={budget}{sl}"]
     return list(dict.fromkeys(specs))
 
 
@@ -776,6 +780,10 @@ class Settings:
     max_sequences: int = 0
 
 
+# What a saved partial report must share with this run to be continued (--resume).
+_RESUME_KEYS = ("model", "layers", "hidden", "settings", "rows", "base_loss")
+
+
 def check_settings(s: Settings) -> None:
     """UsageError for inputs that are wrong before any model is loaded."""
     if not s.stages and not s.boundaries and not s.every_layer:
@@ -813,8 +821,13 @@ def _row(t: Transform, loss: float, rows: torch.Tensor, base: float, base_rows: 
 
 
 def run_diagnostics(model, model_path: str, train_rows: torch.Tensor, eval_rows: torch.Tensor, s: Settings,
-                    progress: Callable[[str], None] = log) -> dict:
-    """Everything the module docstring lists; returns the report (a JSON-able dict)."""
+                    progress: Callable[[str], None] = log, partial: dict | None = None,
+                    save: Callable[[dict], None] | None = None) -> dict:
+    """Everything the module docstring lists; returns the report (a JSON-able dict).
+
+    ``save(report)`` is called after every boundary, scan step and anchor split (the report
+    so far); ``partial``, such a saved report of the same model, rows and settings, is
+    continued: what it holds is not measured again (UsageError if it does not match)."""
     t0 = time.time()
     model.eval()
     cfg = model.config
@@ -834,7 +847,7 @@ def run_diagnostics(model, model_path: str, train_rows: torch.Tensor, eval_rows:
     anchor_b = [pick_rows(train_rows, s.grad_rows, s.seed, skip=s.calib_rows + j * s.grad_rows)
                 for j in range(s.anchor_batches)] if s.anchor and s.stages else []
     gids = ev[:s.grad_rows]
-    codec_specs = s.codecs if s.codecs is not None else default_codec_specs(H, s.budget)
+    codec_specs = s.codecs if s.codecs is not None else default_codec_specs(H, s.budget, seq_len=s.seq_len)
     for spec in codec_specs:
         build_codec(spec, H)
     scan_bs = list(range(1, n)) if s.every_layer else []
@@ -863,6 +876,20 @@ def run_diagnostics(model, model_path: str, train_rows: torch.Tensor, eval_rows:
                        "held_out_available": int(eval_rows.shape[0]), "train_available": int(train_rows.shape[0])},
               "base_loss": base, "base_loss_unsplit_model": unsplit, "boundaries": {}, "layer_scan": {},
               "anchor": {}}
+    if partial is not None:
+        mine = json.loads(json.dumps({k: report[k] for k in _RESUME_KEYS}, default=str))
+        theirs = {k: partial.get(k) for k in _RESUME_KEYS}
+        if mine != theirs:
+            diff = [k for k in _RESUME_KEYS if mine[k] != theirs[k]]
+            raise UsageError(f"cannot resume: the saved partial report differs in {', '.join(diff)}")
+        for k in ("boundaries", "layer_scan", "anchor"):
+            report[k] = dict(partial.get(k, {}))
+        progress(f"resuming: {len(report['boundaries'])} boundaries, {len(report['layer_scan'])} scan steps, "
+                 f"{len(report['anchor'])} anchor splits already measured")
+
+    def checkpoint():
+        if save is not None:
+            save(report)
 
     def stage_groups(L):
         out = {}
@@ -877,15 +904,18 @@ def run_diagnostics(model, model_path: str, train_rows: torch.Tensor, eval_rows:
         return out
 
     for bi, L in enumerate(main_bs):
+        if str(L) in report["boundaries"]:
+            continue
         tb = time.time()
         stats, pca = activation_stats(hs_cal[L], hs_ev[L])
-        gpca = None
+        gpca = g_cal = None
         if s.grads:
             nb = min(s.calib_rows, 2 * s.grad_rows)
             progress(f"boundary {L}: dense boundary gradients of {nb} calibration rows (gradient PCA)")
-            gpca = fit_pca(boundary_gradients(split, hs_cal[L][:nb], L, cal[:nb], s.grad_rows))
+            g_cal = boundary_gradients(split, hs_cal[L][:nb], L, cal[:nb], s.grad_rows)
+            gpca = fit_pca(g_cal)
         calib = calibrate(hs_cal[L], e_cal, pca, gpca)
-        ts = [codec_transform(sp, H, L, s.seed, dtype, hs_cal[L]) for sp in codec_specs]
+        ts = [codec_transform(sp, H, L, s.seed, dtype, hs_cal[L], g_cal) for sp in codec_specs]
         if s.pca_sweep:
             ts += pca_sweep_transforms(pca, H)
         if s.candidates != []:
@@ -917,9 +947,12 @@ def run_diagnostics(model, model_path: str, train_rows: torch.Tensor, eval_rows:
         report["boundaries"][str(L)] = {"layer": L, "depth": L / n, "in_splits": [y for y, sp in splits.items()
                                                                                    if L in sp["boundaries"]],
                                         "stats": stats, "transforms": rows, "seconds": time.time() - tb}
+        checkpoint()
 
     if scan_bs:
         for L in scan_bs:
+            if str(L) in report["layer_scan"]:
+                continue
             st, pca = activation_stats(hs_cal[L], hs_ev[L])
             calib = calibrate(hs_cal[L], e_cal, pca)
             losses = {}
@@ -936,12 +969,16 @@ def run_diagnostics(model, model_path: str, train_rows: torch.Tensor, eval_rows:
             compact = {k: v for k, v in st.items() if k not in ("eigvals", "dim_mean_abs_sorted")}
             report["layer_scan"][str(L)] = {"stats": compact, "losses": losses}
             progress(f"layer scan {L}/{n - 1}: " + "  ".join(f"{k} {v:.3f}" for k, v in losses.items()))
+            checkpoint()
 
     if s.anchor:
         for y in s.stages:
+            if str(y) in report["anchor"]:
+                continue
             report["anchor"][str(y)] = anchor_diagnostics(
                 model, y, gids, anchor_b, codec_spec=s.anchor_codec, seed=s.seed, tau=s.tau, alpha=s.alpha,
                 beta_anc=s.beta_anc, rank=s.rank, progress=progress)
+            checkpoint()
     report["seconds"] = time.time() - t0
     return report
 
@@ -1240,6 +1277,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", default="diagnostics", help="output directory (report.json, table.txt, *.png)")
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--threads", type=int, default=2, help="torch threads")
+    ap.add_argument("--resume", action="store_true", help="continue from OUT/report.partial.json (written after every "
+                    "boundary, scan step and anchor split) if it matches this run")
     ap.add_argument("--replot", default=None, metavar="REPORT_JSON",
                     help="only redraw the plots and the table of an existing report.json into --out")
     return ap
@@ -1285,7 +1324,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     try:
-        rep = run_diagnostics(model, path, train_rows, eval_rows, s)
+        os.makedirs(a.out, exist_ok=True)
+        part_file = os.path.join(a.out, "report.partial.json")
+        partial = None
+        if a.resume and os.path.exists(part_file):
+            with open(part_file) as f:
+                partial = json.load(f)
+
+        def save(r):
+            tmp = part_file + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(r, f, default=str)
+            os.replace(tmp, part_file)
+
+        rep = run_diagnostics(model, path, train_rows, eval_rows, s, partial=partial, save=save)
     except UsageError as e:  # e.g. a boundary or codec that does not fit this model
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
@@ -1293,6 +1345,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "report.json"), "w") as f:
         json.dump(rep, f, indent=1, default=str)
+    if os.path.exists(part_file):
+        os.remove(part_file)
     write_outputs(rep, a.out, plots=not a.no_plots)
     return 0
 

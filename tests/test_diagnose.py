@@ -305,3 +305,34 @@ def test_cli_missing_model_subprocess(tmp_path):
     assert r.returncode == 2
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and "does not exist" in lines[0]
+
+
+def test_partial_report_is_continued_not_remeasured(tiny_setup):
+    model, path, train, held = tiny_setup
+    s = dg.Settings(stages=[2, 3], codecs=["dense", "mask:p=0.9"], candidates=["pca"], pca_sweep=False,
+                    grads=False, anchor=False, eval_rows=4, calib_rows=4)
+    saved = []
+    full = dg.run_diagnostics(model, path, train, held, s, progress=lambda m: None,
+                              save=lambda r: saved.append(json.loads(json.dumps(r, default=str))))
+    assert len(saved) == 2 and list(saved[0]["boundaries"]) == ["2"]
+    msgs = []
+    again = dg.run_diagnostics(model, path, train, held, s, progress=msgs.append, partial=saved[0])
+    assert not any(m.startswith("boundary 2 ") for m in msgs) and any(m.startswith("boundary 3 ") for m in msgs)
+    def measured(r):
+        return {L: {k: v for k, v in b.items() if k != "seconds"} for L, b in
+                json.loads(json.dumps(r["boundaries"], default=str)).items()}
+    assert measured(again) == measured(full)
+    other = dg.Settings(**{**vars(s), "eval_rows": 3})
+    with pytest.raises(dg.UsageError, match="cannot resume"):
+        dg.run_diagnostics(model, path, train, held, other, progress=lambda m: None, partial=saved[0])
+
+
+def test_default_codecs_include_the_pca_codec_within_budget(tiny_setup):
+    model, path, train, held = tiny_setup
+    specs = dg.default_codec_specs(40, 15, seq_len=SEQ)
+    assert f"pca:budget=15,seq_len={SEQ}" in specs and f"pca:bits=8,budget=15,seq_len={SEQ}" in specs
+    s = dg.Settings(stages=[2], codecs=[f"pca:budget=15,seq_len={SEQ}"], candidates=[], pca_sweep=False,
+                    anchor=False, eval_rows=4, calib_rows=8, grad_rows=2, seq_len=SEQ)
+    rep = dg.run_diagnostics(model, path, train, held, s, progress=lambda m: None)
+    (row,) = rep["boundaries"]["2"]["transforms"]
+    assert row["bytes_fwd"] <= dg.dense_bytes(40) // 15 and row["grad"]["prefix"]["cos"] > 0.5
