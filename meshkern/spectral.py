@@ -16,27 +16,40 @@ MESHKERN_BACKEND environment variable sets the default, see meshkern._backend):
     project(G[B,m,n], U, S, V, tau, alpha)  -> G_proj[B,m,n]   (differentiable in G)
     project(..., out=buf)                   writes G_proj into buf (not differentiable)
 
-Randomized SVD (Halko, Martinsson, Tropp 2011, algorithms 4.4 + 5.1): a Gaussian test
-matrix Omega[n, r+o] (seeded: the result is a deterministic function of the inputs and
-``seed``), Y = M Omega, ``power_iters`` rounds of re-orthonormalized power iteration,
-then the small problem: B = Q^T M [r+o, n], C = B B^T [(r+o), (r+o)] solved by the
-batched symmetric-eigen op (cyclic Jacobi in the C++/CUDA/Triton kernels), s = sqrt(w),
-U = Q W, V = B^T W / s. The big GEMMs stay in torch (BLAS/cuBLAS are already optimal);
-the kernels do the many small eigen problems and the fused projection.
+Truncated SVD, method="krylov" (the default): block Lanczos on M^T M with full
+reorthogonalization, a seeded Gaussian start block V_1[n, b] (the result is a
+deterministic function of the inputs and ``seed``), ``steps`` blocks; both products of
+a step (Y = M V_j, Z = M^T Y) come from one pass over M in meshkern_C::gram_products on
+CPU (csrc/spectral/krylov.cpp; two torch GEMMs elsewhere); the Ritz values are the
+singular values of Y = M [V_1 .. V_k], from the eigen-decomposition of its fp64 Gram
+matrix. Per column of products it needs about half of what power iteration needs for
+the same top-r error (docs/benchmarks.md, "Spectral").
+method="randomized" (Halko, Martinsson, Tropp 2011, algorithms 4.4 + 5.1): a Gaussian
+test matrix Omega[n, r+o], Y = M Omega, ``power_iters`` rounds of re-orthonormalized
+power iteration, then B = Q^T M [r+o, n], C = B B^T solved by the batched
+symmetric-eigen op, s = sqrt(w), U = Q W, V = B^T W / s.
+The small eigen problems go to the kernel ``backend`` names; "auto" takes LAPACK's eigh
+on CPU (5-10x faster there than the Jacobi kernel) and the Jacobi kernels on GPUs.
 
 Accuracy knobs (their measured effect: docs/benchmarks.md, "Spectral"):
-    oversample   extra columns o; error falls with o, cost grows ~ (r+o)
-    power_iters  q; the error of the top-r values shrinks like (s_{r+o}/s_r)^(2q+1)
+    block, steps  krylov: b columns per block (default ceil(rank / 2)) and k blocks
+                 (default 7): k products with M and k - 1 with M^T of b columns each
+    oversample   randomized: extra columns o; error falls with o, cost grows ~ (r+o)
+    power_iters  randomized: q; the error of the top-r values shrinks like
+                 (s_{r+o}/s_r)^(2q+1)
     ortho        "qr" (Householder, always stable) or "cholqr2" (Cholesky-QR twice:
                  GEMM-only, falls back to QR for a batch entry whose Gram matrix is
                  not numerically positive definite)
-    method       "randomized" or "exact" (torch.linalg.svd, then truncation)
-The defaults (o = 16, q = 3) meet a 1% relative-error target on the top-32 singular
-values of the spectra bench/spectral_bench.py measures.
+    method       "krylov", "randomized" or "exact" (torch.linalg.svd, then truncation)
+Both defaults (krylov b = 16, k = 7 at rank 32; randomized o = 16, q = 3) meet a 1%
+relative-error target on the top-32 singular values of s_i = 1/(1+i) and exp(-i/50);
+krylov's error is the lower of the two on every spectrum and shape bench/spectral_bench.py
+measures, at 0.5-0.7x of randomized's time there.
 """
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 from torch import Tensor
@@ -83,6 +96,9 @@ def _check_project_args(G, U, S, V, tau, alpha) -> tuple[float, float]:
 _SEED_RANGE = (-(2**63), 2**63)
 
 
+METHODS = ("krylov", "randomized", "exact")
+
+
 def _check_svd_options(rank, oversample, power_iters, seed, ortho, method) -> tuple[int, int, int, int]:
     """Validates randomized_svd's options (also used by meshkern.optim at construction);
     returns (rank, oversample, power_iters, seed) as Python ints. ValueError naming the
@@ -98,9 +114,21 @@ def _check_svd_options(rank, oversample, power_iters, seed, ortho, method) -> tu
         raise ValueError(f"seed must be an int in [-2**63, 2**63) (one int64), got {seed!r}")
     if ortho not in ("qr", "cholqr2"):
         raise ValueError(f"ortho must be 'qr' or 'cholqr2', got {ortho!r}")
-    if method not in ("randomized", "exact"):
-        raise ValueError(f"method must be 'randomized' or 'exact', got {method!r}")
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     return out[0], out[1], out[2], sd
+
+
+def _check_krylov_options(block, steps) -> tuple[int, int]:
+    """block, steps of method="krylov" as Python ints; None (or 0) stands for the default,
+    returned as 0. ValueError naming the argument."""
+    out = []
+    for name, val in (("block", block), ("steps", steps)):
+        v = 0 if val is None else _as_int(val)
+        if v is None or v < 0:
+            raise ValueError(f"{name} must be None or an int >= 1, got {val!r}")
+        out.append(v)
+    return out[0], out[1]
 
 
 def _check_tau(tau) -> float:
@@ -127,10 +155,21 @@ def _check_backend(backend, devices=()) -> str:
     return backend
 
 
+def _all_finite(t: Tensor) -> bool:
+    """True if ``t`` holds no NaN and no inf. One reduction (min and max: NaN propagates
+    into both, +inf reaches the max, -inf the min) instead of torch.isfinite(t).all(),
+    which materializes a bool tensor: on CPU, 1 thread, 16 x [1024, 1024] fp32, 3 ms
+    against 72 ms, a quarter of a randomized SVD's time (docs/benchmarks.md)."""
+    if t.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(t)
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
+
+
 def _check_finite(t: Tensor, what: str) -> None:
     """ValueError if ``t`` holds NaN or inf. Reads the data: call it inside a custom op's
     implementation (it runs on real tensors there, also under torch.compile)."""
-    if not bool(torch.isfinite(t).all()):
+    if not _all_finite(t):
         raise ValueError(f"{what} contains non-finite values (NaN or inf)")
 
 
@@ -382,6 +421,15 @@ def project(G: Tensor, U: Tensor, S: Tensor, V: Tensor, tau: float = 1e-3, alpha
 
 
 # ------------------------------------------------------------------- randomized SVD
+# method="krylov" defaults: KRYLOV_STEPS blocks of ceil(rank / 2) columns (block Lanczos;
+# docs/benchmarks.md, "Spectral").
+KRYLOV_STEPS = 7
+# A new Krylov block must be orthogonal to the earlier ones to this many ulps (max |P^T Q|);
+# well-conditioned steps give a few ulps, a block that the Gram-Schmidt passes could not
+# separate (the Krylov space is exhausted: rank-deficient M) is rebuilt by Householder QR.
+_KRYLOV_ORTHO_ULPS = 64.0
+
+
 def _orthonormalize(Y: Tensor, ortho: str) -> Tensor:
     """Orthonormal basis Q[B, m, l] of the columns of Y[B, m, l] (l <= m): Householder QR,
     or Cholesky-QR2 (meshkern.linalg.cholesky_qr2: GEMM-only, falls back to QR on entries
@@ -391,12 +439,143 @@ def _orthonormalize(Y: Tensor, ortho: str) -> Tensor:
     return cholesky_qr2(Y)
 
 
+def _auto_small_eig(C: Tensor, backend: str) -> tuple[Tensor, Tensor]:
+    """(w desc, W) of the small symmetric C[B, k, k] inside the SVDs. The kernel ``backend``
+    names runs it, except where "auto" lands on the cpp Jacobi kernel: on CPU LAPACK's eigh
+    is 5-20x faster for every k we use (k = 48: 1.8 vs 10 ms; k = 96: 9 vs 83 ms for a batch
+    of 16; docs/benchmarks.md), so auto takes it there."""
+    auto = (_backend.requested_name(backend) == "auto"
+            and _backend.requested_name(os.environ.get(_backend.ENV_VAR), _backend.ENV_VAR) == "auto")
+    if auto and C.device.type == "cpu":
+        return sym_eig_reference(C)
+    return _sym_eig_backend(C, DEFAULT_SWEEPS, backend)
+
+
+def _next_block(W: Tensor, P: Tensor, ortho: str) -> Tensor:
+    """Rows Q[B, b, d]: an orthonormal basis of the rows of W[B, b, d] after removing their
+    component in the row space of P[B, p, d] (orthonormal rows, p may be 0), orthogonal to P.
+
+    One classical Gram-Schmidt pass and QR of the block, then the check max |Q P^T| <= tol
+    (16 ulps: the relative error this leaves in the Ritz values). Entries that fail it get
+    a second pass on Q (the classical "twice is enough"; in the bench runs one pass
+    sufficed for ~85% of the blocks, and the check costs half a pass); an entry that still
+    fails (W lay, numerically, inside P's span: the Krylov space is exhausted) takes the
+    last b columns of the Householder QR of [P^T, Q^T] instead: orthonormal and
+    orthogonal to P whatever W was."""
+    p = P.shape[1]
+    if p:
+        W = W - (W @ P.mT) @ P
+    Q = _orthonormalize(W.mT, ortho).mT
+    if not p:
+        return Q.contiguous()
+    tol = _KRYLOV_ORTHO_ULPS * torch.finfo(W.dtype).eps
+    E = Q @ P.mT
+    bad = ~(E.abs().flatten(1).amax(dim=1) <= tol)  # NaN counts as bad
+    if bool(bad.any()):
+        idx = bad.nonzero().flatten()
+        Pi = P[idx]
+        Qi = _orthonormalize((Q[idx] - E[idx] @ Pi).mT, ortho).mT
+        still = ~((Qi @ Pi.mT).abs().flatten(1).amax(dim=1) <= tol)
+        if bool(still.any()):
+            full = torch.linalg.qr(torch.cat([Pi, Qi], dim=1).mT).Q
+            Qi = torch.where(still[:, None, None], full[:, :, p:].mT, Qi)
+        Q = Q.clone()
+        Q[idx] = Qi
+    return Q.contiguous()
+
+
+def _krylov_sizes(r: int, block: int, steps: int) -> tuple[int, int]:
+    """(b, k): columns per Krylov block and number of blocks (block / steps, or the defaults)."""
+    return block or max(1, -(-r // 2)), steps or KRYLOV_STEPS
+
+
+def _use_gram_kernel(A: Tensor, b: int, backend: str) -> bool:
+    """Whether the products run in meshkern_C::gram_products (csrc/spectral/krylov.cpp): fp32
+    CPU tensors, the cpp backend (what "auto" picks on CPU), a block size this CPU has a
+    kernel for. Otherwise two torch GEMMs per step, the same arithmetic up to rounding."""
+    if A.device.type != "cpu" or A.dtype != torch.float32:
+        return False
+    if _backend.resolve(GROUP, A.device, backend) != "cpp":
+        return False
+    _backend.extension(GROUP)
+    return bool(torch.ops.meshkern_C.gram_products_supported(b))
+
+
+def _gram_products(A: Tensor, Vt: Tensor, Yt: Tensor, with_z: bool, kernel: bool) -> Tensor | None:
+    """Writes Yt = (A V)^T [B, b, m] (a slice of the fp64 Y buffer) and returns, with
+    ``with_z``, Zt = (A^T A V)^T [B, b, n], for rows Vt[B, b, n]. Rows layout: the torch
+    products are then X @ A^T and X @ A with a contiguous X, MKL's fast layouts (A @ X and
+    A^T @ X ran 1.0-1.4x slower; docs/benchmarks.md)."""
+    if kernel:
+        Zt = torch.ops.meshkern_C.gram_products(A, Vt, with_z, Yt)
+        return Zt if with_z else None
+    Y = Vt @ A.mT
+    Yt.copy_(Y)
+    return Y @ A if with_z else None
+
+
+def _krylov_svd_impl(A: Tensor, r: int, b: int, k: int, seed: int, ortho: str, wd: torch.dtype,
+                     backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    """Block Lanczos on A^T A with full reorthogonalization (the block Krylov method of
+    Musco & Musco 2015, without its final pass over A).
+
+    V_1 = orth(Omega[n, b]); for j < k: Y_j = A V_j, Z_j = A^T Y_j, V_{j+1} = the part of Z_j
+    orthogonal to V_1..V_j, orthonormalized (_next_block); Y_k = A V_k. That is k products
+    with A and k - 1 with A^T, each b columns wide; on CPU both products of a step come from
+    one pass over A (meshkern_C::gram_products). V = [V_1 .. V_k] spans the block Krylov
+    space K_k(A^T A, V_1) and Y = A V; the Ritz values are the singular values of Y, from
+    the eigen-decomposition of its Gram matrix Y^T Y = X diag(s^2) X^T in fp64 (Y is fp32;
+    an fp32 Gram would square its rounding into the small values). Then V_r = V X (exactly
+    orthonormal), U_r = Y X / s (orthonormal to fp64 rounding: X diagonalizes the Gram of
+    the very Y used). Directions with s below 4 sqrt(eps(wd)) s_1 get V = 0, S = 0, and a
+    U column from a Householder QR that completes the others to an orthonormal set."""
+    Bn, m, n = A.shape
+    kernel = _use_gram_kernel(A, b, backend)
+    gen = torch.Generator(device=A.device)
+    gen.manual_seed(seed)
+    omega = torch.randn(Bn, n, b, generator=gen, device=A.device, dtype=wd)
+    Vb = A.new_empty(Bn, k * b, n)
+    Y = A.new_empty(Bn, k * b, m, dtype=torch.float64)    # the products, exact in fp64
+    Vb[:, :b] = _orthonormalize(omega, ortho).mT
+    for j in range(k):
+        Zt = _gram_products(A, Vb[:, j * b:(j + 1) * b], Y[:, j * b:(j + 1) * b], j < k - 1, kernel)
+        if Zt is not None:
+            Vb[:, (j + 1) * b:(j + 2) * b] = _next_block(Zt, Vb[:, :(j + 1) * b], ortho)
+    if not _all_finite(Y):  # an fp32 product that overflowed is inf here too
+        raise ValueError(f"the products M V overflow {wd} (singular values near the dtype's max): "
+                         f"scale M down or pass fp64")
+    C = Y @ Y.mT                                          # [B, k b, k b]
+    w, X = _auto_small_eig(0.5 * (C + C.mT), backend)
+    w, X = w[:, :r], X[:, :, :r]
+    S = w.clamp_min(0).sqrt()
+    floor = S[:, :1] * (torch.finfo(wd).eps ** 0.5) * 4
+    keep = S > floor
+    U = (X.mT @ Y).mT / torch.where(keep, S, torch.ones_like(S))[:, None, :]   # [B, m, r] fp64
+    if not bool(keep.all()):
+        # Complete the kept columns (orthonormal already) to an orthonormal U; QR keeps
+        # them up to sign, which the diagonal of R restores.
+        QR = torch.linalg.qr(U)
+        sign = torch.where(QR.R.diagonal(dim1=-2, dim2=-1) < 0, -1.0, 1.0).to(U.dtype)
+        U = torch.where(keep.all(dim=1)[:, None, None], U, QR.Q * sign[:, None, :])
+    V = (X.to(wd).mT @ Vb).mT
+    V = torch.where(keep[:, None, :], V, torch.zeros_like(V))
+    S = torch.where(keep, S, torch.zeros_like(S))
+    return U.to(wd).contiguous(), S.to(wd).contiguous(), V.contiguous()
+
+
 def _randomized_svd_impl(M: Tensor, rank: int, oversample: int, power_iters: int, seed: int,
-                         ortho: str, method: str, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+                         ortho: str, method: str, backend: str, block: int = 0,
+                         steps: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     Bn, m, n = M.shape
     wd = torch.float64 if M.dtype == torch.float64 else torch.float32
     A = M.to(wd)
     r = min(rank, m, n)
+    if method == "krylov":
+        b, k = _krylov_sizes(r, block, steps)
+        if k * b > min(m, n):
+            method = "exact"  # the Krylov space would not fit: a small matrix, its full SVD is cheap
+        else:
+            return _krylov_svd_impl(A, r, b, k, seed, ortho, wd, backend)
     if method == "exact":
         U, S, Vh = torch.linalg.svd(A, full_matrices=False)
         return U[:, :, :r].contiguous(), S[:, :r].contiguous(), Vh[:, :r, :].mT.contiguous()
@@ -406,15 +585,15 @@ def _randomized_svd_impl(M: Tensor, rank: int, oversample: int, power_iters: int
     omega = torch.randn(Bn, n, l, generator=gen, device=M.device, dtype=wd)
     Q = _orthonormalize(A @ omega, ortho)
     for _ in range(power_iters):
-        Z = _orthonormalize(A.mT @ Q, ortho)
+        Z = _orthonormalize((Q.mT @ A).mT, ortho)  # A^T Q in the faster layout (see _krylov_svd_impl)
         Q = _orthonormalize(A @ Z, ortho)
     Bs = Q.mT @ A                      # [B, l, n]
     C = Bs @ Bs.mT                     # [B, l, l], eigenvalues = s^2
     C = 0.5 * (C + C.mT)
-    if not bool(torch.isfinite(C).all()):
+    if not _all_finite(C):
         raise ValueError(f"M's Gram matrix overflows {wd} (singular values near sqrt of the dtype's max): "
                          f"scale M down or pass fp64")
-    w, W = _sym_eig_op(C, DEFAULT_SWEEPS, backend)
+    w, W = _auto_small_eig(C, backend)
     w, W = w[:, :r], W[:, :, :r]
     S = w.clamp_min(0).sqrt()
     U = Q @ W
@@ -430,13 +609,15 @@ def _randomized_svd_impl(M: Tensor, rank: int, oversample: int, power_iters: int
 
 @torch.library.custom_op("meshkern::randomized_svd", mutates_args=())
 def _randomized_svd_op(M: Tensor, rank: int, oversample: int, power_iters: int, seed: int,
-                       ortho: str, method: str, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+                       ortho: str, method: str, backend: str, block: int = 0,
+                       steps: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     _check_finite(M, "M")  # here, not in randomized_svd: a data check inside the op traces under torch.compile
-    return _randomized_svd_impl(M.contiguous(), rank, oversample, power_iters, seed, ortho, method, backend)
+    return _randomized_svd_impl(M.contiguous(), rank, oversample, power_iters, seed, ortho, method, backend,
+                                block, steps)
 
 
 @_randomized_svd_op.register_fake
-def _(M, rank, oversample, power_iters, seed, ortho, method, backend):
+def _(M, rank, oversample, power_iters, seed, ortho, method, backend, block=0, steps=0):
     Bn, m, n = M.shape
     r = min(rank, m, n)
     wd = torch.float64 if M.dtype == torch.float64 else torch.float32
@@ -444,28 +625,51 @@ def _(M, rank, oversample, power_iters, seed, ortho, method, backend):
 
 
 def randomized_svd(M: Tensor, rank: int, *, oversample: int = 16, power_iters: int = 3, seed: int = 0,
-                   ortho: str = "qr", method: str = "randomized",
-                   backend: str | None = "auto") -> tuple[Tensor, Tensor, Tensor]:
+                   ortho: str = "qr", method: str = "krylov", block: int | None = None,
+                   steps: int | None = None, backend: str | None = "auto") -> tuple[Tensor, Tensor, Tensor]:
     """Top-``rank`` singular triplets of each matrix in M[B, m, n] (or one [m, n]).
 
     Returns U[B,m,r], S[B,r] (descending, >= 0), V[B,n,r] with r = min(rank, m, n), in
     fp32 (fp64 for fp64 input), M ~= U diag(S) V^T on the top-r subspace. U and V have
     orthonormal columns (V's columns for s ~ 0 are zero). Deterministic for a given
-    ``seed``, backend and device (the test matrix comes from a torch.Generator seeded with
-    ``seed``). ``method="exact"`` uses torch.linalg.svd. ``backend`` ("auto" or None,
-    "cpp", "cuda", "triton", "reference") picks the small symmetric-eigen kernel.
-    rank, oversample, power_iters, seed: ints (numpy ints too). A non-contiguous M is
-    copied to a contiguous one first (M is never modified). Traceable by
+    ``seed``, method, backend and device (the start block comes from a torch.Generator
+    seeded with ``seed``).
+
+    ``method``:
+      "krylov" (default)  block Lanczos on M^T M with full reorthogonalization:
+          ``steps`` blocks (default 7) of ``block`` columns (default ceil(rank / 2)), i.e.
+          ``steps`` products with M and ``steps - 1`` with M^T; Ritz values from an fp64
+          Gram matrix. Per column of products it gains far more accuracy than power
+          iteration: at rank 32 its defaults (208 product columns) beat the randomized
+          defaults' (384) error on both bench spectra at [1024, 1024] and [2048, 2048].
+          On CPU both products of a step run in one pass over M
+          (meshkern_C::gram_products) when the block size has a kernel (multiples of 16
+          up to 64 with AVX-512, 8 or 16 with AVX2; else two torch GEMMs). Timings:
+          docs/benchmarks.md, "Spectral". A matrix with steps * block > min(m, n) takes
+          the "exact" path (its full SVD is cheap). ``oversample`` and ``power_iters``
+          are not used. Directions with s below 4 sqrt(eps) s_1 get S = 0 and V = 0
+          (U stays orthonormal).
+      "randomized"  Halko-Martinsson-Tropp subspace iteration: ``oversample`` extra
+          columns, ``power_iters`` re-orthonormalized power iterations (the method before
+          "krylov"; SpectralAdamW's default). Defaults (16, 3) meet the 1% top-r target on
+          s_i = 1/(1+i) and exp(-i/50) (0.1% / 0.25% at r=32 on [1024,1024]); for a very
+          slow decay such as (1+i)^-0.5 they give ~1.7-2.4%.
+      "exact"  torch.linalg.svd, then truncation.
+    ``ortho``: "qr" (Householder) or "cholqr2" (meshkern.linalg.cholesky_qr2) for the
+    orthonormalizations of both iterative methods. ``backend`` ("auto" or None, "cpp",
+    "cuda", "triton", "reference") picks the small symmetric-eigen kernel; "auto" takes
+    LAPACK's eigh on CPU (faster there than the Jacobi kernel); on CPU "cpp" (what auto
+    picks there) also runs krylov's products in meshkern_C::gram_products. rank, oversample,
+    power_iters, seed, block, steps: ints (numpy ints too). A non-contiguous M is copied
+    to a contiguous one first (M is never modified). Traceable by
     torch.compile(fullgraph=True).
 
     Errors: TypeError for a non-tensor or non-float M; ValueError for a shape other than
-    [m, n] / [B, m, n] with m, n >= 1, rank < 1, oversample or power_iters < 0, a seed
-    outside [-2**63, 2**63), an unknown ortho / method, an M holding NaN or inf (never a
-    NaN result), or an M whose Gram matrix overflows its working dtype; RuntimeError for
-    a forced backend that cannot run here. Defaults (oversample 16, power_iters 3, QR) meet the 1%
-    top-r singular-value target on slowly decaying spectra (s_i = 1/(1+i), exp(-i/50):
-    max error 0.1% / 0.25% at r=32 on [1024,1024]); for a very slow decay such as
-    (1+i)^-0.5 they give ~1.7%, and oversample=32 brings it to 0.3% (bench --knobs).
+    [m, n] / [B, m, n] with m, n >= 1, rank < 1, oversample or power_iters < 0, block or
+    steps < 0 (0 / None: the default), a seed outside [-2**63, 2**63), an unknown ortho /
+    method, an M holding NaN or inf (never a NaN result), or an M whose products (krylov)
+    / Gram matrix (randomized) overflow the working dtype; RuntimeError for a forced
+    backend that cannot run here.
     """
     squeeze = isinstance(M, Tensor) and M.dim() == 2
     if squeeze:
@@ -474,9 +678,11 @@ def randomized_svd(M: Tensor, rank: int, *, oversample: int = 16, power_iters: i
     if M.dim() != 3 or M.shape[1] < 1 or M.shape[2] < 1:
         raise ValueError(f"M must be a batch of matrices [B, m, n], got shape {tuple(M.shape)}")
     rank, oversample, power_iters, seed = _check_svd_options(rank, oversample, power_iters, seed, ortho, method)
-    U, S, V = _randomized_svd_op(M, rank, oversample, power_iters, seed, ortho, method, _check_backend(backend))
+    block, steps = _check_krylov_options(block, steps)
+    U, S, V = _randomized_svd_op(M, rank, oversample, power_iters, seed, ortho, method, _check_backend(backend),
+                                 block, steps)
     return (U[0], S[0], V[0]) if squeeze else (U, S, V)
 
 
 __all__ = ["sym_eig", "randomized_svd", "project", "gains", "sym_eig_reference", "project_reference",
-           "DEFAULT_SWEEPS"]
+           "DEFAULT_SWEEPS", "KRYLOV_STEPS", "METHODS"]

@@ -168,6 +168,120 @@ def test_randomized_svd_bad_input():
         sp.randomized_svd(torch.zeros(1, 2, 4, 4), 2)
 
 
+# ------------------------------------------------------------------ krylov (issue #15)
+def _gram_kernel(b):
+    """True when meshkern_C::gram_products has a kernel for block size b on this CPU."""
+    return _backend.extension("spectral") is not None and torch.ops.meshkern_C.gram_products_supported(b)
+
+
+def _top_err(S, s, r):
+    return ((S.double() - s[:r]) / s[:r]).abs().max().item()
+
+
+@pytest.mark.parametrize("b", [8, 16, 32, 48, 64])
+def test_gram_products_matches_torch(b):
+    if not _gram_kernel(b):
+        pytest.skip(f"no gram_products kernel for b={b} on this CPU")
+    A = _rand(3, 101, 77, seed=1)                   # m, n not multiples of the panel height
+    Vbuf = _rand(3, 2 * b + 5, 77, seed=2)
+    Vt = Vbuf[:, 3:3 + b]                           # a slice: dense rows, batch stride of the buffer
+    ref_y = Vt @ A.mT
+    ref_z = ref_y @ A
+    for dtype in (torch.float32, torch.float64):
+        Y = torch.full((3, 2 * b, 101), 7.0, dtype=dtype)
+        Zt = torch.ops.meshkern_C.gram_products(A, Vt, True, Y[:, b:])
+        assert torch.allclose(Y[:, b:].double(), ref_y.double(), rtol=1e-5, atol=1e-4)
+        assert torch.equal(Y[:, :b], torch.full((3, b, 101), 7.0, dtype=dtype))  # only the slice written
+        assert Zt.shape == (3, b, 77) and torch.allclose(Zt, ref_z, rtol=1e-4, atol=1e-3)
+    Y = torch.empty(3, b, 101)
+    Zt = torch.ops.meshkern_C.gram_products(A, Vt.contiguous(), False, Y)
+    assert Zt.numel() == 0 and torch.allclose(Y, ref_y, rtol=1e-5, atol=1e-4)
+
+
+def test_gram_products_rejects_what_it_has_no_kernel_for():
+    if _backend.extension("spectral") is None:
+        pytest.skip("meshkern._spectral_C not built")
+    assert not torch.ops.meshkern_C.gram_products_supported(5)
+    with pytest.raises(RuntimeError, match="no kernel for block size 5"):
+        torch.ops.meshkern_C.gram_products(torch.zeros(1, 8, 8), torch.zeros(1, 5, 8), True, torch.zeros(1, 5, 8))
+    with pytest.raises(RuntimeError, match="fp32"):
+        torch.ops.meshkern_C.gram_products(torch.zeros(1, 8, 8, dtype=torch.float64), torch.zeros(1, 16, 8), True,
+                                           torch.zeros(1, 16, 8))
+
+
+@pytest.mark.parametrize("spectrum", ["harmonic", "sqrt"])
+def test_krylov_default_beats_randomized_default_and_cpp_agrees_with_reference(spectrum):
+    """The bench's two spectra at a small size: the krylov default has a lower top-32
+    error than the randomized default, and the cpp path (fused products) and the torch
+    path give the same values to rounding."""
+    m, r = 384, 32
+    i = torch.arange(m, dtype=torch.float64)
+    s = 1.0 / (1.0 + i) if spectrum == "harmonic" else (1.0 + i) ** -0.5
+    M = _known_spectrum(2, m, m, s, seed=4)
+    U, S, V = sp.randomized_svd(M, r, backend="reference")
+    _, S_rand, _ = sp.randomized_svd(M, r, method="randomized", backend="reference")
+    assert _top_err(S, s, r) < _top_err(S_rand, s, r)
+    eye = torch.eye(r, dtype=torch.float64).expand(2, r, r)
+    assert torch.allclose(U.double().mT @ U.double(), eye, atol=1e-5)
+    assert torch.allclose(V.double().mT @ V.double(), eye, atol=1e-5)
+    if _backend.extension("spectral") is not None:
+        Uc, Sc, Vc = sp.randomized_svd(M, r, backend="cpp")
+        assert torch.allclose(Sc, S, rtol=1e-4)
+        # the leading half of the subspace is well separated: same vectors up to sign
+        assert _principal_cos(Uc[:, :, :8], U[:, :, :8]).min() > 0.9999
+        assert _principal_cos(Vc[:, :, :8], V[:, :, :8]).min() > 0.9999
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpp"])
+def test_krylov_rank_deficient_zero_and_repair(backend):
+    """rank 5 < 32 asked, and a zero matrix: the Krylov space is exhausted after the first
+    block, every later block is rebuilt by the Householder repair; U orthonormal, V and S
+    zero beyond the rank, exact reconstruction (block 16: the kernel path on CPUs that
+    have one)."""
+    if backend == "cpp" and _backend.extension("spectral") is None:
+        pytest.skip("meshkern._spectral_C not built")
+    g = torch.Generator().manual_seed(5)
+    M = torch.zeros(2, 200, 160)
+    M[0] = torch.randn(200, 5, generator=g) @ torch.randn(5, 160, generator=g)
+    U, S, V = sp.randomized_svd(M, 32, backend=backend)
+    assert torch.isfinite(U).all() and torch.isfinite(S).all() and torch.isfinite(V).all()
+    eye = torch.eye(32).expand(2, 32, 32)
+    assert (U.mT @ U - eye).abs().max() <= 1e-4
+    assert torch.allclose(S[0, :5], torch.linalg.svdvals(M[0])[:5], rtol=1e-5)
+    assert torch.equal(S[0, 5:], torch.zeros(27)) and torch.equal(S[1], torch.zeros(32))
+    assert torch.equal(V[0, :, 5:], torch.zeros(160, 27)) and torch.equal(V[1], torch.zeros(160, 32))
+    assert (V[0, :, :5].mT @ V[0, :, :5] - torch.eye(5)).abs().max() <= 1e-5
+    recon = (U[0] * S[0]) @ V[0].mT
+    assert torch.allclose(recon, M[0], atol=1e-5 * M[0].abs().max())
+
+
+def test_krylov_options_small_matrices_fp64_and_steep_spectra():
+    M = _rand(2, 60, 50, seed=3)
+    with pytest.raises(ValueError, match="block"):
+        sp.randomized_svd(M, 4, block=-1)
+    with pytest.raises(ValueError, match="steps"):
+        sp.randomized_svd(M, 4, steps=2.5)
+    # defaults: block = ceil(rank / 2), steps = KRYLOV_STEPS; None and 0 mean the default
+    a = sp.randomized_svd(M, 8)
+    for kw in (dict(block=None, steps=None), dict(block=4, steps=sp.KRYLOV_STEPS), dict(block=0, steps=0)):
+        assert all(torch.equal(x, y) for x, y in zip(a, sp.randomized_svd(M, 8, **kw)))
+    # a Krylov space larger than min(m, n): the exact path
+    small = _rand(2, 20, 30, seed=6)
+    for x, y in zip(sp.randomized_svd(small, 8), sp.randomized_svd(small, 8, method="exact")):
+        assert torch.equal(x, y)
+    # fp64 in, fp64 out, accurate to fp64 rounding on a fast decay
+    i = torch.arange(120, dtype=torch.float64)
+    s = torch.exp(-i / 4)
+    M64 = _known_spectrum(2, 150, 120, s, seed=7, dtype=torch.float64)
+    U, S, V = sp.randomized_svd(M64, 16)
+    assert S.dtype == U.dtype == V.dtype == torch.float64
+    assert _top_err(S, s, 16) < 1e-9
+    # fp32, steep spectrum (s_16 / s_1 = e^-7.5): the fp64 Gram keeps the small values
+    # (an fp32 Gram gave 9e-3 on exp(-i/5) at rank 32)
+    U, S, V = sp.randomized_svd(M64.float(), 16)
+    assert _top_err(S, s, 16) < 1e-4
+
+
 # ------------------------------------------------------------------------- project
 def _factors(B, m, n, r, seed=0, dtype=torch.float32):
     M = _rand(B, m, n, seed=seed, dtype=torch.float64)
@@ -353,6 +467,8 @@ def test_opcheck(backend):
         M = _rand(2, 12, 10, seed=3)
         torch.library.opcheck(torch.ops.meshkern.randomized_svd.default,
                               (M, 4, 4, 1, 0, "qr", "randomized", backend))
+        torch.library.opcheck(torch.ops.meshkern.randomized_svd.default,
+                              (M, 4, 0, 0, 0, "qr", "krylov", backend, 4, 2))
 
 
 # ------------------------------------------------------- contracts from a user review
@@ -407,7 +523,9 @@ def test_numpy_scalars_and_backend_none():
     with pytest.raises(ValueError, match="unknown backend 'garbage'"):  # even where no kernel would run
         sp.randomized_svd(M, 2, method="exact", backend="garbage")
     with pytest.raises(ValueError, match="overflows"):  # finite M, Gram matrix beyond fp32
-        sp.randomized_svd(torch.full((4, 4), 1e30), 2)
+        sp.randomized_svd(torch.full((4, 4), 1e30), 2, method="randomized")
+    with pytest.raises(ValueError, match="overflow"):  # finite M, products M V beyond fp32
+        sp.randomized_svd(torch.full((64, 64), 1e38), 2, method="krylov")
 
 
 def test_compile_fullgraph_project_out_randomized_svd_sym_eig():
