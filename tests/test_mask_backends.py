@@ -49,6 +49,43 @@ def test_cpp_grid(dtype, rescale, H, p):
     _same_everything("cpp", KEY2, (5,), H, p, dtype, rescale)
 
 
+def _cpu_isas():
+    """The CPU selection variants this machine has (csrc/mask/select_cpu.h), best last."""
+    if not cpp_ready():
+        return []
+    import os
+    old = os.environ.pop("MESHKERN_MASK_ISA", None)
+    try:
+        best = torch.ops.meshkern_C.mask_cpu_isa()
+    finally:
+        if old is not None:
+            os.environ["MESHKERN_MASK_ISA"] = old
+    order = ["generic", "avx2", "avx512"]
+    return order[:order.index(best) + 1]
+
+
+@pytest.mark.skipif(not cpp_ready(), reason="meshkern._mask_C not built")
+@pytest.mark.parametrize("isa", ["generic", "avx2", "avx512"])
+def test_cpp_every_cpu_variant_is_the_spec(isa, monkeypatch):
+    """Each selection variant this CPU has (forced with MESHKERN_MASK_ISA) against the
+    reference: K across the vector code's pass boundaries (64 blocks = K 128 / 129 for
+    AVX-512, 32 blocks = K 64 / 65 for AVX2, one vector's worth = K 16 / 17 / 32 / 33),
+    K < 4 (the scalar path), odd K, H not a multiple of 64, keys with every word set."""
+    if isa not in _cpu_isas():
+        pytest.skip(f"this CPU has no {isa} variant")
+    monkeypatch.setenv("MESHKERN_MASK_ISA", isa)
+    assert torch.ops.meshkern_C.mask_cpu_isa() == isa
+    for H, K in [(7, 1), (100, 3), (100, 4), (200, 16), (200, 17), (200, 32), (200, 33), (300, 64), (300, 65),
+                 (1000, 128), (1000, 129), (1000, 257), (2050, 205), (130, 130)]:
+        p = 1 - K / H
+        assert kept_dims(H, p) == K
+        for key in (KEY, KEY2):
+            assert torch.equal(mask_indices(key, 37, H, p, backend="cpp"), mask_indices(key, 37, H, p,
+                                                                                        backend="reference")), (H, K)
+    _same_everything("cpp", KEY, (3, 5), 2048, 0.95, torch.float32, rescale=True)
+    _same_everything("cpp", KEY2, (4,), 1000, 0.9, torch.bfloat16, rescale=False)
+
+
 @pytest.mark.skipif(not cpp_ready(), reason="meshkern._mask_C not built")
 def test_cpp_result_does_not_depend_on_thread_count():
     h = torch.randn(512, 320)

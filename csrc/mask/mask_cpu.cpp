@@ -1,10 +1,10 @@
 // meshkern_C mask kernels: schemas (all devices) and the CPU implementations.
 //
-// Per token row: zero a bitmap of H bits, run Floyd's K-step selection (floyd.h), then
-// scan the bitmap's set bits in ascending order; the scan drives the gather (pack),
-// the scatter (unpack) or the index write (indices) directly, so the fused ops write no
-// index tensor. Rows are independent: at::parallel_for (OpenMP) splits them across
-// torch's intra-op threads; the result does not depend on the thread count.
+// Per token row: the K kept dims in ascending order (select_cpu.h: Philox, Floyd's K-step
+// selection, ordering), which drive the gather (pack), the scatter (unpack) or the index
+// write (indices) directly, so the fused ops write no index tensor. Rows are independent:
+// at::parallel_for (OpenMP) splits them across torch's intra-op threads; the result does
+// not depend on the thread count.
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -14,37 +14,47 @@
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
+#include <cmath>
 #include <cstring>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "mask_host.h"
 #include "parallel.h"
+#include "select_cpu.h"
 
 namespace meshkern {
 namespace mask {
 namespace {
 
-// Runs Floyd's selection for every row and calls visit(row, dim, k) for each kept dim
-// of the row in ascending order (k = 0..K-1).
+// Prefetches rows [row * stride, row * stride + bytes) of `base` (a null base: nothing).
+struct RowPrefetch {
+  const char* base = nullptr;
+  int64_t stride = 0, bytes = 0;
+  void operator()(int64_t row) const {
+    if (base == nullptr) return;
+    const char* p = base + row * stride;
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
+  }
+};
+
+// Runs the selection for every row (select_cpu.h: the CPU's fastest variant, all of them
+// give the same dims) and calls visit(row, dim, k) for each kept dim of the row in
+// ascending order (k = 0..K-1). prefetch(row + 1) is called before row's selection: the
+// movers use it to pull the next row's memory into cache while the selection computes.
 template <class Visit>
-void for_each_kept(const KeyWords& key, int64_t N, uint32_t H, uint32_t K, Visit visit) {
+void for_each_kept(const KeyWords& key, int64_t N, uint32_t H, uint32_t K, Visit visit,
+                   RowPrefetch prefetch = RowPrefetch{}) {
+  // Below K = 4 the scalar code wins (one short Philox chain per row; measured crossover).
+  const SelectRowFn select = select_row_fn(K < 4 ? 0 : active_isa());
   at::parallel_for(0, N, grain(H), [&](int64_t begin, int64_t end) {
-    const uint32_t nwords = bitmap_words<uint64_t>(H), nblocks = (K + 1) / 2;
-    std::vector<uint64_t> bits(nwords);
-    std::vector<uint32_t> cand(2 * nblocks);
-    uint32_t* cd = cand.data();
+    RowScratch scratch(H, K);
+    const uint32_t* sorted = scratch.sorted.data();
     for (int64_t row = begin; row < end; ++row) {
-      const uint32_t r = static_cast<uint32_t>(row);
-      // All Philox blocks first: independent iterations, vectorized with omp simd
-      // (measured 2.2 -> 1.4 ms for 4096 x 51 blocks on SSE2).
-#pragma omp simd
-      for (uint32_t b = 0; b < nblocks; ++b) draw_pair(key, r, H, K, b, cd[2 * b], cd[2 * b + 1]);
-      std::memset(bits.data(), 0, nwords * sizeof(uint64_t));
-      for (uint32_t d = 0; d < K; ++d) floyd_insert(bits.data(), cd[d], H - K + d);
-      uint32_t k = 0;
-      for (uint32_t w = 0; w < nwords; ++w) {
-        for (uint64_t word = bits[w]; word; word &= word - 1) visit(row, w * 64 + __builtin_ctzll(word), k++);
-      }
+      if (row + 1 < end) prefetch(row + 1);
+      select(key, static_cast<uint32_t>(row), scratch);
+      for (uint32_t k = 0; k < K; ++k) visit(row, sorted[k], k);
     }
   });
 }
@@ -86,14 +96,33 @@ void move_kept(const at::Tensor& src, at::Tensor& out, const KeyWords& key, int6
     using opmath_t = at::opmath_type<scalar_t>;
     const scalar_t* s = src.const_data_ptr<scalar_t>();
     scalar_t* d = out.data_ptr<scalar_t>();
+    // Every cache line of the next [H] row of h (pack) / of the output (unpack), before
+    // this row's selection, except where the hardware prefetcher already streams the row:
+    // at most one 4 KiB page and >= 3/4 of its cache lines holding a kept dim. Measured
+    // (1 core, 4096 rows, H=2048, CPU time; a gather harness like
+    // bench/mask_select_profile.cpp's): pack fp32 K=102 4.7 -> 2.8 ms, fp32 K=20 2.1 ->
+    // 1.9, bf16 K=20 1.9 -> 1.0, fp32 H=4096 K=205 8.4 -> 6.8, and bf16 K=102 (one page,
+    // 81% of lines) 1.55 -> 1.66, hence the exception; prefetching only the kept dims'
+    // lines gave 4.0-4.1 on fp32 K=102, spreading the row's prefetches over the previous
+    // row's gather 2.8. A row that spans pages stalls the hardware prefetcher at each page
+    // crossing. (A lambda doing the same lost its prefetch instructions in GCC 12: a struct.)
+    const int64_t row_bytes = H * static_cast<int64_t>(sizeof(scalar_t));
+    const double untouched = std::pow(1.0 - double(K) / double(H), 64.0 / sizeof(scalar_t));
+    RowPrefetch prefetch;
+    if (!(row_bytes <= 4096 && 1.0 - untouched >= 0.75)) {
+      prefetch = {reinterpret_cast<const char*>(kPack ? s : d), row_bytes, row_bytes};
+    }
     auto run = [&](auto f) {
-      for_each_kept(key, N, H, K, [&](int64_t row, uint32_t dim, uint32_t k) {
-        if constexpr (kPack) {
-          d[row * K + k] = f(s[row * H + dim]);
-        } else {
-          d[row * H + dim] = f(s[row * K + k]);
-        }
-      });
+      for_each_kept(
+          key, N, H, K,
+          [&](int64_t row, uint32_t dim, uint32_t k) {
+            if constexpr (kPack) {
+              d[row * K + k] = f(s[row * H + dim]);
+            } else {
+              d[row * H + dim] = f(s[row * K + k]);
+            }
+          },
+          prefetch);
     };
     if (rescale) {
       const opmath_t m = static_cast<opmath_t>(scale);
@@ -142,6 +171,9 @@ TORCH_LIBRARY_FRAGMENT(meshkern_C, m) {
   m.def("mask_indices(Tensor(a!) out, int k0, int k1, int step, int tag, int H) -> ()");
   m.def("mask_pack(Tensor h, int k0, int k1, int step, int tag, int K, float scale, bool rescale) -> Tensor");
   m.def("mask_unpack(Tensor v, int k0, int k1, int step, int tag, int H, float scale, bool rescale) -> Tensor");
+  // The CPU selection variant the kernels use now: "avx512", "avx2" or "generic"
+  // (MESHKERN_MASK_ISA caps it; select_cpu.h).
+  m.def("mask_cpu_isa() -> str", [] { return std::string(meshkern::mask::isa_name(meshkern::mask::active_isa())); });
 }
 
 TORCH_LIBRARY_IMPL(meshkern_C, CPU, m) {
