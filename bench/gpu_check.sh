@@ -1,11 +1,22 @@
 #!/usr/bin/env bash
-# GPU check of the mask kernels (CUDA + compiled Triton), < 5 min on one GPU:
+# GPU check of meshkern's CUDA and Triton kernels, < 5 min on one GPU (the steps' caps sum
+# to 270 s, plus the build when the CUDA kernels are missing):
 #   bench/gpu_check.sh OUT_DIR
-# Builds meshkern._mask_C with its CUDA kernels if they are missing, runs the CUDA-marked
-# mask tests (bit-identity vs the reference, opcheck, gradcheck, Philox known answers),
-# then the kernel benchmark table on the GPU. Writes into OUT_DIR:
-#   env.txt, nvidia-smi.txt, build.log, tests.txt (+ junit.xml), mask_bench.txt/.json,
-#   status.txt (one line per step: name, exit code, seconds).
+# 1. builds meshkern._mask_C and meshkern._spectral_C with their CUDA kernels if they are
+#    missing (MAX_JOBS = all cores; the .cu files are the slow part, ~1-2 min);
+# 2. runs every CUDA-marked test (tests/test_mask_cuda.py: mask bit-identity vs the
+#    reference, opcheck, gradcheck, Philox known answers; tests/test_spectral_cuda.py:
+#    sym_eig, project, randomized_svd on the cuda / compiled-Triton / reference backends);
+# 3. the benches, each printing its goal lines:
+#    - mask: cuda + triton vs the reference at the default shape, then T=16384, H=4096,
+#      bf16: achieved GB/s of pack / unpack against the device's memory bandwidth (issue
+#      15 goal >= 80%) and against a clone of the same tensor;
+#    - spectral: SpectralAdamW.step vs AdamW.step (issue 15 goal <= 1.1x on a GPU) and
+#      the batched SVD vs a loop of torch.svd_lowrank (issue 15 item 2's table).
+# Writes into OUT_DIR: env.txt, nvidia-smi.txt, build.log, tests.txt (+ junit.xml),
+# mask_bench.txt/.json, mask_bw.txt/.json, spectral_step.txt, spectral_svd.txt, and
+# status.txt (one line per step: name, exit code, seconds). A step that fails or times
+# out is recorded and the script goes on; summary.txt collects every goal line.
 set -uo pipefail
 out="${1:?usage: bench/gpu_check.sh OUT_DIR}"
 mkdir -p "$out"
@@ -13,6 +24,7 @@ out="$(cd "$out" && pwd)"
 cd "$(dirname "$0")/.."
 export OMP_WAIT_POLICY=PASSIVE
 : > "$out/status.txt"
+T0=$SECONDS
 
 step() {  # step NAME TIMEOUT_S CMD... : run, log exit code and duration
   local name=$1 limit=$2; shift 2
@@ -24,15 +36,32 @@ step() {  # step NAME TIMEOUT_S CMD... : run, log exit code and duration
 }
 
 nvidia-smi > "$out/nvidia-smi.txt" 2>&1
-python -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, torch.cuda.get_device_name())" > "$out/env.txt" 2>&1
+python -c "import torch, triton; p = torch.cuda.get_device_properties(0); print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, p.name, 'mem clock kHz', getattr(p, 'memory_clock_rate', '?'), 'bus bits', getattr(p, 'memory_bus_width', '?'))" > "$out/env.txt" 2>&1
 
-if ! python -c "import sys, torch; from meshkern import _backend; sys.exit(0 if _backend.has_cuda_kernels('mask') and hasattr(torch.ops.meshkern_C, 'mask_pack') else 1)" 2>/dev/null; then
-  # -j: the .cu is the slow part (~1-2 min); MAX_JOBS lets ninja use the cores.
-  MAX_JOBS="$(nproc)" MESHKERN_EXT=mask step build 240 \
-    python setup.py -q build_ext --inplace --build-temp build/tmp_mask_cuda > "$out/build.log" 2>&1
+have_cuda_kernels() {
+  python -c "import sys; from meshkern import _backend; sys.exit(0 if all(_backend.has_cuda_kernels(g) for g in ('mask', 'spectral')) else 1)" 2>/dev/null
+}
+if ! have_cuda_kernels; then
+  MAX_JOBS="$(nproc)" MESHKERN_EXT=mask,spectral step build 200 \
+    python setup.py -q build_ext --inplace --build-temp build/tmp_gpu_check > "$out/build.log" 2>&1
 fi
 
-step tests 150 python -u -m pytest -q -m cuda tests/test_mask_cuda.py --junitxml="$out/junit.xml" > "$out/tests.txt" 2>&1
-step bench 150 python -u -m bench.mask_bench --device cuda --full --repeats 30 --json "$out/mask_bench.json" \
+step tests 90 python -u -m pytest -q -m cuda tests/test_mask_cuda.py tests/test_spectral_cuda.py \
+  --junitxml="$out/junit.xml" > "$out/tests.txt" 2>&1
+step mask_bench 35 python -u -m bench.mask_bench --device cuda --repeats 30 --json "$out/mask_bench.json" \
   > "$out/mask_bench.txt" 2>&1
-cat "$out/status.txt"
+step mask_bandwidth 25 python -u -m bench.mask_bench --device cuda --shapes 16384x4096 --dtypes bfloat16 \
+  --no-reference --repeats 50 --json "$out/mask_bw.json" > "$out/mask_bw.txt" 2>&1
+step spectral_step 60 python -u -m bench.spectral_bench --device cuda --only step --repeats 10 --threads 8 \
+  > "$out/spectral_step.txt" 2>&1
+step spectral_svd 60 python -u -m bench.spectral_bench --device cuda --only svd --repeats 5 --threads 8 \
+  > "$out/spectral_svd.txt" 2>&1
+
+{
+  echo "== goal lines (total $((SECONDS - T0)) s)"
+  grep -h -E "goal|PASS|FAIL|of peak" "$out/mask_bw.txt" "$out/mask_bench.txt" 2>/dev/null
+  grep -h -E "vs AdamW|SpectralAdamW|reused G_proj" "$out/spectral_step.txt" 2>/dev/null
+  grep -h -E "PASS|FAIL" "$out/spectral_svd.txt" 2>/dev/null
+  tail -n 3 "$out/tests.txt" 2>/dev/null
+} > "$out/summary.txt"
+cat "$out/status.txt" "$out/summary.txt"

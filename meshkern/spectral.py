@@ -456,12 +456,12 @@ def _next_block(W: Tensor, P: Tensor, ortho: str) -> Tensor:
     component in the row space of P[B, p, d] (orthonormal rows, p may be 0), orthogonal to P.
 
     One classical Gram-Schmidt pass and QR of the block, then the check max |Q P^T| <= tol
-    (16 ulps: the relative error this leaves in the Ritz values). Entries that fail it get
-    a second pass on Q (the classical "twice is enough"; in the bench runs one pass
-    sufficed for ~85% of the blocks, and the check costs half a pass); an entry that still
-    fails (W lay, numerically, inside P's span: the Krylov space is exhausted) takes the
-    last b columns of the Householder QR of [P^T, Q^T] instead: orthonormal and
-    orthogonal to P whatever W was."""
+    (64 ulps, ~2e-6 in fp32: the relative error it can leave in the Ritz values; 1000 ulps
+    raised the best errors from 5e-7 to 3e-5). Entries that fail it get a second pass on Q
+    (the classical "twice is enough"; in the bench runs 50-65% of the blocks passed with
+    one, and the check costs half a pass); an entry that still fails (W lay, numerically,
+    inside P's span: the Krylov space is exhausted) takes the last b columns of the
+    Householder QR of [P^T, Q^T] instead: orthonormal and orthogonal to P whatever W was."""
     p = P.shape[1]
     if p:
         W = W - (W @ P.mT) @ P
@@ -659,7 +659,10 @@ def randomized_svd(M: Tensor, rank: int, *, oversample: int = 16, power_iters: i
     orthonormalizations of both iterative methods. ``backend`` ("auto" or None, "cpp",
     "cuda", "triton", "reference") picks the small symmetric-eigen kernel; "auto" takes
     LAPACK's eigh on CPU (faster there than the Jacobi kernel); on CPU "cpp" (what auto
-    picks there) also runs krylov's products in meshkern_C::gram_products. rank, oversample,
+    picks there) also runs krylov's products in meshkern_C::gram_products. A forced
+    backend's Jacobi limit applies to the small problem: krylov's is fp64 and steps *
+    block wide (112 at rank 32), beyond the forced cuda kernel's 55 (ValueError; auto uses
+    the library eigh there). rank, oversample,
     power_iters, seed, block, steps: ints (numpy ints too). A non-contiguous M is copied
     to a contiguous one first (M is never modified). Traceable by
     torch.compile(fullgraph=True).
