@@ -255,23 +255,27 @@ def bench_svd_profile(B, m, rank, repeats, device):
     b = -(-rank // 2)
     A = M
     Vt = torch.linalg.qr(torch.randn(B, m, b)).Q.mT.contiguous()
+    Yt = torch.empty(B, b, m, dtype=torch.float64)
     Y = torch.randn(B, m, 48)
     C = Y.mT @ Y
-    Ck = torch.randn(B, 6 * b, 6 * b, dtype=torch.float64)
+    Yg = torch.randn(B, 7 * b, m, dtype=torch.float64)
+    Ck = torch.randn(B, 7 * b, 7 * b, dtype=torch.float64)
     Ck = Ck @ Ck.mT
     comps = [
         (f"one Krylov step (M V, M^T M V), b={b}: meshkern_C::gram_products",
-         lambda: torch.ops.meshkern_C.gram_products(A, Vt, True)),
+         lambda: torch.ops.meshkern_C.gram_products(A, Vt, True, Yt)),
+        ("  its first half alone (M V)", lambda: torch.ops.meshkern_C.gram_products(A, Vt, False, Yt)),
         ("  the same as two torch GEMMs (Vt @ M^T, then @ M)", lambda: (lambda Yt: Yt @ A)(Vt @ A.mT)),
         ("  the same as M @ V and M^T @ (M V)", lambda: (lambda Yc: A.mT @ Yc)(A @ Vt.mT)),
+        (f"  fp64 Gram of Y [{7 * b}, m] (the Ritz step)", lambda: Yg @ Yg.mT),
         ("finiteness of M: torch.isfinite(M).all()", lambda: bool(torch.isfinite(A).all())),
         ("finiteness of M: torch.aminmax (now)", lambda: torch.aminmax(A)),
         ("[m, 48] orthonormalization: Householder QR", lambda: torch.linalg.qr(Y)),
         ("[m, 48] orthonormalization: cholesky_qr2", lambda: cholesky_qr2(Y)),
         ("small eig k=48 fp32: cpp Jacobi", lambda: sp.sym_eig(C, backend="cpp")),
         ("small eig k=48 fp32: LAPACK eigh (auto now)", lambda: torch.linalg.eigh(C)),
-        (f"small eig k={6 * b} fp64: cpp Jacobi", lambda: sp.sym_eig(Ck, backend="cpp")),
-        (f"small eig k={6 * b} fp64: LAPACK eigh (auto now)", lambda: torch.linalg.eigh(Ck)),
+        (f"small eig k={7 * b} fp64: cpp Jacobi", lambda: sp.sym_eig(Ck, backend="cpp")),
+        (f"small eig k={7 * b} fp64: LAPACK eigh (auto now)", lambda: torch.linalg.eigh(Ck)),
     ]
     if _backend_missing():
         comps = [c for c in comps if "meshkern_C" not in c[0] and "Jacobi" not in c[0]]
