@@ -1074,7 +1074,9 @@ def write_plots(rep: dict, out: str) -> list[str]:
     import matplotlib.pyplot as plt
 
     files = []
-    title = f"{os.path.basename(rep['model'].rstrip('/'))} / {rep.get('data', '')}"
+    spec = rep.get("model_spec", "")
+    name = spec if spec and not spec.startswith("(") and os.sep not in spec else os.path.basename(rep["model"].rstrip("/"))
+    title = f"{name} / {rep.get('data', '')}"
     bs = list(rep["boundaries"])
     H = rep["hidden"]
 
@@ -1135,7 +1137,11 @@ def write_plots(rep: dict, out: str) -> list[str]:
             st = rep["boundaries"][L]["stats"]
             axs[0].plot(range(1, H + 1), st["dim_mean_abs_sorted"], label=f"layer {L} (median {st['dim_mean_abs_median']:.2f})")
             ev = torch.tensor(st["eigvals"]).clamp_min(0)
-            axs[1].plot(range(1, H + 1), (ev.cumsum(0) / ev.sum()).tolist(), label=f"layer {L}")
+            line, = axs[1].plot(range(1, H + 1), (ev.cumsum(0) / ev.sum()).tolist(), label=f"layer {L}")
+            if "energy_in_sample_without_outlier_tokens" in st:
+                e2 = st["energy_in_sample_without_outlier_tokens"]
+                axs[1].plot([st["k"][f] for f in e2], list(e2.values()), "x--", color=line.get_color(),
+                            label=f"layer {L} without its {st['outlier_tokens']} outlier tokens")
         axs[0].set_xscale("log"), axs[0].set_yscale("log")
         axs[0].set_xlabel("dim (sorted by mean |h|)"), axs[0].set_ylabel("mean |h| over tokens")
         axs[0].legend(fontsize=7)
@@ -1186,10 +1192,9 @@ def write_plots(rep: dict, out: str) -> list[str]:
     # 6. anchor
     if rep["anchor"]:
         fig, axs = plt.subplots(1, 2, figsize=(12, 4.2))
-        for y, a in rep["anchor"].items():
-            for n_, s_ in a["singular_values"].items():
-                axs[0].plot(range(1, len(s_) + 1), s_, color="tab:blue" if y == list(rep["anchor"])[0] else "tab:orange",
-                            lw=0.4, alpha=0.5)
+        first = next(iter(rep["anchor"].values()))  # M_anc is built from dense gradients: the same for every split
+        for n_, s_ in first["singular_values"].items():
+            axs[0].plot(range(1, len(s_) + 1), s_, color="tab:blue", lw=0.4, alpha=0.5)
         for t in TAU_SWEEP:
             tau = next(iter(rep["anchor"].values()))["tau"]
             axs[0].axhline(t, color="gray", lw=0.5, ls="--")
@@ -1203,13 +1208,15 @@ def write_plots(rep: dict, out: str) -> list[str]:
             t = a["per_tau"][f"{a['tau']:g}"]
             vals += [a["masked_vs_dense"]["cos"], t[k]["filtered_masked_vs_dense"]["cos"],
                      t["alpha=0"]["filtered_masked_vs_dense"]["cos"], t[k]["filtered_dense_vs_dense"]["cos"]]
-        axs[1].bar(range(len(vals)), [v or 0 for v in vals], color=["tab:gray", "tab:blue", "tab:cyan", "tab:green"] * len(rep["anchor"]))
+        labels.append("M_anc itself")
+        vals.append(first["momentum_vs_dense"]["cos"])
+        axs[1].bar(range(len(vals)), [v or 0 for v in vals],
+                   color=["tab:gray", "tab:blue", "tab:cyan", "tab:green"] * len(rep["anchor"]) + ["tab:orange"])
         axs[1].set_xticks(range(len(vals)))
         axs[1].set_xticklabels(labels, rotation=35, ha="right", fontsize=7)
         axs[1].set_ylabel("cosine with the dense gradient")
-        axs[1].set_title("cos with the dense gradient of the same batch (2-D weights),\n"
+        axs[1].set_title(f"{title}: cos with the dense gradient of the same batch (2-D weights),\n"
                          "masked circuit before / after the filter; the dense gradient filtered", fontsize=9)
-        fig.suptitle(title)
         save(fig, "anchor.png")
 
     # 7. layer scan
