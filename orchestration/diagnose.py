@@ -989,7 +989,9 @@ def _fmt(x, nd=3) -> str:
 
 
 def format_table(rep: dict) -> str:
-    lines = [f"model {rep['model']} ({rep['layers']} layers, hidden {rep['hidden']}); data {rep.get('data', '?')}; "
+    spec = rep.get("model_spec")
+    lines = [f"model {spec + ' = ' if spec else ''}{rep['model']} ({rep['layers']} layers, hidden {rep['hidden']}); "
+             f"data {rep.get('data', '?')}; "
              f"eval rows {rep['rows']['eval']}", f"base held-out loss {rep['base_loss']:.4f} "
              f"(unsplit model {rep['base_loss_unsplit_model']:.4f}); budget {rep['budget']} of dense = "
              f"{rep['budget_bytes_per_token']} bytes/token"]
