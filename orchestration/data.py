@@ -5,16 +5,7 @@ tensor ``[N, seq_len]``, orchestration/sampling.py, with the split, shard and sa
 rules) that the trainer splits into train/held-out rows and shards across the fast
 replicas.
 
-Sources (``load_texts``, orchestration/texts.py):
-  - a text file (UTF-8; ``.gz`` files are decompressed), a directory (every regular,
-    non-hidden file below it, in sorted path order),
-  - a ``.jsonl`` file (one JSON object per line, text in ``text_field``),
-  - Hugging Face ``datasets``: a ``Dataset``/``DatasetDict`` object, a directory written
-    by ``save_to_disk``, or a local ``.json``/``.csv``/``.parquet``/``.arrow`` file
-    loaded with ``datasets.load_dataset`` (never from the hub),
-  - ``"corpus:<domain>"`` (an embedded corpus, see ``orchestration.corpora``) and
-    ``"task:<name>"`` (a synthetic task, see ``orchestration.tasks``),
-  - a list/tuple of strings (the documents themselves).
+Sources: whatever ``load_texts`` (orchestration/texts.py) accepts; its docstring lists them.
 
 Tokenizers (``load_tokenizer``): the model's own tokenizer from its directory
 (``AutoTokenizer`` with ``local_files_only=True``), a ``tokenizers.Tokenizer`` or a
