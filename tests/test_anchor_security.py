@@ -362,12 +362,48 @@ def test_only_an_anchor_with_the_secret_gets_weights(monkeypatch):
 
 
 # ------------------------------------------------------------------ spawned meshes
-def _mesh_run(tiny, tmp_path, name, *extra, port=None):
+def _gated_rank(rank, world, cfg, plan, gate):
+    """run_rank, where fast rank 0 waits before step 3 until ``gate`` exists (fork: the
+    patch stays in this rank). By step 3 the anchor row has linked (delay mode), so
+    whatever the test does before creating ``gate`` happens to a running, linked mesh."""
+    from orchestration.train import run_rank
+    from orchestration.trainer import Trainer
+
+    orig = Trainer.step
+
+    def step(self, s):
+        if rank == 0 and s == 3:
+            for _ in range(1200):  # a bound (120 s), not a timing: the gate is an event
+                if os.path.exists(gate):
+                    break
+                time.sleep(0.1)
+        return orig(self, s)
+
+    Trainer.step = step
+    return run_rank(rank, world, cfg, plan)
+
+
+def _mesh_run(tiny, tmp_path, name, *extra, port=None, gate=None):
     from test_anchor import _argv, _run
 
+    argv = _argv(tiny, tmp_path, name, "--train.steps", "8", "--anchor.delay", "2", "--anchor.snapshot-every",
+                 "1", *extra)
     kw = {} if port is None else {"port": port}
-    return _run(_argv(tiny, tmp_path, name, "--train.steps", "8", "--anchor.delay", "2", "--anchor.snapshot-every",
-                      "1", *extra), **kw)
+    if gate is None:
+        return _run(argv, **kw)
+    from orchestration.config import parse_args
+    from orchestration.launch import run_local
+    from orchestration.mesh import MeshLayout
+    from orchestration.metrics import read_jsonl
+    from orchestration.train import prepare
+
+    cfg, _ = parse_args(argv)
+    plan = prepare(cfg)
+    lay = MeshLayout(cfg.mesh.rows, cfg.mesh.stages, True)
+    anchors = {r for r in range(lay.world_size) if lay.is_anchor(r)}
+    res = run_local(_gated_rank, cfg.world_size, (cfg, plan, gate), timeout_s=240, describe=lay.describe,
+                    optional=anchors, **kw)
+    return cfg, plan, res, read_jsonl(os.path.join(plan.run_dir, "metrics.jsonl"))
 
 
 def _finite_weights(plan):
@@ -420,6 +456,12 @@ def test_an_unauthenticated_store_client_gets_no_weights_and_changes_nothing(tin
     seen = {}
 
     def attacker():
+        try:
+            attack()
+        finally:
+            open(gate, "w").close()  # the mesh, held before step 3, goes on
+
+    def attack():
         end = datetime.datetime.now() + datetime.timedelta(seconds=120)
         while not stop.is_set() and datetime.datetime.now() < end:
             try:
@@ -442,10 +484,11 @@ def test_an_unauthenticated_store_client_gets_no_weights_and_changes_nothing(tin
         s.set(P + "latest", "junk")
         seen["done"] = True
 
+    gate = str(tmp_path / "attack.done")
     t = threading.Thread(target=attacker, daemon=True)
     t.start()
     try:
-        _, plan, res, recs = _mesh_run(tiny, tmp_path, "attacked", port=port)
+        _, plan, res, recs = _mesh_run(tiny, tmp_path, "attacked", port=port, gate=gate)
     finally:
         stop.set()
         t.join(60)
