@@ -94,25 +94,22 @@ def _dies_worker(rank, world):
 
 def test_killed_rank_is_named_and_nobody_hangs():
     lay = MeshLayout(2, 2)
-    t0 = time.monotonic()
+    # a hang would end in run_local's TimeoutError after 60 s, not in this MeshFailure
     with pytest.raises(MeshFailure, match=r"rank 3 \(replica 1, stage 1\) died: killed by signal SIGKILL") as ei:
         run_local(_dies_worker, 4, timeout_s=60, describe=lay.describe)
     assert ei.value.rank == 3
-    assert time.monotonic() - t0 < 40  # well inside the run's timeout, not a hang
 
 
 def _raises_worker(rank, world):
     if rank == 1:
         raise ValueError("bad thing on purpose")
-    time.sleep(30)  # would outlive the test if the launcher did not terminate it
+    time.sleep(600)  # outlives run_local's timeout (TimeoutError) unless the launcher terminates it
     return "late"
 
 
 def test_raising_rank_is_named_and_others_terminated():
-    t0 = time.monotonic()
     with pytest.raises(MeshFailure, match="rank 1 failed: ValueError: bad thing on purpose"):
         run_local(_raises_worker, 3, timeout_s=60, grace_s=1.0)
-    assert time.monotonic() - t0 < 20
 
 
 def _optional_dies_worker(rank, world):
@@ -134,18 +131,27 @@ def _restart_worker(rank, world, marker):
     first = not os.path.exists(f"{marker}.{rank}")
     open(f"{marker}.{rank}", "a").close()
     if rank == 3 and first:
+        for _ in range(600):  # die only once rank 2's first incarnation has left its marker
+            if os.path.exists(f"{marker}.2"):
+                break
+            time.sleep(0.1)
         os.kill(os.getpid(), signal.SIGKILL)
     if rank == 2 and first:
-        time.sleep(60)
-    time.sleep(2.0 if rank < 2 else 0.2)  # required ranks outlive the restart
+        time.sleep(600)  # outlives run_local's timeout unless the restart terminates it
+    if rank < 2:  # required ranks outlive the restart: they wait for both second incarnations
+        for _ in range(600):  # a bound (60 s), not a timing
+            if os.path.exists(f"{marker}.again.2") and os.path.exists(f"{marker}.again.3"):
+                break
+            time.sleep(0.1)
+    else:
+        open(f"{marker}.again.{rank}", "a").close()
     return (rank, "again" if not first else "first")
 
 
 def test_dead_optional_group_is_restarted_while_required_ranks_run(tmp_path, capsys):
-    t0 = time.monotonic()
+    # rank 2's first incarnation sleeps past run_local's timeout: it must be terminated, not waited for
     res = run_local(_restart_worker, 4, (str(tmp_path / "m"),), timeout_s=60, optional={2, 3}, restarts=1)
     assert res == [(0, "first"), (1, "first"), (2, "again"), (3, "again")]
-    assert time.monotonic() - t0 < 30  # rank 2's first incarnation was terminated, not waited for
     assert "rank 3 exited with code -9; restarting ranks [2, 3] (restart 1 of 1)" in capsys.readouterr().err
 
 
@@ -175,7 +181,6 @@ def _stalls_worker(rank, world):
 
 def test_stalled_rank_is_named_after_the_timeout():
     lay = MeshLayout(1, 2)
-    t0 = time.monotonic()
+    # the mesh's own 4 s collective timeout names the stalled rank before run_local's 60 s
     with pytest.raises(MeshFailure, match=r"rank 1 \(replica 0, stage 1\) stalled"):
         run_local(_stalls_worker, 2, timeout_s=60, describe=lay.describe)
-    assert time.monotonic() - t0 < 30
