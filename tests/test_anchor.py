@@ -186,6 +186,7 @@ def _unsplit_grads(model_dir, batch):
     return {n: p.grad for n, p in model.named_parameters()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("codec, rtol", [("full", 1e-4), ("int8", 1e-3)])
 def test_anchor_gradient_is_the_unsplit_dense_gradient_at_the_snapshot(tiny, tmp_path, codec, rtol):
     """3x2 mesh (2 fast replicas + anchor row), delay mode: each update every fast rank
@@ -217,6 +218,7 @@ def test_anchor_gradient_is_the_unsplit_dense_gradient_at_the_snapshot(tiny, tmp
     assert last["anchor_optim"]["arrivals"] == 2 and last["anchor_rejected"] == 0
 
 
+@pytest.mark.slow
 def test_factored_transport_applies_the_same_filter_as_dense(tiny, tmp_path):
     """Delay mode makes both runs see the same anchor gradients at the same steps; the
     factored run ships the anchor momentum's rank-r factors instead of the gradient and must
@@ -240,6 +242,7 @@ def test_factored_transport_applies_the_same_filter_as_dense(tiny, tmp_path):
     assert recs_f[-1]["bytes"]["anchor"] < recs_d[-1]["bytes"]["anchor"]
 
 
+@pytest.mark.slow
 def test_nan_and_wrong_shape_updates_are_rejected_and_counted(tiny, tmp_path, monkeypatch, capfd):
     """Delay mode (deterministic): the anchor's round 1 carries a NaN, round 2 a payload of
     the wrong size and layout. Every fast rank rejects both, never applies them (the
@@ -261,6 +264,7 @@ def test_nan_and_wrong_shape_updates_are_rejected_and_counted(tiny, tmp_path, mo
     assert all(torch.isfinite(t).all() for t in st["stage"].values())
 
 
+@pytest.mark.slow
 def test_stalled_anchor_never_stops_the_fast_circuit(tiny, tmp_path, monkeypatch, capfd):
     """The anchor hangs in its first round: the fast circuit never waits for it, trains every
     step, says once that the anchor is stalled, trains as plain masked AdamW (the optimizer's prior
@@ -282,6 +286,7 @@ def test_stalled_anchor_never_stops_the_fast_circuit(tiny, tmp_path, monkeypatch
     assert "continuing as plain masked AdamW" in err
 
 
+@pytest.mark.slow
 def test_killed_anchor_leaves_the_fast_circuit_training_and_checkpointing(tiny, tmp_path, capfd):
     """SIGKILL anchor rank 2 (stage 0) at its round on snapshot version 3: the other
     anchor rank stops on the broken row, the fast ranks log the loss once and train and
@@ -395,6 +400,7 @@ def test_anchor_state_round_trip_and_ownership(tmp_path):
     assert A.load_state(str(tmp_path / "none.pt"), "run-a", lay, fresh, resuming=False)[0] is None
 
 
+@pytest.mark.slow
 def test_dead_anchor_row_is_restarted_and_rejoins(tiny, tmp_path, monkeypatch, capfd):
     """Both anchor ranks die at the start of their round 2 (generation 1 only). The launcher
     starts a new anchor row (generation 2), which joins the running fast circuit through
@@ -425,6 +431,7 @@ def test_dead_anchor_row_is_restarted_and_rejoins(tiny, tmp_path, monkeypatch, c
     assert err.count("anchor row generation 2 joined") == 2  # once per stage column
 
 
+@pytest.mark.slow
 def test_anchor_row_joins_a_running_fast_circuit_by_command(tiny, tmp_path, monkeypatch, capfd):
     """The user's path: the fast circuit runs (``main``, no automatic restarts), its anchor
     row dies at round 1; the command the launcher printed (``--config RUN/config.yaml
@@ -467,6 +474,7 @@ def test_anchor_row_joins_a_running_fast_circuit_by_command(tiny, tmp_path, monk
     assert err.count("anchor row generation 2 joined") == 2
 
 
+@pytest.mark.slow
 def test_resumed_run_restores_the_anchor_state(tiny, tmp_path):
     """A fast circuit resumed from its checkpoint starts a new anchor row, which continues
     from the saved round counter and factored momentum instead of from zero. Delay mode:

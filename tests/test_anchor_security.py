@@ -413,6 +413,7 @@ def _finite_weights(plan):
         assert st["step"] == 8 and all(torch.isfinite(t).all() for t in st["stage"].values())
 
 
+@pytest.mark.slow
 def test_huge_and_non_orthonormal_factored_payloads_are_rejected_through_a_running_mesh(tiny, tmp_path,
                                                                                          monkeypatch):
     """Issue #14's payload of finite 1e10s (factored), factors whose U is not orthonormal
@@ -431,6 +432,7 @@ def test_huge_and_non_orthonormal_factored_payloads_are_rejected_through_a_runni
     _finite_weights(plan)
 
 
+@pytest.mark.slow
 def test_huge_dense_payload_is_rejected_through_a_running_mesh(tiny, tmp_path, monkeypatch):
     """Issue #14's dense payload of finite 3e38s (before: "M's Gram matrix overflows" out
     of rank 0) and one of 1e10s: rejected for their magnitude, counted, never applied."""
@@ -444,6 +446,7 @@ def test_huge_dense_payload_is_rejected_through_a_running_mesh(tiny, tmp_path, m
     _finite_weights(plan)
 
 
+@pytest.mark.slow
 def test_an_unauthenticated_store_client_gets_no_weights_and_changes_nothing(tiny, tmp_path, capfd):
     """A plain TCPStore client on the running fast circuit's store port (no secret) writes
     garbage into every key the protocol trusts (before: an increment of the garbage made

@@ -44,6 +44,7 @@ def test_gradient_std_and_rows_are_from_training_rows():
     assert torch.equal(a, a2) and a.shape == (10, 3) and len(set(a[:, 0].tolist())) == 10
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("start", ["spawn", "fork"])
 def test_pca_codec_trains_through_the_mesh(tiny, tmp_path, start):
     """2x2 mesh, pca codec: finite losses; the basis in RUN_DIR equals a fit on the run's

@@ -45,6 +45,7 @@ def _no_spawn(monkeypatch):
     monkeypatch.setattr(train, "run_local", refuse)
 
 
+@pytest.mark.slow
 def test_meta_lists_every_file_with_its_sha256(run_copy):
     meta = ckpt.verify(str(run_copy / "step_00000002"))
     names = set(meta["files"])
@@ -53,6 +54,7 @@ def test_meta_lists_every_file_with_its_sha256(run_copy):
     assert all(len(v["sha256"]) == 64 and v["size"] > 0 for v in meta["files"].values())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("victim", ["model-00001-of-00002.safetensors", "rank_00001.pt"])
 def test_truncated_file_is_refused_before_any_worker_spawns(tiny, tmp_path, run_copy, monkeypatch, capfd, victim):
     step2 = run_copy / "step_00000002"
@@ -66,6 +68,7 @@ def test_truncated_file_is_refused_before_any_worker_spawns(tiny, tmp_path, run_
     assert "resumed from" not in err and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_flipped_byte_is_caught_by_the_sha256(run_copy):
     p = run_copy / "step_00000002" / "rank_00000.pt"
     data = bytearray(p.read_bytes())
@@ -75,6 +78,7 @@ def test_flipped_byte_is_caught_by_the_sha256(run_copy):
         ckpt.verify(str(run_copy / "step_00000002"))
 
 
+@pytest.mark.slow
 def test_corrupt_latest_falls_back_to_the_newest_valid_checkpoint(tiny, tmp_path, run_copy, capfd):
     _truncate(run_copy / "step_00000002" / "model-00002-of-00002.safetensors")
     capfd.readouterr()
@@ -87,6 +91,7 @@ def test_corrupt_latest_falls_back_to_the_newest_valid_checkpoint(tiny, tmp_path
     assert ckpt.read_meta(ckpt.resolve("latest", str(run_copy)))["step"] == 3
 
 
+@pytest.mark.slow
 def test_no_valid_checkpoint_at_all_is_a_named_error(run_copy):
     for d in ("step_00000001", "step_00000002"):
         _truncate(run_copy / d / "rank_00000.pt")
@@ -94,12 +99,14 @@ def test_no_valid_checkpoint_at_all_is_a_named_error(run_copy):
         ckpt.resolve("latest", str(run_copy))
 
 
+@pytest.mark.slow
 def test_resolve_rejects_a_checkpoint_without_meta_json(run_copy):
     os.remove(run_copy / "step_00000002" / "meta.json")
     with pytest.raises(ckpt.CheckpointError, match=r"not a complete checkpoint \(no meta.json\)"):
         ckpt.resolve(str(run_copy / "step_00000002"), str(run_copy))
 
 
+@pytest.mark.slow
 def test_load_rank_state_names_the_missing_rank(run_copy):
     os.remove(run_copy / "step_00000002" / "rank_00001.pt")
     with pytest.raises(ckpt.CheckpointError, match=r"no state for rank 1 \(rank_00001.pt is missing\)"):

@@ -58,6 +58,7 @@ def test_pretrain_refuses_a_non_empty_out(tmp_path, capsys):
     assert "exists and is not empty" in _one_error_line(capsys)
 
 
+@pytest.mark.slow
 def test_the_module_entry_points_exit_2_without_a_traceback(tmp_path):
     for mod, argv in (("orchestration.evaluate", ["--model", "/no/such/model"]),
                       ("orchestration.pretrain", ["--out", str(tmp_path / "o"), "--steps", "-1"])):
@@ -74,6 +75,7 @@ def checkpoint_dir(tiny, tmp_path_factory):
     return out / "t" / "checkpoints" / "step_00000001"
 
 
+@pytest.mark.slow
 def test_evaluate_verifies_a_trainer_checkpoint(checkpoint_dir, tmp_path, capsys):
     good = tmp_path / "ck"
     shutil.copytree(checkpoint_dir, good)

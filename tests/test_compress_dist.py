@@ -64,6 +64,7 @@ def hook_reference(rank_cfg: int, steps: int):
     return outs, err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,rank_cfg", [("psgd", 4), ("psgd_gs", 2)])
 def test_powersgd_matches_torch_hook_math(ranks, name, rank_cfg):
     outs, err = hook_reference(rank_cfg, STEPS)
@@ -78,6 +79,7 @@ def test_powersgd_matches_torch_hook_math(ranks, name, rank_cfg):
             torch.testing.assert_close(ranks[r][f"{name}.err.{n}x{m}x{r_}"], e[r], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_every_rank_gets_bitwise_identical_results(ranks):
     for key in ranks[0]:
         if ".out" in key:
@@ -85,6 +87,7 @@ def test_every_rank_gets_bitwise_identical_results(ranks):
                 assert torch.equal(ranks[0][key], ranks[r][key]), key
 
 
+@pytest.mark.slow
 def test_powersgd_error_feedback_running_sum_tracks_inputs(ranks):
     """sum_t M_hat_t = sum_t mean_w G_w(t) - mean_w E_w(T) exactly, so the running sum
     of reconstructions tracks the running sum of inputs with a bounded gap."""
@@ -107,6 +110,7 @@ def test_powersgd_error_feedback_running_sum_tracks_inputs(ranks):
         torch.testing.assert_close(got + mean_err[b], target, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_byte_counters_show_the_powersgd_ratio(ranks):
     n, m, r = 64, 48, 4
     none = torch.stack([ranks[w]["bytes_none.counters"] for w in range(WORLD)])
@@ -118,6 +122,7 @@ def test_byte_counters_show_the_powersgd_ratio(ranks):
     assert float(none[:, 0].sum()) / float(psgd[:, 0].sum()) == pytest.approx(n * m / ((n + m) * r), rel=1e-12)
 
 
+@pytest.mark.slow
 def test_sparseloco_all_gather_average_matches_per_rank_encoding(ranks):
     comps = [SparseLoCo(1 / 16, chunk=64) for _ in range(WORLD)]
     for t in range(STEPS):
@@ -143,6 +148,7 @@ def H_chunks(tensors, chunk):
     return to_chunks(tensors, chunk)
 
 
+@pytest.mark.slow
 def test_int8_average_close_and_counted(ranks):
     for t in range(STEPS):
         xs = [H.inputs(w, t) for w in range(WORLD)]
@@ -165,6 +171,7 @@ def test_ring_byte_model_small_cases():
     assert ring_all_reduce_bytes(10, 1, 1, 0) == (0, 0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["poison_psgd", "poison_sparse", "poison_int8", "poison_none"])
 def test_one_rank_nonfinite_input_is_skipped_everywhere_and_never_poisons_the_state(ranks, name):
     """Rank 1 feeds an Inf on call 0: every rank returns all-NaN for that call (so callers

@@ -260,6 +260,7 @@ def test_anchor_singular_values_match_a_hand_built_momentum(tiny_setup):
     assert row["alpha=0.3"]["filtered_dense_vs_dense"]["cos"] > row["alpha=0"]["filtered_dense_vs_dense"]["cos"] - 1e-9
 
 
+@pytest.mark.slow
 def test_cli_end_to_end_writes_report_and_plots(tiny, tmp_path, capsys):
     out = tmp_path / "diag"
     rc = dg.main(["--model", str(tiny / "model"), "--data", str(tiny / "data.txt"), "--stages", "2,3",

@@ -181,6 +181,7 @@ def test_state_dict_returns_copies(world1):
 
 
 # ---- spawned gloo ranks -------------------------------------------------------------------------
+@pytest.mark.slow
 def test_h1_f1_matches_synchronous_dp_with_outer_optimizer(tmp_path):
     world, steps = 3, 5
     codes = H.spawn(H.diloco_equiv_worker, world, str(tmp_path), steps, timeout=300)
@@ -223,6 +224,7 @@ def test_h1_f1_matches_synchronous_dp_with_outer_optimizer(tmp_path):
 LLAMA_TOL = 0.15
 
 
+@pytest.mark.slow
 def test_streaming_diloco_powersgd_trains_tiny_llama_close_to_sync_dp(tmp_path):
     world, steps, H_ = 2, 60, 8
     kw = dict(sync_every=H_, num_fragments=2, overlap_steps=1, rank=8)
@@ -241,6 +243,7 @@ def test_streaming_diloco_powersgd_trains_tiny_llama_close_to_sync_dp(tmp_path):
     assert sent < syncs * dense_per_sync / 4  # PowerSGD rank 8: more than 4x below dense per sync
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["die", "hang"])
 def test_peer_failing_mid_sync_raises_in_time_and_nothing_is_merged(tmp_path, how):
     codes = H.spawn(H.dying_peer_worker, 2, str(tmp_path), how, timeout=300)

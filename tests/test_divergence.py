@@ -5,6 +5,7 @@ import math
 import os
 import re
 
+import pytest
 import torch
 
 from orchestration import checkpoint as ckpt
@@ -26,6 +27,7 @@ def _finite_checkpoint(path):
         assert all(torch.isfinite(v).all() for v in st.values())
 
 
+@pytest.mark.slow
 def test_lr_1e3_stops_with_divergence_error_and_keeps_the_last_good_checkpoint(tiny, tmp_path, capfd):
     base = _args(tiny, tmp_path, "--mesh.rows", "1", "--mesh.stages", "2", "--checkpoint.every", "1",
                  "--checkpoint.keep", "2")

@@ -22,6 +22,7 @@ def _argv(tiny, out, rows="dense,m95"):
             "--work", str(out / "work"), "--trainer-args", "--mesh.timeout-s 30"]
 
 
+@pytest.mark.slow
 def test_quick_run_writes_results_table_plots_and_resumes(tiny, tmp_path, capsys):
     # One row keeps the test short (each row is a trainer process tree); m95 exercises the
     # mask codec, DiLoCo-less single replica, checkpoints, evaluation and pruning.
@@ -58,6 +59,7 @@ def test_quick_run_writes_results_table_plots_and_resumes(tiny, tmp_path, capsys
     assert os.path.getmtime(tmp_path / "res" / "records" / "m95-s0.json") == mtime
 
 
+@pytest.mark.slow
 def test_incomplete_result_is_rerun_and_failures_are_recorded(tiny, tmp_path, capsys):
     runs = tmp_path / "res" / "records"
     runs.mkdir(parents=True)

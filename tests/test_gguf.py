@@ -185,6 +185,7 @@ def test_cache_is_reused_and_keyed_by_content(tiny_gguf, cache, monkeypatch, tmp
     assert not list((cache / "gguf").glob(".*tmp-*"))  # no leftovers of the build
 
 
+@pytest.mark.slow
 def test_concurrent_callers_convert_once(tiny_gguf, tmp_path):
     import subprocess
     import sys
@@ -225,6 +226,7 @@ def test_untied_gguf_keeps_its_own_output_head(tmp_path, cache):
     assert torch.equal(model.lm_head.weight, sd["lm_head.weight"])
 
 
+@pytest.mark.slow
 def test_trainer_and_evaluator_take_a_gguf(tiny_gguf, cache, tmp_path, capsys):
     from orchestration import evaluate
     from orchestration.config import parse_args

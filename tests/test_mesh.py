@@ -52,6 +52,7 @@ def _groups_worker(rank, world, anchor):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("anchor", [False, True])
 def test_groups_sum_the_right_ranks(anchor):
     """The fast world holds the fast ranks only; the anchor row forms its own world."""
@@ -75,6 +76,7 @@ def _anchor_in_init_mesh(rank, world):
     return m.rank
 
 
+@pytest.mark.slow
 def test_init_mesh_refuses_an_anchor_rank():
     with pytest.raises(MeshFailure, match=r"rank 1 failed: ValueError: rank 1 \(anchor replica, stage 0\) is in "
                                           "the anchor row: it joins with init_anchor_row"):
@@ -92,6 +94,7 @@ def _dies_worker(rank, world):
     return "finished"
 
 
+@pytest.mark.slow
 def test_killed_rank_is_named_and_nobody_hangs():
     lay = MeshLayout(2, 2)
     # a hang would end in run_local's TimeoutError after 60 s, not in this MeshFailure
@@ -107,6 +110,7 @@ def _raises_worker(rank, world):
     return "late"
 
 
+@pytest.mark.slow
 def test_raising_rank_is_named_and_others_terminated():
     with pytest.raises(MeshFailure, match="rank 1 failed: ValueError: bad thing on purpose"):
         run_local(_raises_worker, 3, timeout_s=60, grace_s=1.0)
@@ -119,6 +123,7 @@ def _optional_dies_worker(rank, world):
     return rank
 
 
+@pytest.mark.slow
 def test_optional_rank_may_die_without_stopping_the_others(capsys):
     res = run_local(_optional_dies_worker, 3, timeout_s=60, optional={2})
     assert res == [0, 1, None]
@@ -148,6 +153,7 @@ def _restart_worker(rank, world, marker):
     return (rank, "again" if not first else "first")
 
 
+@pytest.mark.slow
 def test_dead_optional_group_is_restarted_while_required_ranks_run(tmp_path, capsys):
     # rank 2's first incarnation sleeps past run_local's timeout: it must be terminated, not waited for
     res = run_local(_restart_worker, 4, (str(tmp_path / "m"),), timeout_s=60, optional={2, 3}, restarts=1)
@@ -162,6 +168,7 @@ def _unreachable_worker(rank, world):
     return rank
 
 
+@pytest.mark.slow
 def test_connection_error_is_not_restarted(capsys):
     res = run_local(_unreachable_worker, 2, timeout_s=60, optional={1}, restarts=3)
     assert res == [0, None]
@@ -179,6 +186,7 @@ def _stalls_worker(rank, world):
     return "done"
 
 
+@pytest.mark.slow
 def test_stalled_rank_is_named_after_the_timeout():
     lay = MeshLayout(1, 2)
     # the mesh's own 4 s collective timeout names the stalled rank before run_local's 60 s

@@ -47,6 +47,7 @@ def _gather(results):
     return grads, results[-1]["loss"]
 
 
+@pytest.mark.slow
 def test_dense_pipeline_equals_unsplit_model():
     model = tiny_model()
     ids = torch.randint(0, 96, (B, T), generator=torch.Generator().manual_seed(1))
@@ -62,6 +63,7 @@ def test_dense_pipeline_equals_unsplit_model():
         torch.testing.assert_close(g, named[n].grad, rtol=1e-4, atol=1e-6, msg=n)
 
 
+@pytest.mark.slow
 def test_masked_pipeline_bytes_and_grads_match_masked_reference():
     p = 0.95 if H >= 40 else 0.9
     K = kept_dims(H, p)

@@ -11,6 +11,7 @@ from orchestration.metrics import read_jsonl
 from test_train import _args, _run
 
 
+@pytest.mark.slow
 def test_crash_then_resume_is_bit_identical_mid_sync_and_logs_each_step_once(tiny, tmp_path):
     common = ["--mesh.rows", "2", "--mesh.stages", "2", "--train.steps", "8", "--boundary.codec", "mask",
               "--boundary.p", "0.95", "--dp.mode", "diloco", "--dp.compressor", "powersgd", "--dp.sync-every", "4",

@@ -29,6 +29,7 @@ def _run(argv):
     return cfg, plan, run_local(run_rank, cfg.world_size, (cfg, plan), timeout_s=180, describe=lay.describe)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dp", [["--dp.mode", "allreduce", "--dp.compressor", "none"],
                                 ["--dp.mode", "diloco", "--dp.compressor", "powersgd", "--dp.sync-every", "2"]],
                          ids=["allreduce", "diloco-powersgd"])
@@ -56,6 +57,7 @@ def test_checkpoint_then_resume_continues_with_identical_losses(tiny, tmp_path, 
     assert res2[0]["bytes"] == res[0]["bytes"]  # counters restored, then the same traffic
 
 
+@pytest.mark.slow
 def test_killed_rank_stops_the_mesh_and_keeps_the_last_checkpoint(tiny, tmp_path):
     argv = _args(tiny, tmp_path, "--mesh.rows", "2", "--mesh.stages", "2", "--train.steps", "50",
                  "--checkpoint.every", "2", "--run.fail-rank", "3", "--run.fail-step", "3")
@@ -75,6 +77,7 @@ def test_killed_rank_stops_the_mesh_and_keeps_the_last_checkpoint(tiny, tmp_path
     load_causal_lm(last)
 
 
+@pytest.mark.slow
 def test_main_reports_a_dead_rank(tiny, tmp_path, capsys):
     rc = main(_args(tiny, tmp_path, "--mesh.rows", "1", "--mesh.stages", "2", "--train.steps", "20",
                     "--run.fail-rank", "0", "--run.fail-step", "1"))
@@ -101,6 +104,7 @@ def test_bad_input_is_refused_before_spawning(tiny, tmp_path, capsys, monkeypatc
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_finished_run_is_never_clobbered_and_resume_must_match(tiny, tmp_path, capfd):
     """Re-running an existing run name without --checkpoint.resume is refused (it would
     append to its metrics and prune its checkpoints); resuming with a config whose state
@@ -166,6 +170,7 @@ def test_unknown_architecture_is_refused(tiny, tmp_path, capsys):
     assert "cannot be split into stages" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["ctrl-c", "sigterm-to-launcher"])
 def test_ctrl_c_saves_a_checkpoint_and_resume_continues(tiny, tmp_path, how):
     """SIGINT to the whole process group (what a terminal's Ctrl-C does), or SIGTERM to the
@@ -208,6 +213,7 @@ def test_ctrl_c_saves_a_checkpoint_and_resume_continues(tiny, tmp_path, how):
     assert len(res[1]["losses"]) == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra", [
     ["--boundary.codec", "topk", "--train.optimizer", "spectral", "--train.schedule", "gpipe",
      "--dp.mode", "allreduce", "--dp.compressor", "int8"],
@@ -228,6 +234,7 @@ def test_other_codecs_optimizers_and_compressors_train(tiny, tmp_path, extra):
     assert res[0]["bytes"]["dp"] > 0
 
 
+@pytest.mark.slow
 def test_tied_embeddings_stay_tied_across_stages(tiny, tmp_path):
     """A tied checkpoint split over 2 stages: the last stage's lm_head copy gets the summed
     gradient like stage 0's embedding, so the two copies remain equal after training."""
@@ -252,6 +259,7 @@ def test_tied_embeddings_stay_tied_across_stages(tiny, tmp_path):
     torch.testing.assert_close(reloaded.lm_head.weight, s0)
 
 
+@pytest.mark.slow
 def test_garbage_activations_from_a_peer_skip_the_step_not_corrupt_weights(tiny, tmp_path, monkeypatch):
     """A peer delivers NaN activations at step 1 (forked ranks inherit the patched codec):
     every stage of the replica skips that update, the weights stay finite, training goes on."""
