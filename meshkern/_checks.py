@@ -55,3 +55,23 @@ def float_tensor(name: str, t, allowed=FLOAT_DTYPES, *, min_dim: int = 0) -> Non
         raise TypeError(f"{name} must have dtype {names}, got {t.dtype}")
     if t.dim() < min_dim:
         raise ValueError(f"{name} must have at least {min_dim} dim(s) ([..., dims]), got a {t.dim()}-d tensor")
+
+
+def fraction(name: str, value) -> float:
+    """``value`` as a float in [0, 1) (a drop fraction, a momentum); ValueError otherwise."""
+    v = as_float(value)
+    if v is None or not 0.0 <= v < 1.0:
+        raise ValueError(f"{name} must be a float in [0, 1), got {value!r}")
+    return v
+
+
+def boundary_shape(shape, dtype) -> tuple[int, ...]:
+    """A stage-boundary tensor's shape as a tuple: [..., T, H] with every dim >= 1 and a
+    floating-point ``dtype`` (ValueError / TypeError otherwise). What a codec checks before
+    it sizes a wire."""
+    shape = tuple(int(s) for s in shape)
+    if len(shape) < 2 or min(shape) < 1:
+        raise ValueError(f"boundary tensors are [..., T, H] with every dim >= 1, got shape {shape}")
+    if not dtype.is_floating_point:
+        raise TypeError(f"boundary tensors must be floating point, got {dtype}")
+    return shape

@@ -1,0 +1,60 @@
+"""Pluggable stage-boundary codecs: what crosses a pipeline link, both directions.
+
+A pipeline boundary sends the hidden state h [..., T, H] forward and its gradient back.
+A codec says what travels instead:
+
+    sender (stage i)                               receiver (stage i+1)
+    wire, ctx = codec.encode_fwd(h, key)  ----->   h_hat = codec.decode_fwd(wire, key, shape, dtype)
+    grad_h = codec.decode_bwd(wire_b, key, ctx) <-- wire_b = codec.encode_bwd(grad_h_hat, key, wire)
+
+``key`` is the boundary's ``meshkern.MaskKey(seed, boundary, step, microbatch)``; both
+sides hold it without communication. The receiver passes the forward ``wire`` it
+decoded as ``meta`` to ``encode_bwd`` (top-k needs the indices it received).
+``wire_specs(shape, dtype, direction)`` lists the (shape, dtype) of every wire tensor
+(what a receiver preallocates for ``torch.distributed.recv``) and ``wire_bytes`` is
+their exact byte count; encode always produces exactly these, and decode raises a
+ValueError on anything else, or on non-finite values (a peer's garbage never reaches
+the model).
+
+Backward semantics (what gradient comes back), per codec:
+    dense       identity both ways; H elements per token per direction.
+    mask        ours: h_hat = unpack(pack(h)) with the Philox mask of ``key``
+                (meshkern.pack/unpack); gradient = exact autograd of that, i.e. the same
+                K dims per token travel back. K = round((1-p)H) values per token each way,
+                no index travels. ``rescale`` scales by H/K on the receiver (unbiased).
+    topk        the K largest-|h| dims per token, values + indices forward; gradient =
+                autograd with those indices held fixed, so only K values travel back
+                (the sender kept its indices).
+    int8, int4  symmetric absmax quantization per token (or per ``group_size`` dims),
+                float32 scales; gradient straight-through (identity) and then itself
+                quantized the same way for the trip back.
+    bottleneck  a fixed orthonormal basis P [H, r], r = round((1-p)H), seeded by
+                (key.seed, key.boundary) and the same at every step: h_hat = h P P^T,
+                gradient = autograd (grad P P^T): r values per token each way.
+    pca         a calibrated per-boundary basis (mean [H], U [H, k], sd [k], gsd [k]; see
+                orchestration.calibration): forward the k coordinates (h - mean) U / sd,
+                int4 (or int8) per token with an fp32 absmax scale; receiver rebuilds
+                mean + U (sd * codes). Backward: the exact adjoint of the projection
+                (straight-through for the quantizer), U^T g / gsd quantized the same way,
+                rebuilt as U (gsd * codes). ``sink``: position 0 of every row (the
+                attention sink) travels as int8 over all H dims instead, both ways.
+
+``make_codec(name, p=0.95, rescale=False, **options)`` builds one by name or spec
+(``parse_spec``: ``name:key=value,...``); ``apply_codec``
+runs a round trip inside one process as an autograd function (the in-process reference
+of a compressed pipeline).
+
+Modules: base (protocol, validation, dense, apply_codec), sparse (mask, topk), quant
+(int8/int4), bottleneck, pca, registry (CODECS, make_codec, parse_spec).
+"""
+from orchestration.codecs.base import (DIRECTIONS, BoundaryCodec, DenseCodec, NonFiniteWire, Spec, apply_codec,
+                                       kept_count, validate_wire)
+from orchestration.codecs.bottleneck import BottleneckCodec
+from orchestration.codecs.pca import PCA_BASES, PCABasis, PCACodec, pca_width
+from orchestration.codecs.quant import QuantCodec
+from orchestration.codecs.registry import CODECS, make_codec, parse_spec
+from orchestration.codecs.sparse import MaskCodec, TopKCodec
+
+__all__ = ["CODECS", "DIRECTIONS", "PCA_BASES", "BottleneckCodec", "BoundaryCodec", "DenseCodec", "MaskCodec",
+           "NonFiniteWire", "PCABasis", "PCACodec", "QuantCodec", "Spec", "TopKCodec", "apply_codec", "kept_count",
+           "make_codec", "parse_spec", "pca_width", "validate_wire"]

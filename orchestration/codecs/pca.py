@@ -1,0 +1,193 @@
+"""``pca``: a calibrated per-boundary PCA basis (orchestration.calibration fits it) with
+per-token int4/int8 coordinates; ``PCA_BASES`` is the process-wide basis table."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from meshkern._checks import boundary_shape
+from orchestration.codecs.base import BoundaryCodec, check_direction, optional_width, validate_wire
+from orchestration.codecs.quant import QuantCodec
+
+
+@dataclass
+class PCABasis:
+    """One boundary's fixed PCA basis, identical on both sides of the boundary.
+
+    mean [H], U [H, k] (orthonormal columns), sd [k] (calibration std of each forward
+    coordinate, > 0), gsd [k] (calibration std of each gradient coordinate U^T g, > 0;
+    ones if not calibrated). All float32."""
+
+    mean: torch.Tensor
+    U: torch.Tensor
+    sd: torch.Tensor
+    gsd: torch.Tensor
+
+    def __post_init__(self):
+        self.mean, self.U = self.mean.detach().float().contiguous(), self.U.detach().float().contiguous()
+        self.sd, self.gsd = self.sd.detach().float().contiguous(), self.gsd.detach().float().contiguous()
+        H, k = self.U.shape if self.U.dim() == 2 else (0, 0)
+        if self.U.dim() != 2 or tuple(self.mean.shape) != (H,) or tuple(self.sd.shape) != (k,) \
+                or tuple(self.gsd.shape) != (k,):
+            raise ValueError(f"PCABasis: mean [H], U [H, k], sd [k], gsd [k] expected, got {tuple(self.mean.shape)}, "
+                             f"{tuple(self.U.shape)}, {tuple(self.sd.shape)}, {tuple(self.gsd.shape)}")
+        for name in ("mean", "U", "sd", "gsd"):
+            if not bool(torch.isfinite(getattr(self, name)).all()):
+                raise ValueError(f"PCABasis: {name} holds non-finite values")
+        if bool((self.sd <= 0).any()) or bool((self.gsd <= 0).any()):
+            raise ValueError("PCABasis: sd and gsd must be > 0")
+
+    @property
+    def k(self) -> int:
+        return self.U.shape[1]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.U.shape[0]
+
+    def nbytes(self) -> int:
+        """Bytes to send this basis once (fp32): H + H*k + 2k values."""
+        return 4 * (self.mean.numel() + self.U.numel() + self.sd.numel() + self.gsd.numel())
+
+    def to(self, device) -> "PCABasis":
+        return PCABasis(self.mean.to(device), self.U.to(device), self.sd.to(device), self.gsd.to(device))
+
+    def state_dict(self) -> dict:
+        return {"mean": self.mean, "U": self.U, "sd": self.sd, "gsd": self.gsd}
+
+
+PCA_BASES: dict[int, PCABasis] = {}  # boundary index -> basis; what a PCACodec uses unless given its own
+
+
+def pca_width(H: int, bits: int = 4, budget: float = 15, sink: bool = True, seq_len: int = 128) -> int:
+    """Coordinates k per token that fit B = floor(4H / budget) bytes per token per direction
+    (1/budget of dense fp32): k codes of ``bits`` bits plus one fp32 scale, and with
+    ``sink`` the position-0 row (H int8 codes + fp32 scale) amortized over ``seq_len``
+    tokens: ceil((H + 4) / seq_len) bytes. At most H. ValueError if nothing fits."""
+    B = int(4 * H // budget)
+    pos0 = -(-(H + 4) // int(seq_len)) if sink else 0
+    room = B - pos0 - 4
+    k = min(H, room if bits == 8 else 2 * room)
+    if k < 1:
+        raise ValueError(f"pca: budget={budget} leaves no room for a coordinate at H={H}")
+    return k
+
+
+class PCACodec(BoundaryCodec):
+    """Calibrated PCA subspace + per-token quantization (see the module doc, ``pca``).
+
+    ``k`` coordinates per token, explicit or from ``budget`` (``pca_width``; default 1/15
+    of dense fp32 bytes). The basis of boundary b is ``bases[b]`` (default: the module's
+    PCA_BASES, which orchestration.calibration fills); ``k`` must equal its width.
+    ``calib_rows`` / ``grad_rows``: how many training rows calibration fits the basis on
+    (and of those, how many give the gradient std gsd).
+    Wire per direction, for a boundary tensor [..., T, H]:
+        sink=False: codes [..., T, ceil(k/2)] uint8 (int4, low nibble = even coordinate) or
+                    [..., T, k] int8; scales [..., T, 1] fp32.
+        sink=True:  position 0: [..., H] int8 + [..., 1] fp32 scale; positions 1..T-1 as
+                    above, [..., T-1, .] codes and [..., T-1, 1] scales.
+    """
+
+    name = "pca"
+
+    def __init__(self, bits: int = 4, k: int | None = None, budget: float | None = None, sink: bool = True,
+                 seq_len: int = 128, bases: dict | None = None, calib_rows: int = 16, grad_rows: int = 8):
+        if bits not in (4, 8):
+            raise ValueError(f"pca: bits must be 4 or 8, got {bits}")
+        if k is not None and budget is not None:
+            raise ValueError("pca: give k or budget, not both")
+        if budget is not None and float(budget) <= 0:
+            raise ValueError(f"pca: budget must be > 0, got {budget}")
+        if int(seq_len) < 1:
+            raise ValueError(f"pca: seq_len must be >= 1, got {seq_len}")
+        self.bits, self.k = int(bits), optional_width("pca: k", k)
+        self.budget = None if k is not None else float(15 if budget is None else budget)
+        self.sink, self.seq_len = bool(sink), int(seq_len)
+        if int(calib_rows) < 1 or int(grad_rows) < 0:
+            raise ValueError(f"pca: calib_rows must be >= 1 and grad_rows >= 0, got {calib_rows}, {grad_rows}")
+        self.calib_rows, self.grad_rows = int(calib_rows), int(grad_rows)  # orchestration.calibration's
+        self.bases = PCA_BASES if bases is None else bases
+        self._q, self._q8 = QuantCodec(self.bits), QuantCodec(8)
+        self._dev: dict = {}
+
+    def __repr__(self) -> str:
+        return (f"PCACodec(bits={self.bits}, k={self.k}, budget={self.budget}, sink={self.sink}, "
+                f"seq_len={self.seq_len}, boundaries={sorted(self.bases)})")
+
+    def width(self, H: int) -> int:
+        if self.k is not None:
+            if self.k > H:
+                raise ValueError(f"pca: k={self.k} exceeds the hidden size H={H}")
+            return self.k
+        return pca_width(H, self.bits, self.budget, self.sink, self.seq_len)
+
+    def basis(self, boundary: int, H: int, device) -> PCABasis:
+        b = self.bases.get(int(boundary))
+        if b is None:
+            raise ValueError(f"pca: no basis for boundary {boundary} (calibrate first: "
+                             f"orchestration.calibration); have {sorted(self.bases)}")
+        if (b.hidden_size, b.k) != (H, self.width(H)):
+            raise ValueError(f"pca: boundary {boundary}'s basis is [{b.hidden_size}, {b.k}], "
+                             f"this codec needs [{H}, {self.width(H)}]")
+        ck = (int(boundary), str(device), id(b))
+        if ck not in self._dev:
+            self._dev[ck] = b.to(device)
+        return self._dev[ck]
+
+    def wire_specs(self, shape, dtype, direction):
+        check_direction(direction)
+        shape = boundary_shape(shape, dtype)
+        H, k = shape[-1], self.width(shape[-1])
+        cw = (k + 1) // 2 if self.bits == 4 else k
+        cdt = torch.uint8 if self.bits == 4 else torch.int8
+        if not self.sink:
+            return [(shape[:-1] + (cw,), cdt), (shape[:-1] + (1,), torch.float32)]
+        lead, T = shape[:-2], shape[-2]
+        return [(lead + (H,), torch.int8), (lead + (1,), torch.float32),
+                (lead + (T - 1, cw), cdt), (lead + (T - 1, 1), torch.float32)]
+
+    def _encode(self, x, basis: PCABasis, norm: torch.Tensor, center: bool) -> list[torch.Tensor]:
+        x = x.detach().float()
+        if self.sink:
+            head, x = x[..., 0, :], x[..., 1:, :]
+        c = ((x - basis.mean) if center else x) @ basis.U / norm
+        wire = self._q.quantize(c)
+        if self.sink:
+            wire = self._q8.quantize(head) + wire
+        return [t.contiguous() for t in wire]
+
+    def _decode(self, wire, basis: PCABasis, norm: torch.Tensor, center: bool, shape, dtype) -> torch.Tensor:
+        H, k = shape[-1], basis.k
+        body_shape = shape[:-2] + ((shape[-2] - 1) if self.sink else shape[-2], k)
+        body = wire[2:] if self.sink else wire
+        c = self._q.dequantize(body, body_shape, torch.float32) * norm
+        x = c @ basis.U.T
+        if center:
+            x = x + basis.mean
+        if self.sink:
+            head = self._q8.dequantize(wire[:2], shape[:-2] + (H,), torch.float32)
+            x = torch.cat([head.unsqueeze(-2), x], dim=-2)
+        return x.to(dtype)
+
+    def encode_fwd(self, h, key):
+        b = self.basis(key.boundary, h.shape[-1], h.device)
+        return self._encode(h, b, b.sd, True), (tuple(h.shape), h.dtype, int(key.boundary))
+
+    def decode_fwd(self, wire, key, shape, dtype):
+        shape = tuple(shape)
+        validate_wire(wire, self.wire_specs(shape, dtype, "fwd"), "pca decode_fwd")
+        b = self.basis(key.boundary, shape[-1], wire[0].device)
+        return self._decode(wire, b, b.sd, True, shape, dtype)
+
+    def encode_bwd(self, grad, key, meta):
+        # d h_hat / d h = U U^T (straight-through quantizer): the sender needs U^T g, k per token.
+        b = self.basis(key.boundary, grad.shape[-1], grad.device)
+        return self._encode(grad, b, b.gsd, False)
+
+    def decode_bwd(self, wire, key, ctx):
+        shape, dtype, boundary = ctx
+        validate_wire(wire, self.wire_specs(shape, dtype, "bwd"), "pca decode_bwd")
+        b = self.basis(boundary, shape[-1], wire[0].device)
+        return self._decode(wire, b, b.gsd, False, shape, dtype)
+

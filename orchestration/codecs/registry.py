@@ -1,0 +1,67 @@
+"""The codec list, ``make_codec`` (build one by name) and ``parse_spec`` (the
+``name:key=value,...`` spec syntax of ``--boundary.codec`` and diagnose's ``--codecs``)."""
+from __future__ import annotations
+
+from orchestration.codecs.base import BoundaryCodec, DenseCodec
+from orchestration.codecs.bottleneck import BottleneckCodec
+from orchestration.codecs.pca import PCACodec
+from orchestration.codecs.quant import QuantCodec
+from orchestration.codecs.sparse import MaskCodec, TopKCodec
+
+CODECS = ("dense", "mask", "topk", "int8", "int4", "bottleneck", "pca")
+
+
+def parse_spec(spec: str) -> tuple[str, dict]:
+    """``name`` or ``name:key=value,...`` -> (name, options for make_codec). Values are
+    parsed as int, then float, then true/false, else kept as a string. ValueError for an
+    unknown codec name or an item that is not key=value."""
+    if not isinstance(spec, str):
+        raise TypeError(f"a codec spec is a str like 'int4' or 'aqsgd:bits=4', got {type(spec).__name__}")
+    name, _, rest = spec.partition(":")
+    name = name.strip()
+    if name not in CODECS:
+        raise ValueError(f"unknown boundary codec {name!r} in {spec!r}; choose one of {', '.join(CODECS)}")
+    options: dict = {}
+    for item in filter(None, (s.strip() for s in rest.split(","))):
+        k, eq, v = item.partition("=")
+        if not eq or not k.strip():
+            raise ValueError(f"codec spec {spec!r}: options are key=value, got {item!r}")
+        v = v.strip()
+        if v.lower() in ("true", "false"):
+            options[k.strip()] = v.lower() == "true"
+            continue
+        for conv in (int, float):
+            try:
+                options[k.strip()] = conv(v)
+                break
+            except ValueError:
+                pass
+        else:
+            options[k.strip()] = v
+    return name, options
+
+
+def make_codec(name: str, p: float = 0.95, rescale: bool = False, **options) -> BoundaryCodec:
+    """Build the codec ``name`` (one of CODECS, or a spec ``name:key=value,...`` whose
+    options are merged under ``options``, which win).
+
+    ``p`` (drop fraction) sizes mask, topk and bottleneck (K = round((1-p)H)) and is
+    ignored by dense/int8/int4; ``rescale`` applies to mask only. ``options`` go to the
+    codec's constructor (topk: k; int8/int4: group_size; bottleneck: rank; mask:
+    backend; pca: bits, k or budget, sink, seq_len; p is ignored); an option the codec does not take is a TypeError.
+    """
+    name, spec_options = parse_spec(name)
+    options = {**spec_options, **options}
+    builders = {
+        "dense": lambda: DenseCodec(**options),
+        "mask": lambda: MaskCodec(p=p, rescale=rescale, **options),
+        "topk": lambda: TopKCodec(p=p, **options),
+        "int8": lambda: QuantCodec(8, **options),
+        "int4": lambda: QuantCodec(4, **options),
+        "bottleneck": lambda: BottleneckCodec(p=p, **options),
+        "pca": lambda: PCACodec(**options),
+    }
+    try:
+        return builders[name]()
+    except TypeError as e:
+        raise TypeError(f"codec {name!r} does not take options {sorted(options)}: {e}") from None
