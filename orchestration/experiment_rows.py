@@ -67,8 +67,13 @@ ROWS: tuple[Row, ...] = (
         paper="0.260 / 0.105"),
     Row("alpha1", "ablation", "m95-ap", ("--train.alpha", "1"), label="M95+AP, alpha=1 (no correction)",
         paper="0.180 / 0.072"),
+    # Since issue #15 the AP presets send the factors (transport factored): "factored" pins
+    # what the preset does (its records predate the change, when the presets sent dense
+    # gradients), "anchor-dense" is the other transport.
     Row("factored", "ablation", "m95-ap", ("--anchor.transport", "factored"),
         label="M95+AP, anchor sends top-r SVD factors of its momentum", paper="(anchor axis ~76 B/tok)"),
+    Row("anchor-dense", "ablation", "m95-ap", ("--anchor.transport", "dense"),
+        label="M95+AP, anchor sends its dense gradients", paper="(the paper's fast-node M_anc)"),
 )
 ROW_BY_NAME = {r.name: r for r in ROWS}
 GROUPS = ("main", "baseline", "ablation")

@@ -196,7 +196,8 @@ def test_anchor_gradient_is_the_unsplit_dense_gradient_at_the_snapshot(tiny, tmp
     up to the quantization of the parameters (passes at 2e-4 here; 1e-3 leaves margin)."""
     spy = tmp_path / "spy"
     spy.mkdir()
-    cfg, plan, res, recs = _run(_argv(tiny, tmp_path, "grad", "--mesh.rows", "3", "--train.steps", "5",
+    cfg, plan, res, recs = _run(_argv(tiny, tmp_path, "grad", "--anchor.transport", "dense", "--mesh.rows", "3",
+                                      "--train.steps", "5",
                                       "--dp.mode", "allreduce", "--dp.compressor", "none", "--anchor.snapshot-codec", codec,
                                       "--anchor.delay", "2", "--anchor.snapshot-every", "2",
                                       "--checkpoint.every", "2", "--checkpoint.keep", "5"), outdir=spy)
@@ -249,7 +250,7 @@ def test_nan_and_wrong_shape_updates_are_rejected_and_counted(tiny, tmp_path, mo
     optimizer saw exactly the good ones) and goes on with rounds 3-5."""
     monkeypatch.setenv("MESHKERN_ANCHOR_FAULT", "nan:1,shape:2")
     _, plan, res, recs = _run(_argv(tiny, tmp_path, "bad", "--train.steps", "8", "--anchor.delay", "2",
-                                    "--anchor.snapshot-every", "1"))
+                                    "--anchor.snapshot-every", "1", "--anchor.transport", "dense"))
     assert [r["rounds"] for r in res[2:]] == [6, 6]  # versions 0..5 (5 + 2 < 8)
     assert len(recs) == 8 and all(math.isfinite(r["loss"]) for r in recs)
     last = recs[-1]

@@ -437,7 +437,7 @@ def test_huge_dense_payload_is_rejected_through_a_running_mesh(tiny, tmp_path, m
     """Issue #14's dense payload of finite 3e38s (before: "M's Gram matrix overflows" out
     of rank 0) and one of 1e10s: rejected for their magnitude, counted, never applied."""
     monkeypatch.setenv("MESHKERN_ANCHOR_FAULT", "huge:1=3e38,huge:3")
-    _, plan, res, recs = _mesh_run(tiny, tmp_path, "dense")
+    _, plan, res, recs = _mesh_run(tiny, tmp_path, "dense", "--anchor.transport", "dense")
     assert len(recs) == 8 and all(math.isfinite(r["loss"]) for r in recs)
     last = recs[-1]
     assert last["anchor_rejected"] == 2 and last["anchor_rejected_magnitude"] == 2

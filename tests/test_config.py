@@ -41,6 +41,10 @@ def test_every_preset_loads_and_matches_its_row():
     assert rows["dp"].boundary.codec == "dense" and rows["dp"].dp.compressor == "powersgd"
     assert rows["m90-ap"].boundary.p == 0.9 and rows["m90-ap"].anchor.enabled
     assert rows["m95-ap"].train.optimizer == "spectral"
+    # issue #15: the AP presets ship SVD factors (no SVD on fast nodes); the generic default stays dense
+    assert rows["m95-ap"].anchor.transport == rows["m90-ap"].anchor.transport == "factored"
+    assert parse_args(["--preset", "m95-ap", "--anchor.transport", "dense"])[0].anchor.transport == "dense"
+    assert parse_args([])[0].anchor.transport == "dense"
 
 
 @pytest.mark.parametrize("argv, message", [
