@@ -47,6 +47,15 @@ ROWS: tuple[Row, ...] = (
     # Calibrated PCA codec at 1/15 of dense fp32 per direction (k int4 coordinates + position 0 as int8).
     Row("pca4", "baseline", "pca4", label="PCA-int4 + sink, 1/15 of dense (no anchor)",
         paper="(not in the paper; diagnose: sink+pca-int4)"),
+    # The paper's two other baselines, at its 8x forward / 2x backward (vs fp32): at H=192,
+    # seq 128, aqsgd sends 96 B of 4-bit delta codes + a 4 B scale per token forward (7.7x)
+    # and tahquant ~106 B (3.8 bits on average + per-tile fp16 zero/scale + flags/pivots,
+    # 7.2x); both send bf16 gradients back (2x). AQ-SGD's delta only pays off from a
+    # sample's second visit: the record's "epochs" says how many the run made.
+    Row("aqsgd", "baseline", "m95", ("--boundary.codec", "aqsgd", "--boundary.options", '{"bits": 4, "gbits": 16}'),
+        label="AQ-SGD fw 4-bit delta / bw bf16 ~8x/2x (no anchor)", paper="collapses on generation (8x/2x)"),
+    Row("tahquant", "baseline", "m95", ("--boundary.codec", "tahquant", "--boundary.options", '{"bits": 4, "gbits": 16}'),
+        label="TAH-Quant fw 3.8 bits / bw bf16 ~7x/2x (no anchor)", paper="collapses on generation (8x/2x)"),
     # Ablations around M95+AP (p=0.90 with the anchor is the main row m90-ap; m90 is its
     # no-anchor control, separating the effect of p from the anchor's).
     Row("m90", "ablation", "m95", ("--boundary.p", "0.90"), label="M90 (mask p=0.90, no anchor)",

@@ -112,6 +112,15 @@ def codec_eval_loss(model, held, cfg, *, seed: int = 0, step: int = 0, run_dir: 
     return eval_loss(chain, held)
 
 
+def _epochs(cfg, plan, steps: int) -> float:
+    """Passes over its data shard that fast replica 0 made in ``steps`` steps (a per-sample
+    codec such as aqsgd compresses better from each sample's second visit on)."""
+    from orchestration.sampling import shard_rows
+
+    per_epoch = len(shard_rows(plan.train_rows, 0, cfg.fast_rows)) // cfg.train.batch_size
+    return round(steps / per_epoch, 3) if per_epoch else float("nan")
+
+
 def evaluate_run(row: Row, seed: int, s: Settings, argv: list[str], run_dir: str) -> dict:
     """Evaluates a finished trainer run; returns the row's result record."""
     from orchestration import evaluate
@@ -164,7 +173,8 @@ def evaluate_run(row: Row, seed: int, s: Settings, argv: list[str], run_dir: str
         "eval_sequences": int(held.shape[0]), "eval_tokens": int(held.shape[0] * (held.shape[1] - 1)),
         "base_loss": curve[0]["loss"], "final_loss": curve[-1]["loss"],
         "final_perplexity": curve[-1]["perplexity"], "curve": curve,
-        "boundary_codec": cfg.boundary.codec, "codec_on_loss": codec_on,
+        "boundary_codec": cfg.boundary.codec, "boundary_options": dict(cfg.boundary.options),
+        "codec_on_loss": codec_on, "epochs": _epochs(cfg, plan, s.steps),
         "train_config": {"lr": cfg.train.lr, "min_lr_ratio": cfg.train.min_lr_ratio,
                          "warmup_steps": cfg.train.warmup_steps, "optimizer": cfg.train.optimizer,
                          "tau": cfg.train.tau, "alpha": cfg.train.alpha, "beta_anc": cfg.train.beta_anc,

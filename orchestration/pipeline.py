@@ -103,12 +103,15 @@ class PipelineExecutor:
 
     # ------------------------------------------------------------------ one step
     def step(self, step: int, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-             num_microbatches: int | None = None) -> StepStats:
+             num_microbatches: int | None = None, sample_ids: torch.Tensor | None = None) -> StepStats:
         """Runs this stage's actions for one optimizer step; accumulates gradients into
         the stage's parameters (not zeroed here). ``input_ids`` [B, T] is the replica's
         batch (every stage holds it: the first embeds it, the last uses it as labels);
         it is split into ``num_microbatches`` equal micro-batches. The loss is the
-        unsplit model's mean next-token loss over the whole batch.
+        unsplit model's mean next-token loss over the whole batch. ``sample_ids`` [B]:
+        each row's stable sample id (BatchSampler.indices), split like the batch and
+        handed to ``codec.begin_step`` (a per-sample codec, aqsgd, keys its stores by them;
+        every stage holds them, so both sides of a boundary agree without communication).
         """
         input_ids = input_ids.to(self.device)
         labels = input_ids if labels is None else labels.to(self.device)
@@ -117,6 +120,10 @@ class PipelineExecutor:
             raise ValueError(f"batch of {input_ids.shape[0]} sequences does not split into {M} micro-batches")
         mb_ids = input_ids.chunk(M)
         mb_labels = labels.chunk(M)
+        if sample_ids is not None and tuple(sample_ids.shape) != (input_ids.shape[0],):
+            raise ValueError(f"sample_ids must be [{input_ids.shape[0]}] (one per sequence), "
+                             f"got {tuple(sample_ids.shape)}")
+        self.codec.begin_step(step, None if sample_ids is None else sample_ids.chunk(M))
         # Same normalisation as the unsplit model's loss on the whole batch.
         n_items = int((labels[:, 1:] != -100).sum())
         H, dtype = self.stage.hidden_size, next(self.stage.parameters()).dtype

@@ -34,11 +34,17 @@ class BatchSampler:
         self.per_epoch = len(rows) // batch_size
         self._perm_epoch, self._perm = -1, None
 
-    def __call__(self, step: int) -> torch.Tensor:
+    def indices(self, step: int) -> torch.Tensor:
+        """int64 [batch_size]: which of ``rows`` make up the batch of step s. A row's index
+        is the sample's stable id for the run (what per-sample codecs such as aqsgd key
+        their stores by: the same row gets the same id in every epoch)."""
         epoch, i = divmod(step, self.per_epoch)
         if epoch != self._perm_epoch:
             self._perm, self._perm_epoch = epoch_permutation(len(self.rows), self.seed, epoch), epoch
-        return self.rows[self._perm[i * self.B:(i + 1) * self.B]]
+        return self._perm[i * self.B:(i + 1) * self.B]
+
+    def __call__(self, step: int) -> torch.Tensor:
+        return self.rows[self.indices(step)]
 
 
 class TokenDataset(torch.utils.data.Dataset):

@@ -255,7 +255,8 @@ class Trainer:
         opt, mesh, params = self.optimizer, self.mesh, self.params
         for g in opt.param_groups:
             g["lr"] = lr_at(step, self.cfg)
-        stats = self.executor.step(step, self.sampler(step), num_microbatches=self.cfg.train.microbatches)
+        stats = self.executor.step(step, self.sampler(step), num_microbatches=self.cfg.train.microbatches,
+                                   sample_ids=self.sampler.indices(step))
         if self.tied_param is not None:
             dist.all_reduce(self.tied_param.grad, group=mesh.groups[f"ends{mesh.row}"])
         if self.allreduce is not None:

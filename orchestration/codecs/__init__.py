@@ -45,8 +45,10 @@ runs a round trip inside one process as an autograd function (the in-process ref
 of a compressed pipeline).
 
 Modules: base (protocol, validation, dense, apply_codec), sparse (mask, topk), quant
-(int8/int4), bottleneck, pca, registry (CODECS, make_codec, parse_spec).
+(int8/int4), bottleneck, pca, aqsgd, tahquant (paper baselines; lowbit: their bit packer and
+quantizers), registry (CODECS, make_codec, parse_spec).
 """
+from orchestration.codecs.aqsgd import AQSGDCodec
 from orchestration.codecs.base import (DIRECTIONS, BoundaryCodec, DenseCodec, NonFiniteWire, Spec, apply_codec,
                                        kept_count, validate_wire)
 from orchestration.codecs.bottleneck import BottleneckCodec
@@ -54,7 +56,8 @@ from orchestration.codecs.pca import PCA_BASES, PCABasis, PCACodec, pca_width
 from orchestration.codecs.quant import QuantCodec
 from orchestration.codecs.registry import CODECS, make_codec, parse_spec
 from orchestration.codecs.sparse import MaskCodec, TopKCodec
+from orchestration.codecs.tahquant import TAHQuantCodec
 
-__all__ = ["CODECS", "DIRECTIONS", "PCA_BASES", "BottleneckCodec", "BoundaryCodec", "DenseCodec", "MaskCodec",
+__all__ = ["AQSGDCodec", "TAHQuantCodec", "CODECS", "DIRECTIONS", "PCA_BASES", "BottleneckCodec", "BoundaryCodec", "DenseCodec", "MaskCodec",
            "NonFiniteWire", "PCABasis", "PCACodec", "QuantCodec", "Spec", "TopKCodec", "apply_codec", "kept_count",
            "make_codec", "parse_spec", "pca_width", "validate_wire"]

@@ -2,13 +2,15 @@
 ``name:key=value,...`` spec syntax of ``--boundary.codec`` and diagnose's ``--codecs``)."""
 from __future__ import annotations
 
+from orchestration.codecs.aqsgd import AQSGDCodec
 from orchestration.codecs.base import BoundaryCodec, DenseCodec
 from orchestration.codecs.bottleneck import BottleneckCodec
 from orchestration.codecs.pca import PCACodec
 from orchestration.codecs.quant import QuantCodec
 from orchestration.codecs.sparse import MaskCodec, TopKCodec
+from orchestration.codecs.tahquant import TAHQuantCodec
 
-CODECS = ("dense", "mask", "topk", "int8", "int4", "bottleneck", "pca")
+CODECS = ("dense", "mask", "topk", "int8", "int4", "bottleneck", "pca", "aqsgd", "tahquant")
 
 
 def parse_spec(spec: str) -> tuple[str, dict]:
@@ -48,7 +50,9 @@ def make_codec(name: str, p: float = 0.95, rescale: bool = False, **options) -> 
     ``p`` (drop fraction) sizes mask, topk and bottleneck (K = round((1-p)H)) and is
     ignored by dense/int8/int4; ``rescale`` applies to mask only. ``options`` go to the
     codec's constructor (topk: k; int8/int4: group_size; bottleneck: rank; mask:
-    backend; pca: bits, k or budget, sink, seq_len; p is ignored); an option the codec does not take is a TypeError.
+    backend; pca: bits, k or budget, sink, seq_len; aqsgd: bits, gbits, store_dtype, store_device;
+    tahquant: bits, low_bits, high_fraction, tile, meta, gbits; p is ignored by pca, aqsgd and
+    tahquant); an option the codec does not take is a TypeError.
     """
     name, spec_options = parse_spec(name)
     options = {**spec_options, **options}
@@ -60,6 +64,8 @@ def make_codec(name: str, p: float = 0.95, rescale: bool = False, **options) -> 
         "int4": lambda: QuantCodec(4, **options),
         "bottleneck": lambda: BottleneckCodec(p=p, **options),
         "pca": lambda: PCACodec(**options),
+        "aqsgd": lambda: AQSGDCodec(**options),
+        "tahquant": lambda: TAHQuantCodec(**options),
     }
     try:
         return builders[name]()
