@@ -207,3 +207,46 @@ def test_executor_hands_each_microbatch_its_sample_ids():
     assert set(sampler.indices(2).tolist()) <= set(range(10))
     with pytest.raises(ValueError, match="sample_ids must be"):
         ex.step(3, sampler(3), num_microbatches=2, sample_ids=torch.arange(3))
+
+
+def mesh_run(tiny, tmp_path, codec: str, options: str, steps: int, max_sequences: int = 200):
+    """Trains the tiny model on a 1x2 mesh (one boundary) through ``codec``; returns
+    (plan, the last stage's record)."""
+    from orchestration.config import parse_args
+    from orchestration.launch import run_local
+    from orchestration.mesh import MeshLayout
+    from orchestration.train import prepare, run_rank
+
+    argv = ["--model", str(tiny / "model"), "--data", str(tiny / "data.txt"), "--data.seq-len", "32",
+            "--data.max-sequences", str(max_sequences), "--train.batch-size", "4", "--train.microbatches", "2",
+            "--run.out-dir", str(tmp_path), "--run.name", "t", "--run.progress", "false",
+            "--run.eval-sequences", "0", "--mesh.timeout-s", "60", "--mesh.rows", "1", "--mesh.stages", "2",
+            "--train.steps", str(steps), "--train.lr", "3e-3", "--train.warmup-steps", "0",
+            "--boundary.codec", codec, "--boundary.options", options, "--mesh.start-method", "fork"]
+    cfg, _ = parse_args(argv)
+    plan = prepare(cfg)
+    res = run_local(run_rank, cfg.world_size, (cfg, plan), timeout_s=240, describe=MeshLayout(1, 2).describe,
+                    start_method="fork")
+    return cfg, plan, res[1]
+
+
+@pytest.mark.slow
+def test_aqsgd_trains_through_the_mesh_over_several_epochs(tiny, tmp_path):
+    """23 training rows, 4 per step: 12 steps are ~2.4 epochs, so most samples are revisited
+    (delta-coded against the stores). Finite, decreasing loss; pp bytes = the codec's
+    wire bytes per micro-batch, exactly."""
+    import json
+    import os
+
+    from orchestration.sampling import shard_rows
+
+    cfg, plan, last = mesh_run(tiny, tmp_path, "aqsgd", '{"bits": 4, "gbits": 8}', steps=12, max_sequences=24)
+    per_epoch = len(shard_rows(plan.train_rows, 0, 1)) // 4
+    assert 12 / per_epoch >= 2
+    losses = last["losses"]
+    assert all(math.isfinite(x) for x in losses) and len(losses) == 12
+    assert sum(losses[-3:]) < sum(losses[:3])
+    c = make_codec("aqsgd", bits=4, gbits=8)
+    links = json.load(open(os.path.join(plan.run_dir, "link_bytes.json")))["links"]
+    assert links["pp_fwd:0->1"] == 12 * 2 * c.wire_bytes((2, 32, 40), torch.float32, "fwd")
+    assert links["pp_bwd:1->0"] == 12 * 2 * c.wire_bytes((2, 32, 40), torch.float32, "bwd")
