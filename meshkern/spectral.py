@@ -377,7 +377,7 @@ def project(G: Tensor, U: Tensor, S: Tensor, V: Tensor, tau: float = 1e-3, alpha
     dtype, fp64 for fp64 G and fp32 otherwise, so accumulation is fp32 (fp64 for fp64 G,
     whatever the factors' dtype; the Triton kernel accumulates in fp32 for every dtype)
     and the result has G's dtype. U and V are assumed to have orthonormal columns (as
-    randomized_svd gives; not checked). Negative S count as 0 (d in [0, 1]).
+    randomized_svd gives; not checked). Negative or NaN S count as 0 (d in [0, 1]).
     With ``return_stats=True`` also returns ||G_filt||_F^2 per batch entry (fp32).
     Differentiable w.r.t. G (U, S, V are constants). alpha=1 returns G exactly.
     tau, alpha: Python or numpy real numbers.
@@ -385,8 +385,8 @@ def project(G: Tensor, U: Tensor, S: Tensor, V: Tensor, tau: float = 1e-3, alpha
     Errors: TypeError for non-tensors or non-float dtypes; ValueError for mismatched
     shapes or devices, tau not finite or < 0, alpha outside [0, 1]; RuntimeError for a
     forced backend that cannot run here. NaN/inf: not checked (hot path: one more read of
-    G per step); a non-finite value in G or the factors of batch entry b makes entry b of
-    the result non-finite and leaves the other entries untouched.
+    G per step); a non-finite value in G, U or V of batch entry b (or an inf in its S)
+    makes entry b of the result non-finite and leaves the other entries untouched.
     Determinism: deterministic for a given backend, device and input (bit-equal across
     CPU thread counts in our checks); backends agree to fp rounding. Non-contiguous
     inputs are copied to contiguous ones first. Traceable by torch.compile(fullgraph=True),
@@ -578,7 +578,14 @@ def _randomized_svd_impl(M: Tensor, rank: int, oversample: int, power_iters: int
             return _krylov_svd_impl(A, r, b, k, seed, ortho, wd, backend)
     if method == "exact":
         U, S, Vh = torch.linalg.svd(A, full_matrices=False)
-        return U[:, :, :r].contiguous(), S[:, :r].contiguous(), Vh[:, :r, :].mT.contiguous()
+        U, S, V = U[:, :, :r], S[:, :r], Vh[:, :r, :].mT
+        # s at or below LAPACK's rank tolerance max(m, n) eps s_1 is numerically zero: S = 0
+        # and V = 0 there, as the iterative methods give (else V would hold arbitrary
+        # directions of the null space, e.g. for M = 0).
+        keep = S > S[:, :1] * (torch.finfo(wd).eps * max(m, n))
+        V = torch.where(keep[:, None, :], V, torch.zeros_like(V))
+        S = torch.where(keep, S, torch.zeros_like(S))
+        return U.contiguous(), S.contiguous(), V.contiguous()
     l = min(r + oversample, m, n)
     gen = torch.Generator(device=M.device)
     gen.manual_seed(seed)
@@ -654,7 +661,8 @@ def randomized_svd(M: Tensor, rank: int, *, oversample: int = 16, power_iters: i
           "krylov"; SpectralAdamW's default). Defaults (16, 3) meet the 1% top-r target on
           s_i = 1/(1+i) and exp(-i/50) (0.1% / 0.25% at r=32 on [1024,1024]); for a very
           slow decay such as (1+i)^-0.5 they give ~1.7-2.4%.
-      "exact"  torch.linalg.svd, then truncation.
+      "exact"  torch.linalg.svd, then truncation; s <= max(m, n) eps s_1 (LAPACK's rank
+          tolerance) gets S = 0 and V = 0.
     ``ortho``: "qr" (Householder) or "cholqr2" (meshkern.linalg.cholesky_qr2) for the
     orthonormalizations of both iterative methods. ``backend`` ("auto" or None, "cpp",
     "cuda", "triton", "reference") picks the small symmetric-eigen kernel; "auto" takes
