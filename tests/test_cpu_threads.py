@@ -70,9 +70,12 @@ def _gram_products():
 
 
 def _ef_project():
-    grad, err, q = _rand(2, 512, 256, seed=9), _rand(2, 512, 256, seed=10), _rand(2, 256, 8, seed=11)
-    p = powersgd_ef_project(grad, err, q, backend="cpp")
-    return p, err
+    """The specialized fp32 kernel (r = 8) and the generic one (r = 6; fp64)."""
+    outs = []
+    for r, dtype in ((8, torch.float32), (6, torch.float32), (8, torch.float64)):
+        grad, err = _rand(2, 512, 256, seed=9, dtype=dtype), _rand(2, 512, 256, seed=10, dtype=dtype)
+        outs += [powersgd_ef_project(grad, err, _rand(2, 256, r, seed=11, dtype=dtype), backend="cpp"), err]
+    return outs
 
 
 CASES = [
