@@ -126,7 +126,9 @@ class AnchorConfig:
 
 @dataclass
 class CheckpointConfig:
-    every: int = _f(0, "save a checkpoint every N steps (0: only at the end and on Ctrl-C)")
+    every: int = _f(50, "save a checkpoint every N steps, besides the end and Ctrl-C (0: only those); 50 bounds "
+                    "the work a crash loses to ~1 min of the default run, and --checkpoint.keep bounds the disk "
+                    "(a default-model checkpoint is ~30 MB with its optimizer state)")
     dir: str = _f("", "checkpoint directory (empty: RUN_DIR/checkpoints)")
     resume: str = _f("", "resume from: a checkpoint directory, or 'latest' (the newest in the checkpoint dir)")
     keep: int = _f(2, "complete checkpoints kept (older ones are deleted)")
@@ -137,12 +139,14 @@ class RunConfig:
     name: str = _f("", "run name (empty: derived from the preset and time)")
     out_dir: str = _f("runs", "parent directory of run directories")
     log_every: int = _f(1, "steps between metrics records (JSONL) and progress updates")
-    progress: bool = _f(True, "show a progress bar on rank 0")
+    progress: bool = _f(True, "show progress on rank 0 (a bar on a terminal, a plain line every --run.progress-every-s otherwise)")
+    progress_every_s: float = _f(30.0, "seconds between plain progress lines when stdout is not a terminal")
+    tensorboard: bool = _f(False, "also log metrics.jsonl's scalars to RUN_DIR/tensorboard (needs the tensorboard package)")
     bandwidth_bps: float = _f(200e6, "link model: bandwidth of every link in bit/s")
     latency_s: float = _f(0.0, "link model: one-way latency of every link in seconds")
     eval_sequences: int = _f(64, "held-out sequences scored by the final checkpoint (0: skip)")
-    fail_rank: int = _f(-1, "fault injection (tests): this rank kills itself ...")
-    fail_step: int = _f(-1, "... at the start of this step")
+    fail_rank: int = _f(-1, "fault injection (tests): this rank kills itself ...", hidden=True)
+    fail_step: int = _f(-1, "... at the start of this step", hidden=True)
 
 
 @dataclass
@@ -261,21 +265,32 @@ def apply_dict(cfg: Config, d: dict, where: str) -> None:
 
 
 def load_file(path: str) -> dict:
-    """Reads a YAML (.yaml/.yml) or JSON file into a nested dict; clear error if missing or malformed."""
+    """Reads a YAML or JSON config file into a nested dict, whatever its name ends with
+    (recognised by content: YAML 1.1 reads JSON too); clear error if missing or malformed."""
     if not os.path.isfile(path):
         raise ValueError(f"config file not found: {path}")
     with open(path) as f:
         text = f.read()
     try:
-        if path.endswith((".yaml", ".yml")):
-            import yaml
+        import yaml
 
-            d = yaml.safe_load(text) or {}
-        else:
+        d = yaml.safe_load(text)
+    except ImportError:  # pyyaml is a dependency, but JSON needs nothing
+        d = None
+    except Exception as e:  # yaml.YAMLError: try JSON before naming the file
+        try:
             d = json.loads(text)
-    except Exception as e:  # yaml.YAMLError / JSONDecodeError: name the file
-        raise ValueError(f"config file {path} is not valid YAML/JSON: {e}") from None
-    return d
+        except ValueError:
+            raise ValueError(f"config file {path} is neither valid YAML nor JSON: {e}") from None
+    if d is None and text.strip():
+        try:
+            d = json.loads(text)
+        except ValueError as e:
+            raise ValueError(f"config file {path} is not valid JSON (and pyyaml is missing): {e}") from None
+    if d is not None and not isinstance(d, dict):
+        raise ValueError(f"config file {path} holds a {type(d).__name__}, not a mapping of sections "
+                         f"({', '.join(SECTIONS)}) as --print-config writes")
+    return d or {}
 
 
 def presets() -> list[str]:
@@ -290,35 +305,37 @@ def load_preset(name: str) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="python -m orchestration.train",
-        description="Adapt a Hugging Face causal LM on an X x Y mesh of processes (rows: replicas, "
-        "columns: pipeline stages) with masked stage boundaries and compressed DP sync. "
-        "With no arguments: the default base model adapted on local text on a 3x2 CPU mesh.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    ap.add_argument("--preset", default=None, help=f"published row to run: {', '.join(presets())}")
-    ap.add_argument("--config", default=None, help="YAML or JSON file with {section: {field: value}}")
-    ap.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
+    """The trainer's parser: usage, examples and built-ins from orchestration.cli_help,
+    then one group per section; fields with ``hidden=True`` (test-only) are accepted, not listed."""
+    from orchestration import cli_help
+
+    ap = cli_help.TrainParser(
+        prog=cli_help.PROG, usage=cli_help.USAGE, formatter_class=cli_help.Formatter,
+        description="Adapt a causal LM on an X x Y mesh of processes (rows: replicas, columns: pipeline "
+        "stages)\nwith masked stage boundaries and compressed DP sync. Every config field is a flag "
+        "--SECTION.FIELD;\nprecedence: defaults < --preset < --config < flags.\n\n" + cli_help.EXAMPLES,
+        epilog=cli_help.epilog_builtins())
+    g0 = ap.add_argument_group("run selection")
+    g0.add_argument("--preset", default=None, metavar="NAME", help=f"a published row: {', '.join(presets())}")
+    g0.add_argument("--config", default=None, metavar="FILE", help="YAML or JSON file {section: {field: value}}")
+    g0.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
     inv = {v: k for k, v in ALIASES.items()}
     defaults = Config()
     for sec in SECTIONS:
         obj = getattr(defaults, sec)
-        g = ap.add_argument_group(sec)
+        g = ap.add_argument_group(f"--{sec}.*", cli_help.SECTIONS_HELP.get(sec))
         for f in dataclasses.fields(obj):
             dotted = f"{sec}.{f.name}"
             names = [flag_name(sec, f.name)] + ([f"--{inv[dotted]}"] if dotted in inv else [])
             default = getattr(obj, f.name)
             flag = {"nargs": "?", "const": "true"} if isinstance(default, bool) else {}  # bare --flag means true
             kw = dict(dest=dotted, default=None, metavar=type(default).__name__.upper(), **flag)
-            g.add_argument(*names, **kw,
-                           help=f"{f.metadata.get('help', '')} (default: {default!r})".replace("%", "%%"))
+            text = f"{f.metadata.get('help', '')} (default: {default!r})".replace("%", "%%")
+            g.add_argument(*names, **kw, help=argparse.SUPPRESS if f.metadata.get("hidden") else text)
             hidden = [f"--{dotted}"] if f"--{dotted}" != names[0] else []  # the field's spelling: --data.seq_len
             hidden += [f"--{sec}.{old}" for (s_, old), new in RENAMED.items() if s_ == sec and new == f.name]
             if hidden:  # accepted, not listed
                 g.add_argument(*hidden, **kw, help=argparse.SUPPRESS)
-    ap.set_defaults()
-    ap.formatter_class = argparse.HelpFormatter  # defaults are already in each help line
     return ap
 
 
@@ -407,6 +424,7 @@ def validate(cfg: Config) -> Config:
     _need(cfg.checkpoint.every >= 0 and cfg.checkpoint.keep >= 1, "--checkpoint.every must be >= 0 and --checkpoint.keep >= 1")
     _need(cfg.run.eval_sequences >= 0, "--run.eval-sequences must be >= 0")
     _need(cfg.run.log_every >= 1, "--run.log-every must be >= 1")
+    _need(cfg.run.progress_every_s > 0, f"--run.progress-every-s must be > 0, got {cfg.run.progress_every_s}")
     _need(cfg.run.bandwidth_bps > 0 and cfg.run.latency_s >= 0, "--run.bandwidth-bps must be > 0, --run.latency-s >= 0")
     _need(cfg.run.fail_rank < cfg.world_size, f"--run.fail-rank {cfg.run.fail_rank} is not a rank of a {cfg.world_size}-rank mesh")
     return cfg
