@@ -1,9 +1,15 @@
 """pytest-benchmark cases for the mask ops at the issue's target shape (T=4096,
 H=2048, p=0.95, fp32), each next to its baseline in one group: pack vs h.clone(),
-unpack vs torch.zeros, indices vs the reference. The table with ratios is
-``python -m bench.mask_bench``. Run for real with
-``pytest bench/test_mask_bench.py --benchmark-enable``; with --benchmark-disable each
-case runs once and checks its result against the reference."""
+unpack vs torch.zeros, indices vs the reference. A benchmark, not a test (named
+``bench_*`` so no pytest run collects it unasked); run it with
+
+    pytest bench/bench_mask_cases.py --benchmark-enable
+
+The table with ratios is ``python -m bench.mask_bench``. Each compiled backend's result
+is compared with the reference's; the reference cases only time (comparing the
+reference with the formula it is written as proves nothing). Correctness lives in
+tests/: test_mask_golden.py (known-answer indices), test_mask_backends.py and
+test_mask.py (every backend against the reference, autograd, dtypes)."""
 import pytest
 import torch
 
@@ -37,7 +43,9 @@ def test_bench_clone(benchmark, data):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bench_pack(benchmark, data, backend):
     h, idx = data
-    assert torch.equal(benchmark(lambda: meshkern.pack(h, KEY, P, backend=backend)), h.gather(1, idx))
+    out = benchmark(lambda: meshkern.pack(h, KEY, P, backend=backend))
+    if backend != "reference":
+        assert torch.equal(out, h.gather(1, idx))
 
 
 @pytest.mark.benchmark(group="unpack 4096x2048 p=0.95 fp32")
@@ -51,11 +59,14 @@ def test_bench_unpack(benchmark, data, backend):
     h, idx = data
     v = h.gather(1, idx)
     out = benchmark(lambda: meshkern.unpack(v, KEY, H, P, backend=backend))
-    assert torch.equal(out, torch.zeros(T, H).scatter_(1, idx, v))
+    if backend != "reference":
+        assert torch.equal(out, torch.zeros(T, H).scatter_(1, idx, v))
 
 
 @pytest.mark.benchmark(group="indices 4096x2048 p=0.95")
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bench_indices(benchmark, data, backend):
     _, idx = data
-    assert torch.equal(benchmark(lambda: meshkern.mask_indices(KEY, T, H, P, backend=backend)), idx)
+    out = benchmark(lambda: meshkern.mask_indices(KEY, T, H, P, backend=backend))
+    if backend != "reference":
+        assert torch.equal(out, idx)

@@ -1,7 +1,13 @@
 """pytest-benchmark cases for the spectral ops (small shapes; the full table is
-``python -m bench.spectral_bench``). Run for real with ``pytest bench/test_spectral_bench.py
---benchmark-enable``; in CI (--benchmark-disable) each case runs once and checks its result.
-Compare the groups' rows: each group holds a meshkern op and its torch baseline."""
+``python -m bench.spectral_bench``). A benchmark, not a test (named ``bench_*`` so no
+pytest run collects it unasked); run it with
+
+    pytest bench/bench_spectral_cases.py --benchmark-enable
+
+Each case also checks its result once (against a known spectrum or the other
+implementation in its group); correctness lives in tests/test_spectral*.py and
+tests/test_optim*.py. Compare the groups' rows: each group holds a meshkern op and its
+torch baseline."""
 import pytest
 import torch
 
