@@ -90,7 +90,7 @@ class TrainConfig:
 
 @dataclass
 class BoundaryConfig:
-    codec: str = _f("mask", "pipeline boundary codec: dense, mask, topk, int8, int4, bottleneck, pca (calibrated PCA basis, orchestration.calibration)")
+    codec: str = _f("mask", "pipeline boundary codec: dense, mask, topk, int8, int4, bottleneck, pca (calibrated PCA basis, orchestration.calibration), aqsgd (AQ-SGD: per-sample delta quantization), tahquant (TAH-Quant: tile-wise, Hadamard on outlier tiles); a name or a spec name:key=value,... e.g. aqsgd:bits=4,gbits=16 or tahquant:bits=3 (options as in --boundary.options; docs/codecs.md)")
     p: float = _f(0.95, "fraction of hidden dims dropped per token (mask; also the ratio target of topk/bottleneck)")
     rescale: bool = _f(False, "mask: scale kept values by 1/(1-p) (dropout-style unbiased estimate)")
     options: dict = _f({}, "extra keyword arguments for the codec, as JSON, e.g. '{\"k\": 64}'")
@@ -395,8 +395,14 @@ def validate(cfg: Config) -> Config:
     _need(t.clip_grad_norm >= 0, "--train.clip-grad-norm must be >= 0")
     _need(t.max_bad_steps >= 0, f"--train.max-bad-steps must be >= 0, got {t.max_bad_steps}")
     _need(t.spike_factor == 0 or t.spike_factor > 1, f"--train.spike-factor must be 0 (off) or > 1, got {t.spike_factor}")
-    from orchestration.codecs import CODECS  # the one list of boundary codecs
+    from orchestration.codecs import CODECS, parse_spec  # the one list of boundary codecs
 
+    if ":" in b.codec:  # a spec name:key=value,...: its options join --boundary.options (which win)
+        try:
+            name, spec_options = parse_spec(b.codec)
+        except ValueError as e:
+            _need(False, f"--boundary.codec: {e}")
+        b.codec, b.options = name, {**spec_options, **b.options}
     _need(b.codec in CODECS, f"--boundary.codec must be one of {', '.join(CODECS)}, got {b.codec!r}")
     _need(0.0 <= b.p < 1.0, f"--boundary.p must be in [0, 1), got {b.p}")
     _need(dp.mode in ("allreduce", "diloco", "none"), f"--dp.mode must be allreduce, diloco or none, got {dp.mode!r}")

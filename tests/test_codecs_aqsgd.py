@@ -73,6 +73,18 @@ def test_spec_and_options():
             make_codec("aqsgd", **bad)
 
 
+def test_trainer_flag_takes_a_spec():
+    """--boundary.codec name:key=value,...: the config keeps the name (what the trainer's
+    codec checks compare) and merges the options under --boundary.options."""
+    from orchestration.config import parse_args, validate
+
+    cfg, _ = parse_args(["--boundary.codec", "aqsgd:bits=2,gbits=16", "--boundary.options", '{"gbits": 8}'])
+    validate(cfg)
+    assert (cfg.boundary.codec, cfg.boundary.options) == ("aqsgd", {"bits": 2, "gbits": 8})
+    with pytest.raises(ValueError, match="unknown boundary codec 'zip'"):
+        validate(parse_args(["--boundary.codec", "zip:bits=2"])[0])
+
+
 @pytest.mark.parametrize("bits,gbits", [(4, 8), (2, 16), (3, 5), (8, 4)])
 def test_wire_bytes_are_exact(bits, gbits):
     c = make_codec("aqsgd", bits=bits, gbits=gbits)
