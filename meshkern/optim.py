@@ -320,6 +320,7 @@ class SpectralAdamW(torch.optim.AdamW):
                           "filtered_steps": 0}
         self._energy: tuple[Tensor, Tensor] | None = None  # (sum ||G_filt||^2, sum ||G||^2) of last step
         self._proj_buf: dict[int, Tensor] = {}  # G_proj buffer per flat parameter index (not state)
+        self._prep: dict[int, tuple] = {}  # prior prepared for the direct projection (_direct; not state)
         self._prior_enabled = True  # False: every update is plain AdamW (set_prior_enabled)
 
     # ------------------------------------------------------------------ bookkeeping
@@ -537,6 +538,38 @@ class SpectralAdamW(torch.optim.AdamW):
             buf = self._proj_buf[i] = torch.empty_like(g, memory_format=torch.contiguous_format)
         return buf
 
+    def _direct(self, i: int, f: Factors, tau: float, g: Tensor):
+        """The prior of parameter ``i`` prepared for the direct projection (``_project``):
+        (U, U diag(d), V, V diag(d)) in fp32 on g's device, cached until the prior or tau
+        changes; None where the direct path does not apply (then meshkern.spectral.project
+        runs). Direct: backend "auto", fp32 gradient on CPU."""
+        if self.backend != "auto" or g.dtype != torch.float32 or g.device.type != "cpu" or g.dim() != 2:
+            return None
+        c = self._prep.get(i)
+        if c is None or c[0] is not f or c[1] != tau:
+            U, S, V = (t.detach().to(g.device, torch.float32).contiguous() for t in f)
+            d = spectral.gains(S, tau)
+            c = self._prep[i] = (f, tau, U, (U * d).contiguous(), V, (V * d).contiguous())
+        return c[2:]
+
+    @staticmethod
+    def _project(g: Tensor, prep, alpha: float, out: Tensor | None) -> tuple[Tensor, Tensor]:
+        """alpha*G + (1-alpha) * U X_f V^T with X_f = diag(d) U^T G V diag(d) = (U d)^T G (V d),
+        as four torch GEMMs (two m*n*r, two m*r*r) with no per-call checks or dispatch
+        layers: the same result as meshkern.spectral.project to fp32 rounding, and
+        ||G_filt||_F^2 = ||X_f||_F^2 (U, V orthonormal). On CPU at the shapes of
+        bench/anchor_step_bench.py this costs about the two m*n*r GEMMs, while the
+        custom op's checks and dispatch cost more than the GEMMs on small matrices
+        (docs/benchmarks.md, "SpectralAdamW with the factored transport")."""
+        U, Ud, V, Vd = prep
+        Xf = torch.mm(Ud.mT, torch.mm(g, Vd))
+        Z = torch.mm(U, Xf)
+        if out is None:
+            gp = torch.addmm(g, Z, V.mT, beta=alpha, alpha=1.0 - alpha)
+        else:
+            gp = torch.addmm(g, Z, V.mT, beta=alpha, alpha=1.0 - alpha, out=out)
+        return gp, Xf.square().sum()
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -552,9 +585,13 @@ class SpectralAdamW(torch.optim.AdamW):
                         or group["alpha"] == 1.0:
                     continue  # prior off or alpha = 1: G_proj = G exactly, skip the work
                 g = p.grad
-                U, S, V = f
-                gp, fsq = spectral.project(g, U, S, V, group["tau"], group["alpha"], backend=self.backend,
-                                           return_stats=True, out=self._proj_buffer(i, g))
+                prep = self._direct(i, f, group["tau"], g)
+                if prep is not None:
+                    gp, fsq = self._project(g, prep, group["alpha"], self._proj_buffer(i, g))
+                else:
+                    U, S, V = f
+                    gp, fsq = spectral.project(g, U, S, V, group["tau"], group["alpha"], backend=self.backend,
+                                               return_stats=True, out=self._proj_buffer(i, g))
                 gsq = torch.linalg.vector_norm(g, dtype=torch.float32).square()
                 kept = fsq if kept is None else kept + fsq
                 total = gsq if total is None else total + gsq
