@@ -116,44 +116,11 @@ def format_table(rows: list[tuple[str, str]], title: str = "") -> str:
 
 
 def summary_rows(s: dict) -> list[tuple[str, str]]:
-    """Rows of the final table from the summary dict written by the train loop."""
-    rows = [
-        ("mesh", s["mesh"]),
-        ("model", s["model"]),
-        ("boundary codec", s["codec"]),
-        ("DP sync", s["dp"]),
-        ("steps", f"{s['steps']}  ({s['tokens']:,} tokens)"),
-        ("loss first -> last", f"{s['loss_first']:.4f} -> {s['loss_last']:.4f}"),
-    ]
-    if s.get("eval_loss") is not None:
-        base = s.get("eval_loss_base")
-        rows.append(("held-out loss base -> final", (f"{base:.4f} -> " if base is not None else "") + f"{s['eval_loss']:.4f}"))
-    if s.get("skipped_steps") is not None:
-        rows.append(("skipped / bad steps", f"{s['skipped_steps']} replica-steps skipped (non-finite gradient), "
-                     f"{s.get('bad_steps', 0)} bad steps (non-finite or spiking loss, --train.spike-factor)"))
-    if s.get("diverged"):
-        rows.append(("stopped", "diverged (DivergenceError, see the error below)"))
-    rows.append(("measured tokens/s (CPU)", f"{s['tokens_per_s']:.1f}"))
-    if s.get("modeled_tokens_per_s") is not None:
-        rows.append((f"modeled tokens/s @ {s['bandwidth_bps'] / 1e6:.0f} Mbps", f"{s['modeled_tokens_per_s']:.1f}"))
-    for a in AXES:
-        rows.append((f"bytes/token {a}", f"{s['bytes_per_token'][a]:.1f}"))
-    rows.append(("bytes/token PP (fwd+bwd)", f"{s['bytes_per_token_pp']:.1f}"))
-    rows.append(("bytes/token total", f"{s['bytes_per_token_total']:.1f}"))
-    if s.get("anchor"):
-        a = s["anchor"]
-        ms = a.get("mean_staleness")
-        rows.append(("anchor updates (rank 0)", f"{a.get('applied', 0)} applied of {a.get('arrivals', 0)} arrived, "
-                     f"{a.get('rejected', 0)} rejected, mean staleness "
-                     f"{'n/a' if ms is None else f'{ms:.1f}'} steps, "
-                     + ("no anchor ever linked" if a.get("generation") == 0 else
-                        f"link {a.get('link', '?')} (anchor row generation {a.get('generation', '?')})")))
-    if s.get("checkpoint"):
-        rows.append(("checkpoint", s["checkpoint"]))
-    rows.append(("metrics", s["metrics_path"]))
-    if s.get("links_path"):
-        rows.append(("bytes per link", s["links_path"]))
-    return rows
+    """(label, value) rows of the summary; the printed table with one line of explanation
+    per figure is orchestration.run_summary.format_summary."""
+    from orchestration.run_summary import summary_rows as rows
+
+    return [(k, v) for k, v, _ in rows(s)]
 
 
 # ------------------------------------------------------------ end-of-run records
@@ -201,7 +168,15 @@ def summarize(cfg, plan, history: list[dict], elapsed: float, steps_done: int, l
         "modeled_tokens_per_s": None if model is None else model.tokens_per_s,
         "modeled_limit": None if model is None else model.limiting,
         "checkpoint": last_ckpt, "metrics_path": os.path.join(plan.run_dir, "metrics.jsonl"),
+        "run_dir": plan.run_dir, "ranks": cfg.world_size, "tensorboard": bool(cfg.run.tensorboard),
+        "start_step": history[0]["step"] - 1, "steps_this": steps_done, "loss_first_run": None,
     }
+    if s["start_step"] > 0:  # a resumed run: the whole run's first loss is in metrics.jsonl
+        try:
+            first = read_jsonl(s["metrics_path"])[:1]
+            s["loss_first_run"] = first[0]["loss"] if first and first[0].get("step") == 1 else None
+        except (OSError, ValueError, KeyError):
+            pass
     if cfg.anchor.enabled:  # rank 0's view of the anchor hook (orchestration.anchor stats)
         s["anchor"] = {k[len("anchor_"):]: v for k, v in last.items()
                        if k in ("anchor_arrivals", "anchor_applied", "anchor_rejected", "anchor_mean_staleness",
@@ -242,32 +217,55 @@ def reduce_step(cfg, mesh, step: int, stats, gnorm: float, skipped: int, counter
 
 
 class RunLog:
-    """Rank 0's metrics file (every ``run.log_every`` steps and the last) and progress bar;
-    other ranks log nothing."""
+    """Rank 0's metrics file (every ``run.log_every`` steps and the last), its TensorBoard
+    mirror (``--run.tensorboard``: the same scalars, RUN_DIR/tensorboard) and progress: a
+    bar on a terminal, else one plain line every ``run.progress_every_s`` seconds (and at
+    the first and last step), never carriage returns in a log file. Other ranks log nothing.
+    ``clock`` and ``isatty`` are injectable for tests."""
 
-    def __init__(self, cfg, plan, start: int, active: bool):
-        self.cfg, self.active = cfg, active
+    def __init__(self, cfg, plan, start: int, active: bool, *, clock=None, isatty=None, out=None):
+        import time
+
+        self.cfg, self.active, self.start = cfg, active, start
+        self.out = out or sys.stdout
+        self.clock = clock or time.monotonic
         path = os.path.join(plan.run_dir, "metrics.jsonl")
         if active:
             drop_records_after(path, start)  # a resume at step `start` logs the later steps again
         self.writer = JsonlWriter(path) if active else None
+        self.tb = (open_tensorboard(os.path.join(plan.run_dir, "tensorboard"), purge_step=start or None)
+                   if active and cfg.run.tensorboard else None)
         self.bar = None
-        if active and cfg.run.progress:
+        self.last_line = None  # clock time of the last plain progress line
+        tty = (isatty if isatty is not None else getattr(self.out, "isatty", lambda: False)())
+        if active and cfg.run.progress and tty:
             from tqdm import tqdm
 
             self.bar = tqdm(total=cfg.train.steps, initial=start, desc="train", unit="step", dynamic_ncols=True,
-                            file=sys.stdout)
+                            file=self.out)
+
+    def _status(self, rec: dict) -> str:
+        bpt = rec["bytes_per_token"]
+        return (f"loss {rec['loss']:.3f} | {rec['tokens_per_s']:.0f} tok/s | "
+                f"bytes/token PP {bpt['pp_fwd'] + bpt['pp_bwd']:.0f} DP {bpt['dp']:.0f}")
 
     def record(self, rec: dict, step: int) -> None:
         if not self.active:
             return
         if (step + 1) % self.cfg.run.log_every == 0 or step + 1 == self.cfg.train.steps:
             self.writer.write(rec)
+            if self.tb is not None:
+                for tag, v in scalars(rec).items():
+                    self.tb.add_scalar(tag, v, rec["step"])
         if self.bar is not None:
-            bpt = rec["bytes_per_token"]
-            self.bar.set_postfix_str(f"loss {rec['loss']:.3f} | {rec['tokens_per_s']:.0f} tok/s | "
-                                     f"B/tok PP {bpt['pp_fwd'] + bpt['pp_bwd']:.0f} DP {bpt['dp']:.0f}", refresh=False)
+            self.bar.set_postfix_str(self._status(rec), refresh=False)
             self.bar.update(1)
+        elif self.cfg.run.progress:
+            now = self.clock()
+            last = step + 1 == self.cfg.train.steps
+            if self.last_line is None or last or now - self.last_line >= self.cfg.run.progress_every_s:
+                self.last_line = now
+                print(f"train step {step + 1}/{self.cfg.train.steps} | {self._status(rec)}", file=self.out, flush=True)
 
     def close_bar(self) -> None:
         if self.bar is not None:
@@ -276,3 +274,45 @@ class RunLog:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def scalars(rec: dict, prefix: str = "") -> dict[str, float]:
+    """The numbers of a metrics record as flat TensorBoard tags (loss, bytes_per_token/dp,
+    fwd_s/0, ...); the step itself is the x axis, not a scalar."""
+    out: dict[str, float] = {}
+    for k, v in rec.items():
+        tag = f"{prefix}{k}"
+        if k == "step" and not prefix:
+            continue
+        if isinstance(v, bool) or v is None:
+            continue
+        if isinstance(v, (int, float)):
+            out[tag] = float(v)
+        elif isinstance(v, dict):
+            out.update(scalars(v, f"{tag}/"))
+        elif isinstance(v, (list, tuple)):
+            out.update(scalars({str(i): x for i, x in enumerate(v)}, f"{tag}/"))
+    return out
+
+
+def tensorboard_available() -> bool:
+    try:
+        from torch.utils.tensorboard import SummaryWriter  # noqa: F401  (needs the tensorboard package)
+        return True
+    except ImportError:
+        return False
+
+
+def open_tensorboard(log_dir: str, purge_step: int | None = None):
+    """A torch.utils.tensorboard SummaryWriter on ``log_dir``, or None (with one warning
+    line) when the tensorboard package is absent: TensorBoard is optional. A resumed run
+    purges the events after its checkpoint's step (``purge_step``), as metrics.jsonl does."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        print("warning: --run.tensorboard: the tensorboard package is not installed (pip install tensorboard); "
+              "logging to metrics.jsonl only", file=sys.stderr, flush=True)
+        return None
+    return SummaryWriter(log_dir=log_dir, purge_step=purge_step)

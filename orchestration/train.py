@@ -137,6 +137,8 @@ def prepare(cfg: Config, *, load_model: bool = True) -> Plan:
         if os.path.basename(ckpt_dir) == "checkpoints":
             run_dir = os.path.dirname(ckpt_dir)
     resume_from = ""
+    if r == "latest" and not cfg.run.name and not cfg.checkpoint.dir:
+        raise ValueError(resume_needs_a_run(cfg.run.out_dir))
     if cfg.checkpoint.resume:
         resume_from = ckpt.resolve(cfg.checkpoint.resume, ckpt_dir)
         meta = ckpt.read_meta(resume_from)
@@ -157,6 +159,23 @@ def prepare(cfg: Config, *, load_model: bool = True) -> Plan:
         from orchestration.calibration import prepare_run  # pca codec: fit the basis here, forked ranks inherit it
         prepare_run(cfg, plan)
     return plan
+
+
+def resume_needs_a_run(out_dir: str) -> str:
+    """The error of ``--checkpoint.resume latest`` without a run to continue: which runs
+    under ``out_dir`` have a checkpoint, and how to name one."""
+    runs = []
+    if os.path.isdir(out_dir):
+        for name in sorted(os.listdir(out_dir)):
+            d = os.path.join(out_dir, name)
+            if os.path.isfile(os.path.join(d, "checkpoints", ckpt.LATEST)):
+                runs.append(name)
+    how = "name the run: --run.name NAME, or --config RUN_DIR/config.yaml (it holds the run's name and settings)"
+    if not runs:
+        return f"--checkpoint.resume latest: which run? {how}; no run under {out_dir}/ has a checkpoint"
+    shown = ", ".join(runs[-8:]) + (f" (and {len(runs) - 8} more)" if len(runs) > 8 else "")
+    return (f"--checkpoint.resume latest: which run? {how}; runs under {out_dir}/ with a checkpoint: {shown} "
+            f"(e.g. --config {os.path.join(out_dir, runs[-1], 'config.yaml')} --checkpoint.resume latest)")
 
 
 def _check_resumable(cfg: Config, path: str, meta: dict, hf_cfg) -> None:
@@ -240,6 +259,13 @@ def main(argv: list[str] | None = None) -> int:
         print(to_yaml(cfg), end="")
         return 0
     torch.set_num_threads(cfg.mesh.threads_per_rank)
+    if cfg.run.tensorboard:
+        from orchestration.metrics import tensorboard_available
+
+        if not tensorboard_available():
+            print("warning: --run.tensorboard: the tensorboard package is not installed (pip install tensorboard); "
+                  "logging to metrics.jsonl only", file=sys.stderr, flush=True)
+            cfg.run.tensorboard = False
     try:
         plan = prepare(cfg, load_model=cfg.mesh.start_method == "fork" and not under_torchrun())
     except (ValueError, FileNotFoundError) as e:
@@ -273,6 +299,9 @@ def main(argv: list[str] | None = None) -> int:
             return DIVERGED
         return 0
     os.makedirs(plan.run_dir, exist_ok=True)
+    if not join:
+        print(f"run folder: {plan.run_dir}/ (config.yaml, metrics.jsonl, checkpoints/"
+              + (", tensorboard/" if cfg.run.tensorboard else "") + "; a summary at the end)", flush=True)
     if not join:
         cfg.run.name = os.path.basename(plan.run_dir)  # so that --config RUN_DIR/config.yaml names this run
         with open(os.path.join(plan.run_dir, "config.yaml"), "w") as f:

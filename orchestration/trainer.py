@@ -32,7 +32,8 @@ from meshkern.optim import warmup_cosine_lr
 from orchestration.checkpoint import Checkpointer, continue_command
 from orchestration.codecs import make_codec
 from orchestration.config import Config
-from orchestration.metrics import LinkCounter, RunLog, format_table, reduce_step, summarize, summary_rows, \
+from orchestration.run_summary import format_summary
+from orchestration.metrics import LinkCounter, RunLog, reduce_step, summarize, \
     write_link_bytes
 from orchestration.pipeline import PipelineExecutor
 from orchestration.sampling import BatchSampler, shard_rows
@@ -247,7 +248,8 @@ class Trainer:
         self.guard = DivergenceGuard(t.max_bad_steps, t.spike_factor, trainer=self)
         self.checkpointer = Checkpointer(cfg, plan, mesh, stage, {
             "stage": stage, "optimizer": self.optimizer, "diloco": self.diloco, "compressor": self.allreduce,
-            "counter": self.counter, "guard": self.guard})
+            "counter": self.counter, "guard": self.guard,
+            "anchor": self.hook if cfg.anchor.enabled else None})  # delay mode: what makes a resume exact
 
     # ------------------------------------------------------------------ one step
     def step(self, step: int):
@@ -378,7 +380,7 @@ class Trainer:
             if interrupted:
                 print(f"interrupted: checkpoint saved at step {step + 1} in {last_ckpt}; continue with: "
                       f"{continue_command(plan)}", flush=True)
-            print(format_table(summary_rows(out["summary"]), title="meshkern run summary"), flush=True)
+            print(format_summary(out["summary"]), flush=True)
         return out
 
     def _summary(self, history, elapsed, steps_done, last_ckpt, links_path, diverged: str = "") -> dict:
