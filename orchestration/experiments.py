@@ -1,6 +1,7 @@
 """``python -m orchestration.experiments``: the paper's table at small scale, measured.
 
-    python -m orchestration.experiments                          # main rows, 3 seeds
+    python -m orchestration.experiments                          # main rows, 3 seeds, into runs/experiments/
+    python -m orchestration.experiments --docs                   # the same, into the tracked docs/results, docs/figures
     python -m orchestration.experiments --rows baselines,ablations --seeds 0
     python -m orchestration.experiments --rows dense,m95 --quick --out /tmp/x   # tiny (tests)
     python -m orchestration.experiments --table-only              # rebuild table + plots
@@ -23,7 +24,9 @@ trainer's own ``prepare`` rebuilds them, so the split is exactly the run's):
 Results: one JSON per (row, seed) in ``OUT/records/`` written atomically when the row is
 finished (``"complete": true``); a finished row is never run again (resumable: kill
 and restart at will; a partial run directory is discarded and the row re-run). After
-the runs, ``OUT/table.md``, ``OUT/summary.csv`` and PNG plots in ``--figures`` are
+the runs, ``OUT/table.md``, ``OUT/summary.csv`` and PNG plots in ``--figures`` (default
+``OUT/figures``; OUT defaults to runs/experiments/results, and only ``--docs`` writes into
+the repository's tracked docs/results and docs/figures) are
 rebuilt from every complete JSON in ``OUT/records`` whose settings match this
 invocation's (so several invocations with disjoint ``--rows`` can run side by side).
 
@@ -54,6 +57,9 @@ from orchestration.experiment_rows import (DEFAULT, GROUPS, QUICK, RECORDS, ROW_
                                            Settings, _write_json, load_result, result_path, select_rows,
                                            trainer_argv)
 from orchestration.metrics import read_jsonl
+
+OUT_DEFAULT = os.path.join("runs", "experiments", "results")  # untracked: a run never edits the docs by accident
+DOCS_OUT, DOCS_FIGURES = os.path.join("docs", "results"), os.path.join("docs", "figures")
 
 # ============================================================== one row
 _PLANS: dict = {}
@@ -288,14 +294,14 @@ def build_parser() -> argparse.ArgumentParser:
                     "int4, bottleneck) and ablations (p, anchor delay, tau, alpha) at small scale: each row = "
                     "one trainer run + evaluation; writes OUT/records/<row>-s<seed>.json, OUT/table.md, "
                     "OUT/summary.csv and PNG plots. Resumable: finished rows are skipped.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=_DefaultsOnce)
     ap.add_argument("--rows", default="main",
                     help="comma list of rows and/or groups (main, baselines, ablations, all); rows: "
                          + ", ".join(ROW_BY_NAME))
     ap.add_argument("--seeds", default="0,1,2",
                     help="comma list of training seeds (--train.seed: initialization, data order, masks); the "
                          "held-out split is --data.split-seed (trainer default 0, not set per seed), so every "
-                         "seed scores the same held-out set and rows are paired by seed")
+                         "seed scores the same held-out set and rows are paired by seed (default: 0,1,2)")
     ap.add_argument("--steps", type=int, default=None, help=f"trainer steps per row (default {DEFAULT['steps']}, "
                                                              f"--quick {QUICK['steps']})")
     ap.add_argument("--eval-every", type=int, default=None,
@@ -317,8 +323,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--data", default="corpus:python",
                     help="adaptation data (trainer --data); task:<names> also scores exact match")
     ap.add_argument("--trainer-args", default="", help="extra flags appended to every trainer command")
-    ap.add_argument("--out", default="docs/results", help="results directory (JSON, table.md, summary.csv)")
-    ap.add_argument("--figures", default="docs/figures", help="directory of the PNG plots")
+    ap.add_argument("--out", default=None, help=f"results directory (JSON, table.md, summary.csv) (default: "
+                                                 f"{OUT_DEFAULT}; with --docs: {DOCS_OUT})")
+    ap.add_argument("--figures", default=None, help=f"directory of the PNG plots (default: OUT/figures; with --docs: "
+                                                     f"{DOCS_FIGURES})")
+    ap.add_argument("--docs", action="store_true", help=f"write the results into the repository's tracked "
+                                                        f"{DOCS_OUT} and {DOCS_FIGURES} (what docs/results.md shows)")
     ap.add_argument("--work", default="runs/experiments", help="trainer run directories (checkpoints, logs)")
     ap.add_argument("--quick", action="store_true", help="tiny scale for tests: "
                     + ", ".join(f"{k}={v}" for k, v in QUICK.items()))
@@ -333,6 +343,35 @@ def build_parser() -> argparse.ArgumentParser:
                          "optimizer state they are ~1.3 GB per rank on smollm2-135m)")
     ap.add_argument("--table-only", action="store_true", help="only rebuild table and plots from OUT/records")
     return ap
+
+
+class _DefaultsOnce(argparse.HelpFormatter):
+    """``(default: X)`` once: only where the help does not say it and X is not None/False."""
+
+    def _get_help_string(self, action):
+        h = action.help or ""
+        if "default" in h or action.default in (None, False) or action.default is argparse.SUPPRESS:
+            return h
+        return h + " (default: %(default)s)"
+
+
+def check_model(model: str) -> None:
+    """ValueError (one line, exit 2) if ``--model`` names neither a path that exists nor a
+    built-in model, before anything runs (the trainer's rule, orchestration.model_paths)."""
+    from orchestration.gguf_convert import BUILTIN_MODELS
+
+    if model and model not in BUILTIN_MODELS and not os.path.exists(model):
+        raise ValueError(f"--model {model!r} does not exist (a local HF checkpoint directory, a .gguf file, or a "
+                         f"built-in model: {', '.join(sorted(BUILTIN_MODELS))})")
+
+
+def output_dirs(a) -> None:
+    """Resolves --out / --figures: runs/experiments/results by default, the tracked docs
+    only with --docs (or when named)."""
+    if a.out is None:
+        a.out = DOCS_OUT if a.docs else OUT_DEFAULT
+    if a.figures is None:
+        a.figures = DOCS_FIGURES if a.docs else os.path.join(a.out, "figures")
 
 
 def settings_from(a) -> Settings:
@@ -377,6 +416,8 @@ def main(argv: list[str] | None = None) -> int:
         seeds = [int(x) for x in a.seeds.split(",") if x.strip()]
         if not seeds or any(x < 0 for x in seeds):
             raise ValueError(f"--seeds {a.seeds!r}: need >= 1 non-negative integer")
+        check_model(a.model)
+        output_dirs(a)
         s = settings_from(a)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -393,6 +434,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"experiments: {len(jobs)} runs ({', '.join(r.name for r in rows)} x seeds {seeds}); "
               f"model {s.model}; data {s.data}; {s.steps} steps; {s.fast_rows} fast rows x {s.stages} stages",
               flush=True)
+        print(f"experiments: results in {a.out}/, plots in {a.figures}/, trainer runs in {a.work}/", flush=True)
         for i, (r, sd) in enumerate(jobs):
             status.append(run_row(r, sd, s, a, f"{i + 1}/{len(jobs)}"))
             report(a, s)  # the table and plots are current after every row

@@ -61,9 +61,21 @@ def test_pretrain_refuses_a_non_empty_out(tmp_path, capsys):
 @pytest.mark.slow
 def test_the_module_entry_points_exit_2_without_a_traceback(tmp_path):
     for mod, argv in (("orchestration.evaluate", ["--model", "/no/such/model"]),
-                      ("orchestration.pretrain", ["--out", str(tmp_path / "o"), "--steps", "-1"])):
+                      ("orchestration.pretrain", ["--out", str(tmp_path / "o"), "--steps", "-1"]),
+                      ("orchestration.experiments", ["--model", "/no/such/model"])):
         p = subprocess.run([sys.executable, "-m", mod, *argv], capture_output=True, text=True, timeout=300)
         assert p.returncode == 2 and "Traceback" not in p.stderr and p.stderr.startswith("error: "), p.stderr
+
+
+@pytest.mark.parametrize("model", ["/no/such/model", "no-such-builtin", "rel/missing.gguf"])
+def test_experiments_checks_a_missing_model_up_front(model, tmp_path, capsys, monkeypatch):
+    from orchestration import experiments, model_paths
+
+    monkeypatch.setattr(model_paths, "default_base_model", lambda *a, **k: pytest.fail("resolved a model"))
+    assert experiments.main(["--model", model, "--rows", "m95", "--seeds", "0", "--work", str(tmp_path)]) == 2
+    line = _one_error_line(capsys)
+    assert line.startswith(f"error: --model {model!r} does not exist") and "smollm2-135m" in line
+    assert not (tmp_path / "m95-s0").exists()
 
 
 @pytest.fixture(scope="module")

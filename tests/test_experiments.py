@@ -137,3 +137,23 @@ def test_codec_eval_loss_dense_is_plain_loss_and_mask_is_the_hand_computation(ti
         logits = s1(h * keep)
         hand = F.cross_entropy(logits[:, :-1].reshape(-1, V).float(), held[:, 1:].reshape(-1)).item()
     assert masked == pytest.approx(hand, rel=1e-5)
+
+
+def test_results_go_under_runs_by_default_and_into_docs_only_when_asked():
+    a = experiments.build_parser().parse_args([])
+    experiments.output_dirs(a)
+    assert (a.out, a.figures) == (os.path.join("runs", "experiments", "results"),
+                                  os.path.join("runs", "experiments", "results", "figures"))
+    a = experiments.build_parser().parse_args(["--docs"])
+    experiments.output_dirs(a)
+    assert (a.out, a.figures) == (os.path.join("docs", "results"), os.path.join("docs", "figures"))
+    a = experiments.build_parser().parse_args(["--out", "x"])
+    experiments.output_dirs(a)
+    assert (a.out, a.figures) == ("x", os.path.join("x", "figures"))
+
+
+def test_experiments_help_shows_each_default_once():
+    text = " ".join(experiments.build_parser().format_help().split())
+    assert "(default: None)" not in text and "(default: False)" not in text
+    assert text.count("default 80") == 1 and "default 80, --quick 4) (default" not in text
+    assert "(default: main)" in text and "(default: 0,1,2)" in text and "--docs" in text
