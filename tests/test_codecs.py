@@ -221,3 +221,103 @@ def test_bad_input_and_peer_garbage_raise():
         codec.wire_bytes(h.shape, h.dtype, "up")
     with pytest.raises(TypeError, match="floating"):
         codec.wire_bytes(h.shape, torch.int64, "fwd")
+
+
+# ---------------------------------------------------------------- known answers (issue #18)
+# The round-trip tests above run the same encode/decode calls as apply_codec, so a change
+# of the wire format applied to both sides (a nibble order, a scale convention, an index
+# width) passes them. These pin the bytes themselves, derived by hand.
+
+def test_int8_known_answer_bytes_and_values():
+    """Per token: scale = absmax / 127, q = round(x / scale). Row 0: absmax 127 -> scale 1,
+    q = [127, -63, 2, 0] (-63.4 -> -63, 1.6 -> 2, -0.3 -> 0). Row 1 all zero: scale 1
+    (an all-zero group), q = 0. group_size=2 on row 0: groups [127, -63.4] (scale 1) and
+    [1.6, -0.3] (scale 1.6/127, q = [127, round(-23.8125)] = [127, -24])."""
+    x = torch.tensor([[[127.0, -63.4, 1.6, -0.3], [0.0, 0.0, 0.0, 0.0]]])
+    wire, _ = make_codec("int8").encode_fwd(x, None)
+    assert wire[0].dtype == torch.int8 and wire[0].tolist() == [[[127, -63, 2, 0], [0, 0, 0, 0]]]
+    assert wire[1].dtype == torch.float32 and wire[1].tolist() == [[[1.0], [1.0]]]
+    out = make_codec("int8").decode_fwd(wire, None, x.shape, x.dtype)
+    assert out.tolist() == [[[127.0, -63.0, 2.0, 0.0], [0.0, 0.0, 0.0, 0.0]]]
+
+    codec = make_codec("int8", group_size=2)
+    wire, _ = codec.encode_fwd(x[:, :1], None)
+    s1 = torch.tensor(1.6) / 127  # fp32, as the codec computes it
+    assert wire[0].tolist() == [[[127, -63, 127, -24]]]
+    assert torch.equal(wire[1], torch.stack([torch.tensor(1.0), s1]).reshape(1, 1, 2))
+    out = codec.decode_fwd(wire, None, (1, 1, 4), torch.float32)
+    assert torch.equal(out, torch.stack([torch.tensor(127.0), torch.tensor(-63.0), 127 * s1, -24 * s1]).reshape(1, 1, 4))
+
+
+def test_int4_known_answer_nibble_order():
+    """int4: q in -7..7 travels as the nibble q + 8 (1..15), two per byte, the LOW nibble
+    holding the even dim; an odd H is padded with the nibble 8 (q = 0).
+    Row [1, -2, 0.4, 7]: absmax 7 -> scale 1, q = [1, -2, 0, 7], nibbles [9, 6, 8, 15],
+    bytes [9 | 6 << 4, 8 | 15 << 4] = [0x69, 0xF8] = [105, 248].
+    Odd H, row [7, -7, 3.4]: q = [7, -7, 3], nibbles [15, 1, 11, pad 8],
+    bytes [15 | 1 << 4, 11 | 8 << 4] = [0x1F, 0x8B] = [31, 139]."""
+    codec = make_codec("int4")
+    x = torch.tensor([[[1.0, -2.0, 0.4, 7.0]]])
+    wire, _ = codec.encode_fwd(x, None)
+    assert wire[0].dtype == torch.uint8 and wire[0].tolist() == [[[0x69, 0xF8]]]
+    assert wire[1].tolist() == [[[1.0]]]
+    assert codec.decode_fwd(wire, None, x.shape, x.dtype).tolist() == [[[1.0, -2.0, 0.0, 7.0]]]
+    # a peer's bytes decode by the same rule: 0x69 -> low 9 (dim 0, q=1), high 6 (dim 1, q=-2)
+    peer = [torch.tensor([[[0x69, 0xF8]]], dtype=torch.uint8), torch.tensor([[[0.5]]])]
+    assert codec.decode_fwd(peer, None, (1, 1, 4), torch.float32).tolist() == [[[0.5, -1.0, 0.0, 3.5]]]
+
+    x3 = torch.tensor([[[7.0, -7.0, 3.4]]])
+    wire, _ = codec.encode_fwd(x3, None)
+    assert wire[0].tolist() == [[[0x1F, 0x8B]]] and wire[1].tolist() == [[[1.0]]]
+    assert codec.decode_fwd(wire, None, x3.shape, x3.dtype).tolist() == [[[7.0, -7.0, 3.0]]]
+    # backward: the gradient is quantized the same way
+    wire_b = codec.encode_bwd(x, None, None)
+    assert wire_b[0].tolist() == [[[0x69, 0xF8]]]
+
+
+def _scale_tensors(name, wire):
+    """Indices of the wire tensors that are quantization scales (float32 in these codecs)."""
+    return [i for i, w in enumerate(wire) if w.dtype == torch.float32]
+
+
+@pytest.mark.parametrize("name,kw", [("int8", {}), ("int4", {}), ("int8", {"group_size": 16}),
+                                     ("int4", {"group_size": 16}), ("pca", {})])
+@pytest.mark.parametrize("bad", [0.0, -1.0, -0.0])
+def test_quantized_codecs_reject_non_positive_scales_both_directions(name, kw, bad):
+    """A scale <= 0 from a peer (garbage or an attack) is a ValueError at the boundary,
+    forward and backward, never a silently negated or zeroed activation."""
+    codec = make_codec(name, **kw)
+    h, g = _h(), _h(seed=1)
+    wire, ctx = codec.encode_fwd(h, KEY)
+    wire_b = codec.encode_bwd(g, KEY, wire)
+    scales = _scale_tensors(name, wire)
+    assert scales  # every one of these codecs sends scales
+    for i in scales:
+        bad_f = [w.clone() for w in wire]
+        bad_f[i].view(-1)[-1] = bad
+        with pytest.raises(ValueError, match="non-positive"):
+            codec.decode_fwd(bad_f, KEY, h.shape, h.dtype)
+        bad_b = [w.clone() for w in wire_b]
+        bad_b[i].view(-1)[0] = bad
+        with pytest.raises(ValueError, match="non-positive"):
+            codec.decode_bwd(bad_b, KEY, ctx)
+
+
+@pytest.mark.parametrize("Hk,dtype", [(2 ** 15, torch.int16), (2 ** 15 + 1, torch.int32), (40000, torch.int32)])
+def test_topk_index_width_and_indices_above_int16(Hk, dtype):
+    """topk indices travel as int16 up to H = 32768 (largest index 32767), int32 above:
+    the largest entries placed at the highest dims come back at those dims, not wrapped
+    to negative int16 values."""
+    codec = make_codec("topk", k=3)
+    h = torch.zeros(1, 2, Hk)
+    h[0, 0, [0, Hk // 2, Hk - 1]] = torch.tensor([3.0, -4.0, 5.0])
+    h[0, 1, [Hk - 3, Hk - 2, Hk - 1]] = torch.tensor([1.0, 2.0, -3.0])
+    g = torch.arange(2 * Hk, dtype=torch.float32).reshape(1, 2, Hk)
+    wire, ctx = codec.encode_fwd(h, KEY)
+    assert wire[1].dtype == dtype
+    assert wire[1].tolist() == [[[0, Hk // 2, Hk - 1], [Hk - 3, Hk - 2, Hk - 1]]]
+    assert [(tuple(t.shape), t.dtype) for t in wire] == [(tuple(s), d) for s, d in codec.wire_specs(h.shape, h.dtype, "fwd")]
+    assert codec.wire_bytes(h.shape, h.dtype, "fwd") == 2 * 3 * (4 + dtype.itemsize)
+    assert torch.equal(codec.decode_fwd(wire, KEY, h.shape, h.dtype), h)
+    grad_h = codec.decode_bwd(codec.encode_bwd(g, KEY, wire), KEY, ctx)
+    assert torch.equal(grad_h, torch.where(h != 0, g, torch.zeros_like(g)))
