@@ -62,7 +62,8 @@ else
     BG=""
     if [ "$BASE" = 1 ]; then
         say "2/3 building the default base model in the background (log: .venv/logs/base-model.log)"
-        "$PY" -c "from orchestration.model_paths import default_base_model; print(default_base_model())" \
+        # PASSIVE: its 2 OpenMP threads sleep instead of spinning while the compiler holds a core
+        OMP_WAIT_POLICY=PASSIVE "$PY" -c "from orchestration.model_paths import default_base_model; print(default_base_model())" \
             >.venv/logs/base-model.log 2>&1 &
         BG=$!
     fi
