@@ -93,7 +93,8 @@ def test_hadamard_matrix_is_the_normalized_sylvester_matrix():
         hadamard_matrix(12)
 
 
-@pytest.mark.parametrize("bits,low_bits,hf,tile", [(4, 3, 0.8, 64), (4, 3, 0.8, 16), (3, 2, 0.5, 8), (8, 8, 1.0, 32)])
+@pytest.mark.parametrize("bits,low_bits,hf,tile", [(4, 3, 0.8, 64), (4, 3, 0.8, 16), (3, 2, 0.5, 8), (8, 8, 1.0, 32),
+                                                   (2, 1, 0.5, 16)])
 def test_round_trip_matches_the_loop_reference(bits, low_bits, hf, tile):
     x = _acts()
     c = TAHQuantCodec(bits=bits, low_bits=low_bits, high_fraction=hf, tile=tile)

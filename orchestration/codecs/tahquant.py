@@ -79,7 +79,7 @@ class TAHQuantCodec(BoundaryCodec):
     def __init__(self, bits: int = 4, low_bits: int | None = None, high_fraction: float = 0.8, tile: int = 64,
                  meta: str = "float16", gbits: int = 16):
         self.bits = check_bits("tahquant: bits", bits)
-        self.low_bits = check_bits("tahquant: low_bits", self.bits - 1 if low_bits is None else low_bits)
+        self.low_bits = check_bits("tahquant: low_bits", self.bits - 1 if low_bits is None else low_bits, range(1, 9))
         if self.low_bits > self.bits:
             raise ValueError(f"tahquant: low_bits={self.low_bits} exceeds bits={self.bits}")
         if not 0.0 <= float(high_fraction) <= 1.0:
