@@ -18,11 +18,10 @@ AXIS_TEXT = {
 
 
 def _why_modeled_differs(s: dict) -> str:
-    limit = s.get("modeled_limit") or "the pipeline"
-    return (f"measured: this machine, where all {s.get('ranks', 'the')} ranks share its cores and links are local "
-            f"(no bandwidth limit); modeled: the same per-stage compute times and exact bytes replayed with one device "
-            f"per rank and every link at {s['bandwidth_bps'] / 1e6:.0f} Mbps (limited by {limit}); so modeled "
-            f"exceeds measured when cores are shared, and falls below it when the links are the bottleneck")
+    limit = s.get("modeled_limit") or "pipeline"
+    return (f"measured = this machine: its {s.get('ranks', '')} ranks share its cores, links are local; modeled = "
+            f"the same compute times and bytes with a device per rank and {s['bandwidth_bps'] / 1e6:.0f} Mbps links "
+            f"(bound: {limit}). Shared cores make measured lower; slow links make modeled lower")
 
 
 def summary_rows(s: dict) -> list[tuple[str, str, str]]:
@@ -67,7 +66,7 @@ def summary_rows(s: dict) -> list[tuple[str, str, str]]:
     for a in ("pp_fwd", "pp_bwd", "dp", "anchor"):
         rows.append((f"bytes/token {a}{whole}", f"{s['bytes_per_token'][a]:.1f}", AXIS_TEXT[a]))
     rows.append(("bytes/token PP (fwd+bwd)", f"{s['bytes_per_token_pp']:.1f}",
-                 "both pipeline directions: what the masked boundaries shrink (dense sends 4 x H x 2 bytes)"))
+                 "both pipeline directions, what masking shrinks (dense fp32 sends 8 x H bytes)"))
     rows.append(("bytes/token total", f"{s['bytes_per_token_total']:.1f}", "every axis: all bytes on the wire / tokens"))
     if s.get("anchor"):
         a = s["anchor"]
@@ -86,11 +85,11 @@ def summary_rows(s: dict) -> list[tuple[str, str, str]]:
 
 
 def format_summary(s: dict, title: str = "meshkern run summary") -> str:
-    """The summary table: ``label  value`` and, indented below it, what the figure is."""
+    """The summary table: ``label  value`` and, on the line below, ``- what the figure is``."""
     rows = summary_rows(s)
     w = max(len(k) for k, _, _ in rows)
     lines = [title, "-" * max(len(title), w + 40)]
     for k, v, why in rows:
         lines.append(f"{k:<{w}}  {v}".rstrip())
-        lines.append(f"{'':<{w}}    ({why})" if v else f"{'':<{w}}    {why}")
+        lines.append(f"{'':<{w}}  - {why}")
     return "\n".join(lines)

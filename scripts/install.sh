@@ -27,7 +27,7 @@ ticking() {
     wait "$ticker" 2>/dev/null || true
     if [ "$rc" != 0 ]; then
         say "$what FAILED (exit $rc); the last lines of $log:"
-        tail -n 30 "$log" >&2
+        tr '\r' '\n' <"$log" | tail -n 30 >&2
     fi
     return "$rc"
 }
@@ -78,7 +78,7 @@ else
         done
         if ! wait "$BG"; then
             say "2/3 the base model build FAILED; the last lines of .venv/logs/base-model.log:"
-            tail -n 30 .venv/logs/base-model.log >&2
+            tr '\r' '\n' <.venv/logs/base-model.log | tail -n 30 >&2
             exit 1
         fi
         say "2/3 base model ready: $(tail -n 1 .venv/logs/base-model.log)"
