@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Creates .venv and installs meshkern into it (editable, with the test extras), printing
-# a progress line every 15 s, and only once: a second call in the same clone (README
-# line 2 after line 1) finds the stamp of this exact source (setup.py, pyproject.toml,
-# csrc/) and skips the C++ build.
+# Creates .venv and installs meshkern into it (editable), printing a progress line every
+# 15 s, and only once: a second call in the same clone (README line 2 after line 1) finds
+# the stamp of this exact source (setup.py, pyproject.toml, csrc/) and skips the C++ build.
 #
-#   scripts/install.sh               # README line 2 / .ci/run
 #   scripts/install.sh --base-model  # README line 1: also builds the default base model
 #                                    # (~/.cache/meshkern) while the C++ extensions compile
+#   scripts/install.sh --test        # README line 2 / .ci/run: also the test extras
+#                                    # (pyproject's [test], installed by name: no rebuild)
 #
 # Why --base-model overlaps the two: the three extensions compile one after the other and
 # two of them spend most of their time in ONE big translation unit, so one of 2 cores
@@ -32,11 +32,12 @@ ticking() {
     return "$rc"
 }
 
-BASE=0
+BASE=0 TEST=0
 for a in "$@"; do
     case "$a" in
         --base-model) BASE=1 ;;
-        *) echo "usage: scripts/install.sh [--base-model]" >&2; exit 2 ;;
+        --test) TEST=1 ;;
+        *) echo "usage: scripts/install.sh [--base-model] [--test]" >&2; exit 2 ;;
     esac
 done
 
@@ -47,11 +48,11 @@ stamp_now() {  # what the install depends on: the build inputs and the interpret
 STAMP=.venv/.meshkern-install-stamp
 [ -d .venv ] || { say "creating .venv"; python3 -m venv .venv; }
 PY=.venv/bin/python
+mkdir -p .venv/logs
 NOW=$(stamp_now)
-if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$NOW" ] && "$PY" -c "import meshkern, orchestration, pytest" 2>/dev/null; then
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$NOW" ] && "$PY" -c "import meshkern, orchestration" 2>/dev/null; then
     say "meshkern is already installed in .venv from this source (nothing to rebuild)"
 else
-    mkdir -p .venv/logs
     # 1. torch, the build tools and the runtime dependencies (setup.py RUNTIME_REQUIRES):
     #    the base model build below needs them before meshkern itself is installed.
     RUNTIME=$("$PY" -c "import ast; t = ast.parse(open('setup.py').read()); print(' '.join(e for n in t.body if isinstance(n, ast.Assign) and getattr(n.targets[0], 'id', '') == 'RUNTIME_REQUIRES' for e in ast.literal_eval(n.value)))")
@@ -67,9 +68,9 @@ else
             >.venv/logs/base-model.log 2>&1 &
         BG=$!
     fi
-    say "3/3 compiling meshkern's C++ extensions (mask, spectral, dp) and installing meshkern[test] (~2-3 min on 2 idle cores)"
-    ticking "3/3 C++ build + pip install -e .[test]" .venv/logs/pip-meshkern.log \
-        "$PY" -m pip install --no-build-isolation -e ".[test]"
+    say "3/3 compiling meshkern's C++ extensions (mask, spectral, dp) and installing meshkern (~3 min on 2 idle cores)"
+    ticking "3/3 C++ build + pip install -e ." .venv/logs/pip-meshkern.log \
+        "$PY" -m pip install --no-build-isolation -e .
     if [ -n "$BG" ]; then
         while kill -0 "$BG" 2>/dev/null; do
             last=$(tail -c 300 .venv/logs/base-model.log | tr '\r' '\n' | grep -v '^\s*$' | tail -n 1 || true)
@@ -84,6 +85,12 @@ else
         say "2/3 base model ready: $(tail -n 1 .venv/logs/base-model.log)"
     fi
     echo "$NOW" >"$STAMP"
+fi
+if [ "$TEST" = 1 ]; then  # by name, not as meshkern[test]: that would build meshkern again
+    EXTRAS=$("$PY" -c "import re; t = open('pyproject.toml').read(); print(' '.join(re.findall(r'\"([^\"]+)\"', re.search(r'^test = \[(.*?)\]', t, re.M | re.S).group(1))))")
+    say "test extras: $EXTRAS"
+    # shellcheck disable=SC2086
+    ticking "pip install (test extras)" .venv/logs/pip-test.log "$PY" -m pip install $EXTRAS
 fi
 if [ "$BASE" = 1 ] && [ -z "${BG:-}" ]; then  # installed before: build the model here if missing
     "$PY" -c "from orchestration.model_paths import default_base_model; default_base_model()"
