@@ -489,11 +489,15 @@ def test_resumed_run_restores_the_anchor_state(tiny, tmp_path):
     assert done >= 1 and all(r["restored"] == "" for r in res[2:])
     saved = [torch.load(A.state_path(plan, s), weights_only=True) for s in (0, 1)]
     assert all(st["momentum"]["updates"] >= 1 for st in saved)
-    _, plan2, res2, recs2 = _run(_argv(tiny, tmp_path, "resume", "--train.steps", "7", *common,
-                                       "--checkpoint.resume", "latest"))
+    cfg2, plan2, res2, recs2 = _run(_argv(tiny, tmp_path, "resume", "--train.steps", "7", *common,
+                                          "--checkpoint.resume", "latest"))
     assert [r["step"] for r in recs2] == list(range(1, 8))  # one metrics file: steps 1-4, then 5-7 resumed
+    k = A.exact_resume_round(cfg2, 4)  # delay mode: the anchor continues from the round of step 4
     for s, r in enumerate(res2[2:]):
-        assert r["restored"] == f"restored round {saved[s]['round']} from {A.state_path(plan2, s)}"
+        if saved[s]["round"] == k:  # the per-round state of that round exists (written before the latest)
+            assert r["restored"] == f"restored round {k} from {A.round_state_path(plan2, s, k)}"
+        else:
+            assert r["restored"] == f"restored round {saved[s]['round']} from {A.state_path(plan2, s)}"
 
 
 def test_anchor_that_outlives_the_fast_circuit_says_so():

@@ -3,7 +3,9 @@ DiLoCo fragment's sync was in flight, resumed with --checkpoint.resume latest, l
 bit-identically the losses of an uninterrupted run, and its metrics.jsonl holds every
 step once. The default preset's DP sync: Streaming DiLoCo + PowerSGD, overlap 1."""
 import pytest
+import torch
 
+from orchestration import anchor as A
 from orchestration import checkpoint as ckpt
 from orchestration.launch import MeshFailure
 from orchestration.metrics import read_jsonl
@@ -45,3 +47,51 @@ def test_crash_then_resume_is_bit_identical_mid_sync_and_logs_each_step_once(tin
     assert [r["step"] for r in recs] == list(range(1, 9))  # each step once
     for a, b in zip(recs, full):
         assert (a["loss"], a["grad_norm"], a["bytes"]) == (b["loss"], b["grad_norm"], b["bytes"]), a["step"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", ["factored", "dense"])
+def test_m95_ap_delay_mode_crash_then_resume_is_bit_identical(tiny, tmp_path, transport):
+    """Issue #14's exact resume for the m95-ap preset in deterministic delay mode (the
+    anchor's update of snapshot v applied exactly at step v + 2; snapshots every 2 steps,
+    int8-delta snapshot stream): fast rank 1 dies before step 6, the run resumes from its
+    step-3 checkpoint, and every step's loss and the final weights equal an uninterrupted
+    run's bit for bit. At step 3 the update of snapshot 2 is due at step 4 and not yet
+    applied: the resumed replica 0 re-serves snapshot 2 (kept in its checkpoint, sent as
+    the anchor's int8 view of it), and the new anchor row continues from its state before
+    round 1 (round counter = data position, factored momentum). Factored transport is the
+    preset's; dense is pinned."""
+    from test_anchor import _argv, _run as _run_anchor
+
+    pin = () if transport == "factored" else ("--anchor.transport", "dense")
+    common = ("--train.steps", "8", "--anchor.delay", "2", "--anchor.snapshot-every", "2", "--checkpoint.every", "3",
+              "--mesh.timeout-s", "120", *pin)
+    cfg, plan_full, res_full, full = _run_anchor(_argv(tiny, tmp_path, "full", *common))
+    assert cfg.anchor.transport == transport and cfg.anchor.snapshot_codec == "int8"
+    assert [r["step"] for r in full] == list(range(1, 9))
+    assert full[-1]["anchor_applied"] == 3 and full[-1]["anchor_staleness_hist"] == {"2": 3}  # versions 0, 2, 4
+
+    cut = _argv(tiny, tmp_path, "cut", *common)
+    with pytest.raises(MeshFailure, match="rank 1"):
+        _run_anchor([*cut, "--run.fail-rank", "1", "--run.fail-step", "5"])
+    root = str(tmp_path / "cut" / "checkpoints")
+    last = ckpt.resolve("latest", root)
+    assert ckpt.read_meta(last)["step"] == 3
+    saved = ckpt.load_rank_state(last, 0)["anchor"]
+    assert sorted(saved["kept"]) == [2] and saved["view"]["version"] == 0  # snapshot 2's update is due at step 4
+
+    _, plan, res, recs = _run_anchor([*cut, "--checkpoint.resume", "latest"])
+    assert [r["restored"] for r in res[2:]] == [
+        f"restored round 1 from {A.round_state_path(plan, s, 1)}" for s in (0, 1)]
+    assert [r["step"] for r in recs] == list(range(1, 9))
+    for a, b in zip(recs, full):
+        assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"]), a["step"]
+    assert recs[-1]["anchor_applied"] == 3 and recs[-1]["anchor_staleness_hist"] == {"2": 3}
+    assert res[1]["losses"] == res_full[1]["losses"][3:]
+    end, end_full = ckpt.resolve("latest", plan.ckpt_dir), ckpt.resolve("latest", plan_full.ckpt_dir)
+    for r in (0, 1):
+        got, want = ckpt.load_rank_state(end, r), ckpt.load_rank_state(end_full, r)
+        assert got["step"] == want["step"] == 8
+        assert got["stage"].keys() == want["stage"].keys()
+        for k in want["stage"]:
+            assert torch.equal(got["stage"][k], want["stage"][k]), (r, k)

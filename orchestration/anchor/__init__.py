@@ -18,8 +18,8 @@ from orchestration.anchor.hook import FastHook
 from orchestration.anchor.links import (ANCHOR, FAST, PREFIX, FastCircuitGone, announced_generation, claim_generation, is_link_failure,
                                         is_store_error, join_anchor_row, link_to_fast, pair_link, side_store,
                                         store_address)
-from orchestration.anchor.node import (load_state, parse_faults, round_batch, run_anchor_rank, save_state,
-                                       state_path)
+from orchestration.anchor.node import (exact_resume_round, load_state, parse_faults, round_batch, round_state_path,
+                                       run_anchor_rank, save_state, state_path)
 from orchestration.anchor.snapshot import SNAP_DELTA, SNAP_FULL, SNAPSHOT_CHUNK, SnapshotCoder
 from orchestration.anchor.wire import (AUTH, F_DTYPE, F_KIND, F_LAYOUT, F_MAGIC, F_NUMEL, F_TRANSPORT, F_VERSION,
                                        GRAD, HEADER_LEN, MAGIC, REQ, SNAP, STOP, TRANSPORTS, Layout, ProtocolError,
@@ -32,5 +32,5 @@ __all__ = ["AUTH", "SECRET_ENV", "AuthError", "anchor_handshake", "anchor_secret
            "F_DTYPE", "F_KIND", "F_LAYOUT", "F_MAGIC", "F_NUMEL", "F_TRANSPORT", "F_VERSION", "GRAD", "HEADER_LEN",
            "MAGIC", "REQ", "SNAP", "STOP", "claim_generation", "eligible_params", "is_link_failure",
            "is_store_error", "join_anchor_row", "layout_hash", "link_to_fast", "load_state", "pair_link",
-           "parse_faults", "round_batch", "run_anchor_rank", "save_state", "side_store", "state_path",
+           "parse_faults", "round_batch", "round_state_path", "exact_resume_round", "run_anchor_rank", "save_state", "side_store", "state_path",
            "store_address"]

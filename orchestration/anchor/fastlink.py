@@ -68,6 +68,12 @@ class FastLink:
         self.snapshot_bytes = 0
         self.update_bytes = 0
         self.snapshots_sent = 0
+        # Delay mode, replica 0 (exact resume, FastHook.state_dict): the snapshot coder's
+        # view after each version served (int8 codec), under ``cv``; and the view a resumed
+        # run continues from (SnapshotCoder.resume), used by the first snapshot served.
+        self.keep_views = serves and not newest_first and snapshot_codec != "full"
+        self.views: dict[int, torch.Tensor] = {}
+        self.resume_view: torch.Tensor | None = None
         self.warn = Warner(f"stage {stage} replica {row}")
         self.thread = threading.Thread(target=self._run, name=f"anchor-link-{stage}", daemon=True)
         self.thread.start()
@@ -80,6 +86,16 @@ class FastLink:
                 self.snapshots.clear()
             self.snapshots[version] = flat
             self.cv.notify_all()
+
+    def view_after(self, version: int) -> torch.Tensor | None:
+        """The coder's view after serving ``version`` (delay mode, int8 codec), if kept."""
+        with self.cv:
+            return self.views.get(version)
+
+    def drop_views_before(self, version: int) -> None:
+        with self.cv:
+            for v in [v for v in self.views if v < version]:
+                del self.views[v]
 
     def close(self) -> None:
         """Stops serving snapshots (an anchor waiting for one gets STOP); the thread is a
@@ -188,10 +204,16 @@ class FastLink:
                 snap = self.snapshots[version]
                 for v in [v for v in self.snapshots if v < version]:
                     del self.snapshots[v]
+                if self.resume_view is not None and self.coder.view is None:
+                    self.coder.resume(self.resume_view)  # the first snapshot of a resumed run
+                self.resume_view = None
         if snap is None:
             self.wire_bytes += send([header(STOP)], ANCHOR, self.pg)
             return False
         code, payload = self.coder.encode(snap)
+        if self.keep_views:
+            with self.cv:
+                self.views[version] = self.coder.view.clone()
         h = header(SNAP, version=version, transport=code, numel=payload.numel(), dtype=DTYPE_CODES[payload.dtype])
         n = send([h, payload], ANCHOR, self.pg)
         self.wire_bytes += n

@@ -69,6 +69,12 @@ class FastHook:
         self.stalled = False
         self.degraded = False     # delay mode fell back to the asynchronous rule
         self.blocked_s = 0.0
+        # Delay mode, replica 0: the snapshots whose update is not yet due (v + delay >= the
+        # current version), kept for the checkpoint so that a resumed run re-serves them
+        # (state_dict); and the versions a resumed run still waits for although v < start.
+        self.kept: dict[int, torch.Tensor] = {}
+        self.resumed_versions: set[int] = set()
+        self.version = None  # of the parameters after the last step (after_step)
         secret = load_secret(cfg, ctx.plan, create=True)
         if mesh.rank == 0 and not os.environ.get(SECRET_ENV):
             print(f"[anchor] anchor rows authenticate with this run's secret {secret_path(cfg, ctx.plan)} (mode 0600); "
@@ -84,6 +90,8 @@ class FastHook:
         if version + self.delay >= self.steps:
             return  # its update would come after the last step
         flat = torch.cat([p.detach().reshape(-1) for p in self.params]).cpu()  # fresh, never mutated
+        if self.delay:
+            self.kept[version] = flat
         self.link.offer(version, flat, keep_older=bool(self.delay))
 
     def _log(self, msg: str) -> None:
@@ -148,7 +156,13 @@ class FastHook:
     def _due(self, step: int) -> int | None:
         """Delay mode: the snapshot version whose update is due at ``step``, if any."""
         v = step - self.delay
-        return v if v >= self.start and v % self.every == 0 else None
+        return v if (v >= self.start or v in self.resumed_versions) and v % self.every == 0 else None
+
+    def _applied_before(self, version: int) -> int | None:
+        """Delay mode: the newest snapshot version whose update was applied before the
+        parameters reached ``version`` (v + delay < version), None if none was."""
+        last = version - self.delay - 1
+        return None if last < 0 else last - last % self.every
 
     # ------------------------------------------------------------------ the contract
     def poll(self, step: int) -> None:
@@ -211,7 +225,9 @@ class FastHook:
         try:
             with warnings.catch_warnings():  # the hook counts and logs a rejection itself
                 warnings.simplefilter("ignore", RuntimeWarning)
-                ok = self.opt.observe_anchor_update(aligned, staleness, factored=self.layout.transport == "factored")
+                factored = self.layout.transport == "factored"  # check_entries above: the same bounds, stricter
+                ok = (self.opt.observe_anchor_update(aligned, staleness, factored=True, bounds_checked=True) if factored
+                      else self.opt.observe_anchor_update(aligned, staleness))
         except (ValueError, RuntimeError, ArithmeticError) as e:  # a bad update must never stop the fast step
             ok, why = False, f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
         else:
@@ -245,9 +261,47 @@ class FastHook:
             self._set_prior(False, step, "anchor prior off (stale)")
 
     def after_step(self, step: int) -> None:
-        v = step + 1  # the parameters now hold version step + 1
+        v = self.version = step + 1  # the parameters now hold version step + 1
         if self.serves and v % self.every == 0:
             self._store_snapshot(v)
+        if self.delay and self.serves:  # forget what a checkpoint at version v no longer needs
+            for old in [x for x in self.kept if x + self.delay < v]:
+                del self.kept[old]
+            prev = self._applied_before(v)
+            if prev is not None:
+                self.link.drop_views_before(prev)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        """The hook's part of a fast rank's checkpoint (tensors and plain values): its
+        counters, and in delay mode on replica 0 what makes a resume exact: the snapshots
+        whose update is not yet due and, with the int8 snapshot codec, the coder's view
+        after the last version whose update was applied (the anchor's view then)."""
+        sd = {"c": dict(self.c), "hist": {int(k): int(v) for k, v in self.hist.items()},
+              "steps_seen": self.steps_seen, "last_staleness": self.last_staleness, "kept": {}, "view": None}
+        if self.delay and self.serves:
+            sd["kept"] = dict(self.kept)
+            prev = None if self.version is None else self._applied_before(self.version)
+            view = None if prev is None else self.link.view_after(prev)
+            if view is not None:
+                sd["view"] = {"version": prev, "view": view}
+        return sd
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.c.update(sd.get("c", {}))
+        self.hist = {int(k): int(v) for k, v in sd.get("hist", {}).items()}
+        self.steps_seen = int(sd.get("steps_seen", 0))
+        self.last_staleness = sd.get("last_staleness")
+        if not (self.delay and self.serves):
+            return
+        if sd.get("view") is not None and self.link.keep_views:
+            self.link.resume_view = sd["view"]["view"]  # before any snapshot is offered
+        for v, flat in sorted(sd.get("kept", {}).items()):
+            v = int(v)
+            if v + self.delay < self.steps:
+                self.kept[v] = flat
+                self.resumed_versions.add(v)
+                self.link.offer(v, flat, keep_older=True)
 
     @property
     def bytes_sent(self) -> int:

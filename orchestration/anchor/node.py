@@ -65,6 +65,28 @@ def state_path(plan, stage: int) -> str:
     return os.path.join(plan.ckpt_dir, "anchor", f"stage_{stage:02d}.pt")
 
 
+def round_state_path(plan, stage: int, next_round: int) -> str:
+    """Delay mode: anchor ``stage``'s state before round ``next_round`` (a resumed run's
+    anchor takes the one that matches its checkpoint: exact_resume_round)."""
+    return os.path.join(plan.ckpt_dir, "anchor", f"stage_{stage:02d}.round_{next_round:06d}.pt")
+
+
+def exact_resume_round(cfg, step: int) -> int:
+    """Delay mode: the anchor round to continue from when the fast circuit resumes at
+    ``step``: the number of snapshot versions v = 0, every, 2 every, ... whose update was
+    applied before it (v + delay < step); round k works on version k * every."""
+    a = cfg.anchor
+    last = step - a.delay - 1
+    return 0 if last < 0 else last // a.snapshot_every + 1
+
+
+def round_states_kept(cfg) -> int:
+    """How many per-round states delay mode keeps: enough to cover how far the anchor can
+    be ahead of the newest checkpoint (the delay, the checkpoint interval, two rounds)."""
+    a = cfg.anchor
+    return -(-(a.delay + max(cfg.checkpoint.every, 1)) // a.snapshot_every) + 3
+
+
 def save_state(path: str, run_id: str, next_round: int, layout: Layout, momentum) -> None:
     """Atomically writes the anchor's state (tensors and plain values only): the next round
     (its data position), the payload layout and, with factored transport, its AnchorMomentum."""
@@ -126,9 +148,22 @@ def run_anchor_rank(ctx) -> dict:
         links = link_to_fast(mesh, cfg.fast_rows, cfg.mesh.timeout_s)
         run_id = mesh.store.get(f"{PREFIX}run_id").decode("ascii", "replace")  # a token; junk only loses a restore
         path = state_path(plan, mesh.stage)
-        if mesh.generation > 1 or plan.resume_from:
+        exact = bool(plan.resume_from) and a.delay > 0 and mesh.generation == 1
+        if exact:  # delay mode: continue exactly where the checkpoint's fast circuit was
+            from orchestration import checkpoint as ckpt
+
+            k = exact_resume_round(cfg, int(ckpt.read_meta(plan.resume_from)["step"]))
+            if k == 0:
+                rec["restored"] = "round 0: nothing to restore"
+            else:
+                got, rec["restored"] = load_state(round_state_path(plan, mesh.stage, k), run_id, layout, momentum,
+                                                  True)
+                if got != k:  # no state of that round: the latest one (the resume is then not exact)
+                    exact = False
+            want = k * a.snapshot_every
+        if (mesh.generation > 1 or plan.resume_from) and not exact:
             got, rec["restored"] = load_state(path, run_id, layout, momentum, bool(plan.resume_from))
-            k = got or 0
+            k, want = got or 0, 0
         while True:
             got = _pull_snapshot(mesh, links[0], want, params, coder, rec)
             if got is None:
@@ -175,6 +210,11 @@ def run_anchor_rank(ctx) -> dict:
                 rec["losses"].append(stats.loss)
             want = version + a.snapshot_every
             k += 1
+            if a.delay and a.state_every:  # per-round states for an exact resume (exact_resume_round)
+                save_state(round_state_path(plan, mesh.stage, k), run_id, k, layout, momentum)
+                old = round_state_path(plan, mesh.stage, k - round_states_kept(cfg))
+                if k - round_states_kept(cfg) > 0 and os.path.exists(old):
+                    os.remove(old)
             if a.state_every and k % a.state_every == 0:
                 save_state(path, run_id, k, layout, momentum)
     except FastCircuitGone:  # e.g. a short run that finished before this row linked

@@ -32,6 +32,21 @@ class SnapshotCoder:
         if codec not in SNAPSHOT_CODECS:
             raise ValueError(f"--anchor.snapshot-codec must be one of {', '.join(SNAPSHOT_CODECS)}, got {codec!r}")
         self.codec, self.numel, self.view = codec, int(numel), None
+        self._send_view = False
+
+    def resume(self, view: torch.Tensor) -> None:
+        """Replica 0 of a resumed run (deterministic delay mode): continue the stream of an
+        interrupted run whose view was ``view``. The next ``encode`` computes the delta
+        against it exactly as that run would have and updates the view with the same ops,
+        but sends the resulting view itself (fp32, SNAP_FULL): the new anchor row starts
+        with no view, and a full snapshot of the very values the interrupted run's anchor
+        would have computed on keeps the resumed run bit-identical. Later snapshots are
+        int8 deltas again."""
+        if self.codec != "full":
+            if view.numel() != self.numel:
+                raise ValueError(f"resumed snapshot view of {view.numel()} elements, this link carries {self.numel}")
+            self.view = view.to(torch.float32).clone()
+            self._send_view = True
 
     @staticmethod
     def delta_numel(numel: int) -> int:
@@ -50,6 +65,9 @@ class SnapshotCoder:
         x, _ = to_chunks([flat.to(torch.float32) - self.view], SNAPSHOT_CHUNK)
         q, scale = Int8.quantize(x)
         self._add(q, scale)
+        if self._send_view:  # the first snapshot after resume(): the view itself, in full
+            self._send_view = False
+            return SNAP_FULL, self.view.clone()
         return SNAP_DELTA, torch.cat([q.reshape(-1).view(torch.uint8), scale.view(torch.uint8)])
 
     def decode(self, code: int, payload: torch.Tensor) -> torch.Tensor:
