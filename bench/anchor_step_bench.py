@@ -3,6 +3,7 @@
     python -m bench.anchor_step_bench                  # default model + SmolLM2-135M-like layers
     python -m bench.anchor_step_bench --layers 30      # all 30 SmolLM2-135M-like layers
     python -m bench.anchor_step_bench --quick          # a smoke run
+    python -m bench.anchor_step_bench --only svd       # the anchor node's SVD: randomized vs krylov
 
 What a fast node's optimizer does per step with the AP presets: SpectralAdamW.step with a
 factored prior present, and every ``--every`` steps (the presets' snapshot cadence, 5) a
@@ -14,9 +15,9 @@ GEMMs the projection cannot avoid (G V and W V^T, as ``bench.spectral_bench --on
 proj``'s "limit"), timed as one unit on the same parameter shapes. Goal: <= 1.1x.
 
 Also printed, in the same run: AdamW alone, SpectralAdamW without a prior (must be ~1x
-AdamW), the factored window without arrivals, the same window with the hook's own payload
-checks (orchestration.anchor.bounds.check_entries, as the trainer's FastHook runs them
-before the optimizer sees an update), and the dense-transport window (the fast node folds
+AdamW), the factored window without arrivals, the same window with the checks split as in
+the trainer (the FastHook's orchestration.anchor.bounds.check_entries, then
+observe_factored_prior(bounds_checked=True)), and the dense-transport window (the fast node folds
 a gradient into M_anc and refreshes the SVD at the next step: what the factored transport
 removes from the fast node).
 
@@ -145,10 +146,11 @@ def window_fn(case: Case, kind: str, window: int, every: int):
         def step(k):
             if k % every == 0:
                 r = (k // every) % 2
-                if kind in ("factored", "factored + hook checks"):
-                    if hook_check is not None:
-                        hook_check(case.factors[r])
+                if kind == "factored":
                     assert opt.observe_factored_prior(case.factors[r], 5)
+                elif kind == "factored + hook checks":  # as the trainer's FastHook: its checks, then the optimizer's rest
+                    hook_check(case.factors[r])
+                    assert opt.observe_factored_prior(case.factors[r], 5, bounds_checked=True)
                 elif kind == "dense":
                     assert opt.observe_anchor(case.anchor[r], 5)
             opt.step()
@@ -166,7 +168,7 @@ LABELS = {
     "no prior": "SpectralAdamW.step, no prior",
     "factored, no arrival": "SpectralAdamW, factored prior, no arrival",
     "factored": "SpectralAdamW, factored arrival every 5 (the goal)",
-    "factored + hook checks": "  + the hook's payload checks per arrival",
+    "factored + hook checks": "  same, checks split as in the trainer (hook + optimizer)",
     "dense": "SpectralAdamW, dense arrival every 5 (SVD on the node)",
 }
 
@@ -199,6 +201,87 @@ def bench(name: str, shapes, rank: int, window: int, every: int, repeats: int) -
     return med
 
 
+# ------------------------------------------------------------------ the anchor node's SVD
+def real_momentum(steps: int = 10, beta: float = 0.9, seq: int = 128, batch: int = 4):
+    """M_anc of the default base model (orchestration.models, built on first use) after
+    ``steps`` anchor gradients on corpus:python (domain B), beta_anc 0.9: per matrix
+    of the layers (name, [m, n] fp32). None when the base model is not available."""
+    try:
+        from transformers import AutoTokenizer
+
+        from orchestration.model_paths import default_base_model
+        from orchestration.models import load_causal_lm
+        from orchestration.texts import load_texts
+
+        path = default_base_model()
+        model = load_causal_lm(path)[0]
+        tok = AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # no cached model and no way to build one here
+        print(f"(no default base model: {type(e).__name__}: {e})")
+        return None
+    ids = tok("\n".join(load_texts("corpus:python")[:200]), return_tensors="pt")["input_ids"][0]
+    need = steps * batch * seq
+    ids = ids[:need].view(steps, batch, seq)
+    mats = {n: p for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n and "lm_head" not in n}
+    mom = {n: torch.zeros(p.shape) for n, p in mats.items()}
+    for k in range(steps):
+        model.zero_grad(set_to_none=True)
+        model(input_ids=ids[k], labels=ids[k]).loss.backward()
+        for n, p in mats.items():
+            mom[n].mul_(beta).add_(p.grad, alpha=1 - beta)
+    return mom
+
+
+def synthetic_momentum(shapes, steps: int = 10, beta: float = 0.9, seed: int = 0):
+    """An EMA (beta 0.9) of ``steps`` gradients that share a slowly drifting low-rank part
+    (rank 32, singular values ~ 1/(1+i)) plus fresh noise each step (as fine-tuning
+    gradients do: method.md's "slowly drifting low-dimensional subspace")."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for j, (m, n) in enumerate(shapes):
+        A = torch.linalg.qr(torch.randn(m, 32, generator=g)).Q
+        B = torch.linalg.qr(torch.randn(n, 32, generator=g)).Q
+        s = 1.0 / (1.0 + torch.arange(32.0))
+        M = torch.zeros(m, n)
+        for _ in range(steps):
+            A = torch.linalg.qr(A + 0.05 * torch.randn(m, 32, generator=g) / m ** 0.5).Q
+            G = (A * s) @ B.mT + 0.02 * torch.randn(m, n, generator=g) / (m * n) ** 0.25
+            M.mul_(beta).add_(G, alpha=1 - beta)
+        out[f"m{j} [{m},{n}]"] = M
+    return out
+
+
+def bench_anchor_svd(momenta: dict, rank: int, repeats: int) -> None:
+    """AnchorMomentum's SVD of one momentum (every matrix, batched by shape as factors()
+    does): method "randomized" (o=16, q=3) vs "krylov" (the meshkern.spectral default),
+    process CPU time (median of ``repeats``) and the max relative error of the top-``rank``
+    singular values against torch.linalg.svd."""
+    from meshkern import spectral as sp
+
+    by_shape: dict[tuple, list] = {}
+    for M in momenta.values():
+        by_shape.setdefault(tuple(M.shape), []).append(M)
+    print(f"\n## the anchor node's SVD of M_anc, rank {rank}: {len(momenta)} matrices in {len(by_shape)} shapes")
+    print(f"{'shape':<16}{'batch':>6}{'randomized ms':>15}{'err':>10}{'krylov ms':>12}{'err':>10}{'speedup':>9}")
+    for shape, ms in by_shape.items():
+        Mb = torch.stack(ms)
+        exact = torch.linalg.svdvals(Mb.double())[:, :rank]
+        row = {}
+        for method in ("randomized", "krylov"):
+            def run(method=method):
+                return sp.randomized_svd(Mb, rank, method=method, seed=0)
+            run()
+            ts = []
+            for _ in range(repeats):
+                t0 = _clock()
+                S = run()[1]
+                ts.append(_clock() - t0)
+            err = float(((S.double() - exact).abs() / exact.clamp_min(1e-30)).max())
+            row[method] = (statistics.median(ts), err)
+        (tr, er), (tk, ek) = row["randomized"], row["krylov"]
+        print(f"{str(list(shape)):<16}{len(ms):>6}{1e3 * tr:>15.2f}{er:>10.1e}{1e3 * tk:>12.2f}{ek:>10.1e}{tr / tk:>8.2f}x")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=8, help="SmolLM2-135M-like layers (the model has 30)")
@@ -209,6 +292,8 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--clock", choices=["cpu", "wall"], default="cpu")
     ap.add_argument("--quick", action="store_true", help="small shapes, 2 repeats (smoke run)")
+    ap.add_argument("--only", choices=["step", "svd"], action="append",
+                    help="step: the optimizer windows; svd: the anchor node's SVD, randomized vs krylov")
     args = ap.parse_args(argv)
     global CLOCK
     CLOCK = args.clock
@@ -217,9 +302,19 @@ def main(argv=None):
     print(f"# anchor step bench: torch {torch.__version__}, threads={torch.get_num_threads()}, clock={args.clock}, "
           f"repeats={repeats} (medians, round-robin), OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, "
           f"load avg {os.getloadavg()[0]:.1f}")
+    which = set(args.only or ["step", "svd"])
     out = {}
-    for name, shapes in param_sets(args.layers, args.quick).items():
-        out[name] = bench(name, shapes, args.rank, args.window, args.every, repeats)
+    if "step" in which:
+        for name, shapes in param_sets(args.layers, args.quick).items():
+            out[name] = bench(name, shapes, args.rank, args.window, args.every, repeats)
+    if "svd" in which:
+        real = None if args.quick else real_momentum()
+        if real is not None:
+            print("\nM_anc of the default base model: 10 anchor gradients on corpus:python (4 x 128 tokens each)")
+            bench_anchor_svd(real, args.rank, repeats)
+        shapes = [(64, 128), (128, 64)] if args.quick else [(576, 576), (192, 576), (1536, 576), (576, 1536)] * 2
+        print("\nsynthetic M_anc (drifting rank-32 signal + noise, 10 EMA steps) on SmolLM2-135M-like shapes, 2 layers")
+        bench_anchor_svd(synthetic_momentum(shapes), args.rank, repeats)
     print(f"# load avg at the end {os.getloadavg()[0]:.1f}")
     return out
 

@@ -64,8 +64,8 @@ def _check_staleness(staleness) -> int:
 def _check_svd_kwargs(rank, oversample, power_iters, seed, ortho, svd_method, backend, devices) -> dict:
     """The SVD options of AnchorMomentum / SpectralAdamW, checked at construction (not at
     the first refresh, possibly hours later): ValueError / TypeError naming the argument."""
-    if svd_method not in ("randomized", "exact"):
-        raise ValueError(f"svd_method must be 'randomized' or 'exact', got {svd_method!r}")
+    if svd_method not in spectral.METHODS:
+        raise ValueError(f"svd_method must be one of {spectral.METHODS}, got {svd_method!r}")
     rank, oversample, power_iters, seed = spectral._check_svd_options(rank, oversample, power_iters, seed, ortho,
                                                                      svd_method)
     backend = spectral._check_backend(backend, devices)
@@ -84,8 +84,16 @@ class AnchorMomentum:
 
     Every argument is checked here (ValueError / TypeError naming it): beta_anc in
     [0, 1), rank >= 1, oversample >= 0, power_iters >= 0, seed an int64, ortho "qr" /
-    "cholqr2", svd_method "randomized" / "exact", backend "auto" (or None) or a backend
-    name that can run on the parameters' devices.
+    "cholqr2", svd_method "randomized" (default) / "krylov" / "exact"
+    (meshkern.spectral.randomized_svd's methods; oversample and power_iters are
+    "randomized"'s), backend "auto" (or None) or a backend name that can run on the
+    parameters' devices.
+
+    Why not "krylov" (meshkern.spectral's default) here: at the trainer's rank 16 its
+    defaults (7 blocks of 8 columns) were less accurate on an anchor momentum of the
+    default model's geometry (worst top-16 error over 28 matrices 3.3e-2 vs 1.2e-2) though
+    more accurate on the pretrained base model's (5.9e-7 vs 7.3e-3), and faster only on
+    larger matrices; docs/benchmarks.md, "the anchor node's SVD".
     """
 
     # Appended to rejection warnings (SpectralAdamW says how its lists are ordered).
@@ -384,13 +392,15 @@ class SpectralAdamW(torch.optim.AdamW):
         return [p if p is not None else f for p, f in zip(self._prior, from_m)]
 
     # ---------------------------------------------------------------- anchor inputs
-    def observe_anchor_update(self, update, staleness: int, *, factored: bool = False) -> bool:
+    def observe_anchor_update(self, update, staleness: int, *, factored: bool = False,
+                              bounds_checked: bool = False) -> bool:
         """The one entry point for what an anchor sends, whatever its transport: anchor
         gradients (``factored=False``: ``observe_anchor``) or the anchor's own top-r
         factors (``factored=True``: ``observe_factored_prior``). Same input forms, same
-        return value (False: rejected, with a warning, nothing changed)."""
+        return value (False: rejected, with a warning, nothing changed).
+        ``bounds_checked`` (factored only): see ``observe_factored_prior``."""
         if factored:
-            return self.observe_factored_prior(update, staleness)
+            return self.observe_factored_prior(update, staleness, bounds_checked=bounds_checked)
         return self.observe_anchor(update, staleness)
 
     @property
@@ -430,12 +440,20 @@ class SpectralAdamW(torch.optim.AdamW):
         self._counters["last_staleness"] = staleness
         return True
 
-    def observe_factored_prior(self, factors: Sequence[Factors | None], staleness: int) -> bool:
+    def observe_factored_prior(self, factors: Sequence[Factors | None], staleness: int, *,
+                               bounds_checked: bool = False) -> bool:
         """Use (U[m,r], S[r], V[n,r]) computed elsewhere (AnchorMomentum.factors() on the
         anchor node) as the prior of each parameter; None keeps the current one.
-        U and V must have orthonormal columns (not re-checked: O(m r^2)). Returns False,
-        with a warning and no change, for non-finite, negative-S or wrong-shape input.
-        A list aligned with ``param_order()`` or a dict {param (or name): (U, S, V)}."""
+        Returns False, with a warning and no change, for non-finite, negative-S or
+        wrong-shape input, U or V without orthonormal columns, or ||S|| over the bound
+        (class docstring). A list aligned with ``param_order()`` or a dict {param (or
+        name): (U, S, V)}.
+
+        ``bounds_checked=True``: the caller has already checked orthonormality and the
+        magnitude bound with a bound at least as strict (orchestration.anchor.bounds
+        .check_entries, as the trainer's anchor hook does before every update); both are
+        then skipped here (they read every parameter and its gradient once, at every
+        arrival). Shapes, finiteness and the sign of S are checked either way."""
         staleness = _check_staleness(staleness)
         params = self._flat_params()
         factors, problem = self._as_list(factors, "factored anchor prior")
@@ -463,13 +481,13 @@ class SpectralAdamW(torch.optim.AdamW):
                                     f"do not fit a [{m}, {n}] parameter")
                 elif not all(bool(torch.isfinite(t).all()) for t in (U, S, V)) or bool((S < 0).any()):
                     problems.append(f"entry {i}: non-finite values or negative singular values")
-                else:
+                elif not bounds_checked:
                     for name, Q in (("U", U), ("V", V)):
                         err = _orthonormality_error(Q)
                         if not err <= FACTOR_ORTHO_TOL:
                             problems.append(f"entry {i}: {name} does not have orthonormal columns (max |{name}^T "
                                             f"{name} - I| = {err:.3g} > {FACTOR_ORTHO_TOL})")
-        if not problems:
+        if not problems and not bounds_checked:
             problems = self._out_of_bounds([None if f is None or not self._anchor.enabled[i]
                                             else torch.linalg.vector_norm(f[1].detach().float())
                                             for i, f in enumerate(factors)])
@@ -568,7 +586,8 @@ class SpectralAdamW(torch.optim.AdamW):
             gp = torch.addmm(g, Z, V.mT, beta=alpha, alpha=1.0 - alpha)
         else:
             gp = torch.addmm(g, Z, V.mT, beta=alpha, alpha=1.0 - alpha, out=out)
-        return gp, Xf.square().sum()
+        xf = Xf.view(-1)
+        return gp, torch.dot(xf, xf)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -578,7 +597,7 @@ class SpectralAdamW(torch.optim.AdamW):
                 loss = closure()
         facs = self._current_factors()
         swapped = []
-        kept = total = None
+        kept, total = [], []  # per filtered parameter: ||G_filt||^2, ||G||^2 (summed once, below)
         try:
             for i, ((group, p), f) in enumerate(zip(self._flat_groups(), facs)):
                 if not self._prior_enabled or f is None or p.grad is None or p.grad.is_sparse \
@@ -586,20 +605,22 @@ class SpectralAdamW(torch.optim.AdamW):
                     continue  # prior off or alpha = 1: G_proj = G exactly, skip the work
                 g = p.grad
                 prep = self._direct(i, f, group["tau"], g)
-                if prep is not None:
+                if prep is not None and g.is_contiguous():
                     gp, fsq = self._project(g, prep, group["alpha"], self._proj_buffer(i, g))
+                    gv = g.view(-1)
+                    gsq = torch.dot(gv, gv)
                 else:
                     U, S, V = f
                     gp, fsq = spectral.project(g, U, S, V, group["tau"], group["alpha"], backend=self.backend,
                                                return_stats=True, out=self._proj_buffer(i, g))
-                gsq = torch.linalg.vector_norm(g, dtype=torch.float32).square()
-                kept = fsq if kept is None else kept + fsq
-                total = gsq if total is None else total + gsq
+                    gsq = torch.linalg.vector_norm(g, dtype=torch.float32).square()
+                kept.append(fsq.float())
+                total.append(gsq)
                 swapped.append((p, g))
                 p.grad = gp
             if swapped:
                 self._counters["filtered_steps"] += 1
-                self._energy = (kept, total)
+                self._energy = (torch.stack(kept).sum(), torch.stack(total).sum())
             super().step()
         finally:
             for p, g in swapped:
