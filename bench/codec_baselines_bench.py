@@ -1,0 +1,117 @@
+"""The paper's two extra baselines as boundary codecs (aqsgd, tahquant) next to int4:
+bytes per token, encode/decode time, AQ-SGD's store memory and its error per visit, and
+where tahquant's time goes (is a fast Hadamard kernel worth writing?).
+
+    python -m bench.codec_baselines_bench                       # B=8, T=128, H=576 (SmolLM2-135M)
+    python -m bench.codec_baselines_bench --shape 4x2048x2048   # a Llama-3.2-1B micro-batch
+    python -m bench.codec_baselines_bench --device cuda
+
+Activations are synthetic (normal, plus a few large fixed dims like a pretrained residual
+stream's massive dims); AQ-SGD's revisits drift them by --drift (relative) per visit, the
+slow change it relies on. Times are medians of --repeats process-CPU-time (CPU) or
+synchronized wall (CUDA) measurements, one thread by default.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from meshkern.mask import MaskKey
+from orchestration.codecs import make_codec
+
+
+def _timer(device: str):
+    if device == "cuda":
+        def now():
+            torch.cuda.synchronize()
+            return time.perf_counter()
+        return now
+    return time.process_time
+
+
+def _median_ms(fn, repeats: int, now) -> float:
+    fn()
+    out = []
+    for _ in range(repeats):
+        t0 = now()
+        fn()
+        out.append((now() - t0) * 1e3)
+    return statistics.median(out)
+
+
+def activations(B, T, H, device, seed=0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, T, H, generator=g)
+    x[..., 5] += 60.0
+    x[..., H // 3] -= 25.0
+    return x.to(device)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="8x128x576", help="BxTxH of one micro-batch's boundary tensor")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--visits", type=int, default=4, help="AQ-SGD visits of the same samples")
+    ap.add_argument("--drift", type=float, default=0.01, help="relative change of h between visits")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    B, T, H = (int(v) for v in a.shape.split("x"))
+    now = _timer(a.device)
+    x = activations(B, T, H, a.device)
+    key = MaskKey(0, 0, 0, 0)
+    dense = 4 * H
+    print(f"# boundary tensor {B}x{T}x{H} fp32 on {a.device}, {a.threads} thread(s); dense {dense} B/token")
+    print(f"{'codec':34s} {'fwd B/tok':>9s} {'x fp32':>7s} {'bwd B/tok':>9s} {'x fp32':>7s} "
+          f"{'enc ms':>8s} {'dec ms':>8s} {'rel err':>8s}")
+    for spec in ("int4", "aqsgd:bits=4,gbits=16", "aqsgd:bits=2,gbits=8", "tahquant:gbits=16", "tahquant:bits=3"):
+        c = make_codec(spec)
+        fb, bb = (c.wire_bytes((B, T, H), torch.float32, d) / (B * T) for d in ("fwd", "bwd"))
+        wire, _ = c.encode_fwd(x, key)
+        enc = _median_ms(lambda: c.encode_fwd(x, key), a.repeats, now)
+        dec = _median_ms(lambda: c.decode_fwd(wire, key, x.shape, x.dtype), a.repeats, now)
+        err = float((c.decode_fwd(wire, key, x.shape, x.dtype) - x).norm() / x.norm())
+        print(f"{spec:34s} {fb:9.1f} {dense / fb:7.2f} {bb:9.1f} {dense / bb:7.2f} {enc:8.2f} {dec:8.2f} {err:8.4f}")
+
+    # AQ-SGD over visits: the same B samples, h drifting slowly; sender and receiver objects.
+    print(f"\n# aqsgd bits=4: the same {B} samples visited {a.visits} times, h drifting {a.drift:.0%} per visit")
+    send, recv = make_codec("aqsgd:bits=4"), make_codec("aqsgd:bits=4")
+    ids = [torch.arange(B)]
+    g = torch.Generator().manual_seed(1)
+    h = x.clone()
+    for v in range(a.visits):
+        h = h + a.drift * x.std() * torch.randn(h.shape, generator=g).to(a.device)
+        k = MaskKey(0, 0, v, 0)
+        send.begin_step(v, ids)
+        recv.begin_step(v, ids)
+        t0 = now()
+        wire, _ = send.encode_fwd(h, k)
+        out = recv.decode_fwd(wire, k, h.shape, h.dtype)
+        ms = (now() - t0) * 1e3
+        print(f"visit {v}: rel err {float((out - h).norm() / h.norm()):.5f}  encode+decode {ms:7.2f} ms  "
+              f"store per side {send.store_bytes() / 2**20:.2f} MiB ({send.store_bytes() // B} B/sample = T*H*4)")
+
+    # Where tahquant's time goes.
+    from torch.profiler import ProfilerActivity, profile
+
+    c = make_codec("tahquant")
+    wire, _ = c.encode_fwd(x, key)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if a.device == "cuda" else [])
+    with profile(activities=acts) as prof:
+        c.encode_fwd(x, key)
+        c.decode_fwd(wire, key, x.shape, x.dtype)
+    ev = prof.key_averages()
+    attr = "self_device_time_total" if a.device == "cuda" else "self_cpu_time_total"
+    total = sum(getattr(e, attr, 0) for e in ev)
+    mm = sum(getattr(e, attr, 0) for e in ev if e.key in ("aten::mm", "aten::matmul", "aten::bmm"))
+    print(f"\n# tahquant encode+decode: the Hadamard matmuls take {mm / max(total, 1):.1%} of the op time")
+    for e in sorted(ev, key=lambda e: -getattr(e, attr, 0))[:6]:
+        print(f"  {e.key:28s} {getattr(e, attr, 0) / max(total, 1):6.1%}")
+
+
+if __name__ == "__main__":
+    main()
