@@ -27,6 +27,8 @@ import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP (environment.md)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # we fork after tokenizing
+if not os.isatty(1) and not os.isatty(2):  # output to a log file: the base model build's and a GGUF
+    os.environ.setdefault("TQDM_MININTERVAL", "30")  # conversion's bars redraw every 30 s (read at tqdm's import)
 
 import socket
 import sys

@@ -5,6 +5,7 @@ the whole run from this invocation, TensorBoard scalars equal to metrics.jsonl's
 helpful error for ``--checkpoint.resume latest`` without a run name."""
 import os
 import re
+import subprocess
 import sys
 import types
 from types import SimpleNamespace
@@ -187,3 +188,13 @@ def test_a_run_names_its_folder_first_and_a_resume_separates_its_part(tiny, tmp_
     out = capfd.readouterr().out
     assert re.search(r"^this invocation +steps 3\.\.4 \(2 steps\), resumed from step 2$", out, re.M)
     assert re.search(r"^steps \(whole run\) +4 ", out, re.M) and "loss first -> last (whole run)" in out
+
+
+def test_other_progress_bars_update_rarely_in_a_log_file():
+    """The base model build's and a GGUF conversion's tqdm bars (drawn before the mesh
+    starts) redraw every 30 s, not 10 times a second, when the output goes to a file."""
+    code = ("import os, orchestration.train; from tqdm import tqdm; "
+            "print(tqdm(total=1, file=open(os.devnull, 'w')).mininterval)")
+    env = {k: v for k, v in os.environ.items() if k != "TQDM_MININTERVAL"}
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0 and p.stdout.strip() == "30.0", p.stderr
