@@ -275,7 +275,7 @@ def test_int4_known_answer_nibble_order():
     assert wire_b[0].tolist() == [[[0x69, 0xF8]]]
 
 
-def _scale_tensors(name, wire):
+def _scale_tensors(wire):
     """Indices of the wire tensors that are quantization scales (float32 in these codecs)."""
     return [i for i, w in enumerate(wire) if w.dtype == torch.float32]
 
@@ -290,7 +290,7 @@ def test_quantized_codecs_reject_non_positive_scales_both_directions(name, kw, b
     h, g = _h(), _h(seed=1)
     wire, ctx = codec.encode_fwd(h, KEY)
     wire_b = codec.encode_bwd(g, KEY, wire)
-    scales = _scale_tensors(name, wire)
+    scales = _scale_tensors(wire)
     assert scales  # every one of these codecs sends scales
     for i in scales:
         bad_f = [w.clone() for w in wire]
