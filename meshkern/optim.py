@@ -256,10 +256,14 @@ class SpectralAdamW(torch.optim.AdamW):
     """AdamW on anchor-filtered gradients (see the module docstring).
 
     Cost: about one AdamW step without a prior; with one, the projection per filtered
-    matrix (two skinny GEMMs on G) plus one more read of G, and an SVD refresh at the
-    first step after each arrival. A reused G_proj buffer per filtered parameter avoids
+    matrix (two skinny GEMMs on G, plus two m*r*r ones), an SVD refresh at the first step
+    after each dense arrival (none for a factored one: the anchor node ran it), and at
+    that first step one more read of G (the energy statistic). On CPU with backend "auto"
+    and fp32 gradients the projection runs as plain torch GEMMs with the prior prepared
+    once per arrival (``_direct``). A reused G_proj buffer per filtered parameter avoids
     re-faulting a gradient-sized tensor every step on CPU (``reuse_proj_buffer``).
-    Measured ratios: docs/benchmarks.md ("SpectralAdamW: cost of a step").
+    Measured ratios: docs/benchmarks.md ("SpectralAdamW: cost of a step" and "the fast
+    node's optimizer with the factored transport").
 
     Until a prior is present for a parameter, its update is exactly torch.optim.AdamW's
     (this class *is* an AdamW; ``step`` swaps in G_proj for the filtered parameters,
@@ -326,7 +330,8 @@ class SpectralAdamW(torch.optim.AdamW):
         self._prior: list[Factors | None] = [None] * len(params)  # factored priors received
         self._counters = {"arrivals": 0, "factored_arrivals": 0, "rejected": 0, "last_staleness": None,
                           "filtered_steps": 0}
-        self._energy: tuple[Tensor, Tensor] | None = None  # (sum ||G_filt||^2, sum ||G||^2) of last step
+        self._energy: tuple[Tensor, Tensor] | None = None  # (sum ||G_filt||^2, sum ||G||^2), last measured
+        self._energy_due = True  # measure at the next filtered step (the first with a new prior)
         self._proj_buf: dict[int, Tensor] = {}  # G_proj buffer per flat parameter index (not state)
         self._prep: dict[int, tuple] = {}  # prior prepared for the direct projection (_direct; not state)
         self._prior_enabled = True  # False: every update is plain AdamW (set_prior_enabled)
@@ -438,6 +443,7 @@ class SpectralAdamW(torch.optim.AdamW):
             return False
         self._counters["arrivals"] += 1
         self._counters["last_staleness"] = staleness
+        self._energy_due = True
         return True
 
     def observe_factored_prior(self, factors: Sequence[Factors | None], staleness: int, *,
@@ -464,6 +470,7 @@ class SpectralAdamW(torch.optim.AdamW):
             n = len(factors) if isinstance(factors, (list, tuple)) else type(factors).__name__
             problems.append(f"got {n} factored priors for {len(params)} parameters")
         else:
+            fitting = []  # entries whose shapes fit: their values are checked next
             for i, f in enumerate(factors):
                 if f is None or not self._anchor.enabled[i]:
                     continue
@@ -479,14 +486,10 @@ class SpectralAdamW(torch.optim.AdamW):
                         or tuple(V.shape) != (n, U.shape[1]) or U.shape[1] > min(m, n):
                     problems.append(f"entry {i}: shapes U{tuple(U.shape)} S{tuple(S.shape)} V{tuple(V.shape)} "
                                     f"do not fit a [{m}, {n}] parameter")
-                elif not all(bool(torch.isfinite(t).all()) for t in (U, S, V)) or bool((S < 0).any()):
-                    problems.append(f"entry {i}: non-finite values or negative singular values")
-                elif not bounds_checked:
-                    for name, Q in (("U", U), ("V", V)):
-                        err = _orthonormality_error(Q)
-                        if not err <= FACTOR_ORTHO_TOL:
-                            problems.append(f"entry {i}: {name} does not have orthonormal columns (max |{name}^T "
-                                            f"{name} - I| = {err:.3g} > {FACTOR_ORTHO_TOL})")
+                else:
+                    fitting.append(i)
+            if not problems and not self._factors_ok(factors, fitting, check_ortho=not bounds_checked):
+                problems = self._factor_problems(factors, fitting, check_ortho=not bounds_checked)
         if not problems and not bounds_checked:
             problems = self._out_of_bounds([None if f is None or not self._anchor.enabled[i]
                                             else torch.linalg.vector_norm(f[1].detach().float())
@@ -499,7 +502,49 @@ class SpectralAdamW(torch.optim.AdamW):
                 self._prior[i] = tuple(t.detach().to(dev, torch.float32).clone() for t in f)
         self._counters["factored_arrivals"] += 1
         self._counters["last_staleness"] = staleness
+        self._energy_due = True
         return True
+
+    @staticmethod
+    def _factors_ok(factors, idx: list[int], check_ortho: bool) -> bool:
+        """Whether every entry ``idx`` of ``factors`` is finite, has S >= 0 and (with
+        ``check_ortho``) orthonormal U and V (FACTOR_ORTHO_TOL, all-zero columns allowed):
+        batched over entries of one shape, dtype and device, one host sync in all (the
+        per-entry checks cost ~40 tensor ops per matrix at every arrival). False sends the
+        caller to ``_factor_problems`` for the messages."""
+        groups: dict[tuple, list[int]] = {}
+        for i in idx:
+            U, S, V = factors[i]
+            groups.setdefault((tuple(U.shape), tuple(V.shape), U.dtype, S.dtype, V.dtype, U.device, S.device,
+                               V.device), []).append(i)
+        bad = []
+        for members in groups.values():
+            Us, Ss, Vs = (torch.stack([factors[i][k].detach() for i in members]) for k in range(3))
+            bad.append(~(torch.isfinite(Us).all() & torch.isfinite(Ss).all() & torch.isfinite(Vs).all()))
+            bad.append((Ss < 0).any())
+            if check_ortho:
+                for Q in (Us, Vs):
+                    Q = Q.float()
+                    gram = Q.mT @ Q
+                    target = torch.diag_embed((gram.diagonal(dim1=1, dim2=2) > 0.5).float())
+                    bad.append(~((gram - target).abs().amax() <= FACTOR_ORTHO_TOL))
+        return not bad or not bool(torch.stack([b.to("cpu") for b in bad]).any())
+
+    @staticmethod
+    def _factor_problems(factors, idx: list[int], check_ortho: bool) -> list[str]:
+        """The per-entry value checks of observe_factored_prior, with their messages."""
+        problems = []
+        for i in idx:
+            U, S, V = factors[i]
+            if not all(bool(torch.isfinite(t).all()) for t in (U, S, V)) or bool((S < 0).any()):
+                problems.append(f"entry {i}: non-finite values or negative singular values")
+            elif check_ortho:
+                for name, Q in (("U", U), ("V", V)):
+                    err = _orthonormality_error(Q)
+                    if not err <= FACTOR_ORTHO_TOL:
+                        problems.append(f"entry {i}: {name} does not have orthonormal columns (max |{name}^T "
+                                        f"{name} - I| = {err:.3g} > {FACTOR_ORTHO_TOL})")
+        return problems
 
     def _out_of_bounds(self, norms: list) -> list[str]:
         """Problems for entries whose norm exceeds max_anchor_ratio x the receiver's own
@@ -523,7 +568,10 @@ class SpectralAdamW(torch.optim.AdamW):
         """Counters for the trainer's log: arrivals, factored_arrivals, rejected,
         last_staleness, refreshes, filtered (params with a prior), mean_gain (mean d over
         all filtered params, with each group's tau), energy_kept (||G_filt||^2 / ||G||^2
-        summed over the params filtered in the last step; None before any)."""
+        summed over the params filtered, measured at the first filtered step after each
+        new prior, i.e. after each arrival or refresh, and held until the next: measuring
+        it every step cost a pass over every gradient, ~10% of the fast node's optimizer
+        step on CPU; None before any)."""
         facs = self._current_factors()
         d_sum, d_cnt = 0.0, 0
         for (g, _), f in zip(self._flat_groups(), facs):
@@ -574,8 +622,8 @@ class SpectralAdamW(torch.optim.AdamW):
     def _project(g: Tensor, prep, alpha: float, out: Tensor | None) -> tuple[Tensor, Tensor]:
         """alpha*G + (1-alpha) * U X_f V^T with X_f = diag(d) U^T G V diag(d) = (U d)^T G (V d),
         as four torch GEMMs (two m*n*r, two m*r*r) with no per-call checks or dispatch
-        layers: the same result as meshkern.spectral.project to fp32 rounding, and
-        ||G_filt||_F^2 = ||X_f||_F^2 (U, V orthonormal). On CPU at the shapes of
+        layers: the same result as meshkern.spectral.project to fp32 rounding. Returns
+        (G_proj, X_f); ||G_filt||_F^2 = ||X_f||_F^2 (U, V orthonormal). On CPU at the shapes of
         bench/anchor_step_bench.py this costs about the two m*n*r GEMMs, while the
         custom op's checks and dispatch cost more than the GEMMs on small matrices
         (docs/benchmarks.md, "SpectralAdamW with the factored transport")."""
@@ -586,8 +634,7 @@ class SpectralAdamW(torch.optim.AdamW):
             gp = torch.addmm(g, Z, V.mT, beta=alpha, alpha=1.0 - alpha)
         else:
             gp = torch.addmm(g, Z, V.mT, beta=alpha, alpha=1.0 - alpha, out=out)
-        xf = Xf.view(-1)
-        return gp, torch.dot(xf, xf)
+        return gp, Xf
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -597,6 +644,7 @@ class SpectralAdamW(torch.optim.AdamW):
                 loss = closure()
         facs = self._current_factors()
         swapped = []
+        measure = self._energy_due  # the energy statistic: at the first step with a new prior only
         kept, total = [], []  # per filtered parameter: ||G_filt||^2, ||G||^2 (summed once, below)
         try:
             for i, ((group, p), f) in enumerate(zip(self._flat_groups(), facs)):
@@ -606,21 +654,25 @@ class SpectralAdamW(torch.optim.AdamW):
                 g = p.grad
                 prep = self._direct(i, f, group["tau"], g)
                 if prep is not None and g.is_contiguous():
-                    gp, fsq = self._project(g, prep, group["alpha"], self._proj_buffer(i, g))
-                    gv = g.view(-1)
-                    gsq = torch.dot(gv, gv)
+                    gp, Xf = self._project(g, prep, group["alpha"], self._proj_buffer(i, g))
+                    if measure:  # ||G_filt||^2 = ||X_f||^2 (U, V orthonormal); ||G||^2 is a pass over G
+                        xf, gv = Xf.view(-1), g.view(-1)
+                        kept.append(torch.dot(xf, xf))
+                        total.append(torch.dot(gv, gv))
                 else:
                     U, S, V = f
                     gp, fsq = spectral.project(g, U, S, V, group["tau"], group["alpha"], backend=self.backend,
                                                return_stats=True, out=self._proj_buffer(i, g))
-                    gsq = torch.linalg.vector_norm(g, dtype=torch.float32).square()
-                kept.append(fsq.float())
-                total.append(gsq)
+                    if measure:
+                        kept.append(fsq.float())
+                        total.append(torch.linalg.vector_norm(g, dtype=torch.float32).square())
                 swapped.append((p, g))
                 p.grad = gp
             if swapped:
                 self._counters["filtered_steps"] += 1
-                self._energy = (torch.stack(kept).sum(), torch.stack(total).sum())
+                if measure:
+                    self._energy = (torch.stack(kept).sum(), torch.stack(total).sum())
+                    self._energy_due = False
             super().step()
         finally:
             for p, g in swapped:
@@ -633,7 +685,8 @@ class SpectralAdamW(torch.optim.AdamW):
         sd["spectral"] = {"anchor": self._anchor.state_dict(),
                           "prior": {i: list(f) for i, f in enumerate(self._prior) if f is not None},
                           "counters": dict(self._counters), "prior_enabled": self._prior_enabled,
-                          "energy": None if self._energy is None else [t.clone() for t in self._energy]}
+                          "energy": None if self._energy is None else [t.clone() for t in self._energy],
+                          "energy_due": self._energy_due}
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -651,6 +704,7 @@ class SpectralAdamW(torch.optim.AdamW):
         self._counters = dict(spec["counters"])
         self._prior_enabled = bool(spec.get("prior_enabled", True))
         self._energy = None if spec["energy"] is None else tuple(t.clone() for t in spec["energy"])
+        self._energy_due = bool(spec.get("energy_due", True))
 
 
 __all__ = ["SpectralAdamW", "AnchorMomentum", "spectral_param_groups", "warmup_cosine_lr"]
