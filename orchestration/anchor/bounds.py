@@ -23,7 +23,14 @@ from orchestration.anchor.wire import Rejected
 
 
 def _norm(t: torch.Tensor) -> float:
-    return float(torch.linalg.vector_norm(t.detach().to(torch.float64)))
+    """||t||_F as a Python float, never an overflow: in t's own dtype first (no copy of a
+    parameter-sized tensor at every arrival), again in float64 if that is not finite."""
+    t = t.detach()
+    if t.dtype in (torch.float32, torch.float64):
+        got = float(torch.linalg.vector_norm(t))
+        if math.isfinite(got):
+            return got
+    return float(torch.linalg.vector_norm(t.to(torch.float64)))
 
 
 def scale_of(p: torch.Tensor) -> float:
