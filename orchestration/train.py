@@ -139,7 +139,7 @@ def prepare(cfg: Config, *, load_model: bool = True) -> Plan:
         if os.path.basename(ckpt_dir) == "checkpoints":
             run_dir = os.path.dirname(ckpt_dir)
     resume_from = ""
-    if r == "latest" and not cfg.run.name and not cfg.checkpoint.dir:
+    if r == "latest" and not cfg.run.name and not cfg.checkpoint.dir and not under_torchrun():  # (torchrun: named by its run id)
         raise ValueError(resume_needs_a_run(cfg.run.out_dir))
     if cfg.checkpoint.resume:
         resume_from = ckpt.resolve(cfg.checkpoint.resume, ckpt_dir)
