@@ -71,6 +71,7 @@ else
     say "3/3 compiling meshkern's C++ extensions (mask, spectral, dp) and installing meshkern (~3 min on 2 idle cores)"
     ticking "3/3 C++ build + pip install -e ." .venv/logs/pip-meshkern.log \
         "$PY" -m pip install --no-build-isolation -e .
+    echo "$NOW" >"$STAMP"  # installed: a later call skips the build even if the base model fails below
     if [ -n "$BG" ]; then
         while kill -0 "$BG" 2>/dev/null; do
             last=$(tail -c 300 .venv/logs/base-model.log | tr '\r' '\n' | grep -v '^\s*$' | tail -n 1 || true)
@@ -84,7 +85,6 @@ else
         fi
         say "2/3 base model ready: $(tail -n 1 .venv/logs/base-model.log)"
     fi
-    echo "$NOW" >"$STAMP"
 fi
 if [ "$TEST" = 1 ]; then  # by name, not as meshkern[test]: that would build meshkern again
     EXTRAS=$("$PY" -c "import re; t = open('pyproject.toml').read(); print(' '.join(re.findall(r'\"([^\"]+)\"', re.search(r'^test = \[(.*?)\]', t, re.M | re.S).group(1))))")
