@@ -232,6 +232,27 @@ def real_momentum(steps: int = 10, beta: float = 0.9, seq: int = 128, batch: int
     return mom
 
 
+def random_init_momentum(steps: int = 10, beta: float = 0.9):
+    """M_anc of a randomly initialized model of the default geometry after ``steps``
+    gradients on 4 x 64 random tokens (tests/test_optim.py's momentum)."""
+    from transformers import LlamaForCausalLM
+
+    from orchestration.models import default_config
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(default_config())
+    g = torch.Generator().manual_seed(0)
+    mats = {n: p for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n and "lm_head" not in n}
+    mom = {n: torch.zeros(p.shape) for n, p in mats.items()}
+    for _ in range(steps):
+        ids = torch.randint(0, 2048, (4, 64), generator=g)
+        model.zero_grad(set_to_none=True)
+        model(input_ids=ids, labels=ids).loss.backward()
+        for n, p in mats.items():
+            mom[n].mul_(beta).add_(p.grad, alpha=1 - beta)
+    return mom
+
+
 def synthetic_momentum(shapes, steps: int = 10, beta: float = 0.9, seed: int = 0):
     """An EMA (beta 0.9) of ``steps`` gradients that share a slowly drifting low-rank part
     (rank 32, singular values ~ 1/(1+i)) plus fresh noise each step (as fine-tuning
@@ -312,6 +333,9 @@ def main(argv=None):
         if real is not None:
             print("\nM_anc of the default base model: 10 anchor gradients on corpus:python (4 x 128 tokens each)")
             bench_anchor_svd(real, args.rank, repeats)
+        if not args.quick:
+            print("\nM_anc of a randomly initialized model of the default geometry: 10 gradients on random tokens")
+            bench_anchor_svd(random_init_momentum(), args.rank, repeats)
         shapes = [(64, 128), (128, 64)] if args.quick else [(576, 576), (192, 576), (1536, 576), (576, 1536)] * 2
         print("\nsynthetic M_anc (drifting rank-32 signal + noise, 10 EMA steps) on SmolLM2-135M-like shapes, 2 layers")
         bench_anchor_svd(synthetic_momentum(shapes), args.rank, repeats)
