@@ -496,14 +496,34 @@ class SpectralAdamW(torch.optim.AdamW):
                                             for i, f in enumerate(factors)])
         if problems:
             return self._reject("factored anchor prior", problems)
-        for i, f in enumerate(factors):
-            if f is not None and self._anchor.enabled[i]:
-                dev = params[i].device
-                self._prior[i] = tuple(t.detach().to(dev, torch.float32).clone() for t in f)
+        self._take_priors(factors)
         self._counters["factored_arrivals"] += 1
         self._counters["last_staleness"] = staleness
         self._energy_due = True
         return True
+
+    def _take_priors(self, factors) -> None:
+        """Stores accepted factors as the priors (fp32 copies on each parameter's device),
+        batched over entries of one shape, device and tau: one copy of each of U, S, V per
+        batch, and the direct projection's U d and V d prepared here for each batch
+        (``_direct`` then finds them) instead of a dozen small tensor ops per matrix at
+        the next step."""
+        groups: dict[tuple, list[int]] = {}
+        for (g, p), i, f in zip(self._flat_groups(), range(len(factors)), factors):
+            if f is not None and self._anchor.enabled[i]:
+                groups.setdefault((tuple(f[0].shape), tuple(f[2].shape), str(p.device), g["tau"]), []).append(i)
+        params = self._flat_params()
+        for (_, _, _, tau), members in groups.items():
+            dev = params[members[0]].device
+            Us, Ss, Vs = (torch.stack([factors[i][k].detach().to(dev, torch.float32) for i in members])
+                          for k in range(3))
+            if self.backend == "auto" and dev.type == "cpu":
+                d = spectral.gains(Ss, tau)[:, None, :]
+                Uds, Vds = Us * d, Vs * d
+            for j, i in enumerate(members):
+                prior = self._prior[i] = (Us[j], Ss[j], Vs[j])
+                if self.backend == "auto" and dev.type == "cpu":
+                    self._prep[i] = (prior, tau, Us[j], Uds[j], Vs[j], Vds[j])
 
     @staticmethod
     def _factors_ok(factors, idx: list[int], check_ortho: bool) -> bool:
