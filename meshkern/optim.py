@@ -646,7 +646,7 @@ class SpectralAdamW(torch.optim.AdamW):
         (G_proj, X_f); ||G_filt||_F^2 = ||X_f||_F^2 (U, V orthonormal). On CPU at the shapes of
         bench/anchor_step_bench.py this costs about the two m*n*r GEMMs, while the
         custom op's checks and dispatch cost more than the GEMMs on small matrices
-        (docs/benchmarks.md, "SpectralAdamW with the factored transport")."""
+        (docs/benchmarks.md, "The fast node's optimizer with the factored transport")."""
         U, Ud, V, Vd = prep
         Xf = torch.mm(Ud.mT, torch.mm(g, Vd))
         Z = torch.mm(U, Xf)
