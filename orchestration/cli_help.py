@@ -16,7 +16,7 @@ EXAMPLES = f"""\
 examples:
   {PROG}                                   # the embedded default: a few minutes on 2 CPU cores
   {PROG} --preset m95-ap --steps 200       # a published row of the paper's table
-  {PROG} --data corpus:prose --steps 100 --boundary.p 0.9
+  {PROG} --data corpus:prose --steps 100 --boundary.codec mask --boundary.p 0.9   # the paper's mask, p=0.9
   {PROG} --model smollm2-135m --data.seq-len 64 --train.batch-size 2 --train.microbatches 2
   {PROG} --config runs/NAME/config.yaml --checkpoint.resume latest   # continue a run
   {PROG} --print-config > run.yaml         # the resolved config, to edit and pass to --config

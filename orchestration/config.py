@@ -312,7 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = cli_help.TrainParser(
         prog=cli_help.PROG, usage=cli_help.USAGE, formatter_class=cli_help.Formatter,
         description="Adapt a causal LM on an X x Y mesh of processes (rows: replicas, columns: pipeline "
-        "stages)\nwith masked stage boundaries and compressed DP sync. Every config field is a flag "
+        "stages)\nwith compressed stage boundaries and compressed DP sync. Every config field is a flag "
         "--SECTION.FIELD;\nprecedence: defaults < --preset < --config < flags.\n\n" + cli_help.EXAMPLES,
         epilog=cli_help.epilog_builtins())
     g0 = ap.add_argument_group("run selection")
