@@ -42,12 +42,17 @@ def _spy_rank(rank, world, cfg, plan, outdir):
     return run_rank(rank, world, cfg, plan)
 
 
-def _run(argv, outdir=None, timeout_s=150, **launch):
+def _run(argv, outdir=None, timeout_s=150, rank_fn=None, rank_args=(), **launch):
+    """Runs the mesh of ``argv``; each rank runs ``rank_fn(rank, world, cfg, plan, *rank_args)``
+    (default run_rank, or _spy_rank recording into ``outdir``)."""
     cfg, _ = parse_args(argv)
     plan = prepare(cfg)
     lay = MeshLayout(cfg.mesh.rows, cfg.mesh.stages, True)
     anchors = {r for r in range(lay.world_size) if lay.is_anchor(r)}
-    fn, args = (run_rank, (cfg, plan)) if outdir is None else (_spy_rank, (cfg, plan, str(outdir)))
+    if rank_fn is not None:
+        fn, args = rank_fn, (cfg, plan, *rank_args)
+    else:
+        fn, args = (run_rank, (cfg, plan)) if outdir is None else (_spy_rank, (cfg, plan, str(outdir)))
     res = run_local(fn, cfg.world_size, args, timeout_s=timeout_s, describe=lay.describe, optional=anchors, **launch)
     recs = read_jsonl(os.path.join(plan.run_dir, "metrics.jsonl"))
     return cfg, plan, res, recs

@@ -391,19 +391,7 @@ def _mesh_run(tiny, tmp_path, name, *extra, port=None, gate=None):
     kw = {} if port is None else {"port": port}
     if gate is None:
         return _run(argv, **kw)
-    from orchestration.config import parse_args
-    from orchestration.launch import run_local
-    from orchestration.mesh import MeshLayout
-    from orchestration.metrics import read_jsonl
-    from orchestration.train import prepare
-
-    cfg, _ = parse_args(argv)
-    plan = prepare(cfg)
-    lay = MeshLayout(cfg.mesh.rows, cfg.mesh.stages, True)
-    anchors = {r for r in range(lay.world_size) if lay.is_anchor(r)}
-    res = run_local(_gated_rank, cfg.world_size, (cfg, plan, gate), timeout_s=240, describe=lay.describe,
-                    optional=anchors, **kw)
-    return cfg, plan, res, read_jsonl(os.path.join(plan.run_dir, "metrics.jsonl"))
+    return _run(argv, timeout_s=240, rank_fn=_gated_rank, rank_args=(gate,), **kw)
 
 
 def _finite_weights(plan):

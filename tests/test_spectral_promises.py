@@ -6,19 +6,7 @@ import torch
 
 from meshkern import _backend
 from meshkern import spectral as sp
-
-
-def _backends():
-    out = [pytest.param("reference", id="reference")]
-    out.append(pytest.param("cpp", id="cpp", marks=pytest.mark.skipif(
-        _backend.extension("spectral") is None, reason="meshkern._spectral_C not built")))
-    out.append(pytest.param("triton", id="triton", marks=pytest.mark.skipif(
-        _backend.why_unavailable("triton", "spectral", torch.device("cpu")) is not None,
-        reason="Triton cannot run CPU tensors here")))
-    return out
-
-
-BACKENDS = _backends()
+from test_spectral import BACKENDS  # reference, cpp and triton, each skipped when it cannot run here
 
 
 def _rand(*shape, seed=0, dtype=torch.float32):
