@@ -124,6 +124,7 @@ class PipelineExecutor:
             raise ValueError(f"sample_ids must be [{input_ids.shape[0]}] (one per sequence), "
                              f"got {tuple(sample_ids.shape)}")
         self.codec.begin_step(step, None if sample_ids is None else sample_ids.chunk(M))
+        self.codec.bind_inputs(mb_ids)
         # Same normalisation as the unsplit model's loss on the whole batch.
         n_items = int((labels[:, 1:] != -100).sum())
         H, dtype = self.stage.hidden_size, next(self.stage.parameters()).dtype

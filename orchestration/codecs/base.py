@@ -87,6 +87,11 @@ class BoundaryCodec:
     def begin_step(self, step: int, sample_ids: Sequence[torch.Tensor] | None) -> None:
         """Per-step hook (see the class doc); a no-op for stateless codecs."""
 
+    def bind_inputs(self, input_ids: Sequence[torch.Tensor]) -> None:
+        """Per-step hook after ``begin_step``: the step's input ids [B_m, T] per micro-batch
+        (every stage holds the batch). A codec that rebuilds part of the activation from
+        the tokens (subspace: re-adds the token embedding) reads them here; a no-op else."""
+
     def encode_fwd(self, h: torch.Tensor, key) -> tuple[list[torch.Tensor], Any]:
         raise NotImplementedError
 
