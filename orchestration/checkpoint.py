@@ -308,8 +308,9 @@ class Checkpointer:
         tmp = step_dir(root, step) + ".tmp"
         os.makedirs(tmp, exist_ok=True)
         dist.barrier(group=mesh.fast)  # the directory exists before anyone writes (rank 0 may have removed an old one)
+        y0 = cfg.replica_stages[0]  # replica 0's stages write the HF checkpoint
         if mesh.row == 0:
-            write_stage_shard(tmp, self.stage, cfg.mesh.stages)
+            write_stage_shard(tmp, self.stage, y0)
         state = {"step": step}
         state.update({k: None if v is None else v.state_dict() for k, v in self.parts.items()})
         write_rank_state(tmp, mesh.rank, state)
@@ -317,8 +318,8 @@ class Checkpointer:
         final = step_dir(root, step)
         if mesh.rank == 0:
             meta = {"step": step, "rows": cfg.mesh.rows, "stages": cfg.mesh.stages, "anchor": cfg.anchor.enabled,
-                    "model_path": plan.model_path, "config": cfg.to_dict()}
-            finalize(root, tmp, step, meta, plan.model_path, cfg.mesh.stages, cfg.checkpoint.keep)
+                    "replicas": cfg.replica_stages, "model_path": plan.model_path, "config": cfg.to_dict()}
+            finalize(root, tmp, step, meta, plan.model_path, y0, cfg.checkpoint.keep)
         dist.barrier(group=mesh.fast)
         return final
 

@@ -37,7 +37,8 @@ def _f(default, help: str, **kw):
 class MeshConfig:
     rows: int = _f(3, "rows of the mesh = data-parallel replicas (with the anchor on, the last row is the anchor replica)")
     stages: int = _f(2, "columns of the mesh = pipeline stages per replica")
-    layers_per_stage: list = _f([], "decoder layers per stage, e.g. 3,1 (empty: balanced)")
+    layers_per_stage: list = _f([], "decoder layers per stage, e.g. 3,1 (empty: balanced); with --mesh.replicas it applies to the replicas of that many stages")
+    replicas: list = _f([], "a heterogeneous mesh: pipeline stages of each replica, e.g. 1,2,2 = one full replica (the whole model in one process) and two 2-stage pipeline replicas; sets --mesh.rows and --mesh.stages (the deepest replica); DP sync then runs per parameter name (docs/heterogeneous.md); no anchor. Empty: --mesh.rows replicas of --mesh.stages stages")
     dist_backend: str = _f("auto", "torch.distributed backend of the mesh (not a kernel backend, see MESHKERN_BACKEND): "
                                "auto (nccl with CUDA, else gloo), gloo, nccl")
     timeout_s: float = _f(60.0, "a rank that waits on a dead or stalled peer longer than this fails with an error")
@@ -94,6 +95,7 @@ class BoundaryConfig:
     p: float = _f(0.95, "fraction of hidden dims dropped per token (mask; also the ratio target of topk/bottleneck)")
     rescale: bool = _f(False, "mask: scale kept values by 1/(1-p) (dropout-style unbiased estimate)")
     options: dict = _f({}, "extra keyword arguments for the codec, as JSON, e.g. '{\"k\": 64}'")
+    compress: str = _f("all", "which replicas use --boundary.codec: all, or selective (heterogeneous meshes: only the pipeline replicas; full replicas train uncompressed and, with the subspace codec, unconstrained)")
 
 
 @dataclass
@@ -104,7 +106,7 @@ class DPConfig:
     sync_every: int = _f(10, "DiLoCo: inner steps between outer syncs of a fragment (H)")
     fragments: int = _f(2, "DiLoCo: parameter fragments synced on a staggered schedule")
     outer_lr: float = _f(0.7, "DiLoCo: outer Nesterov learning rate")
-    outer_momentum: float = _f(0.9, "DiLoCo: outer Nesterov momentum")
+    outer_momentum: float = _f(-1.0, "DiLoCo: outer Nesterov momentum (-1: auto = 0.9, or 0 with sparseloco, whose error feedback replaces the momentum)")
     overlap_steps: int = _f(1, "DiLoCo: inner steps a fragment's sync may overlap")
 
 
@@ -178,13 +180,29 @@ class Config:
 
     @property
     def world_size(self) -> int:
-        return self.mesh.rows * self.mesh.stages
+        return sum(self.mesh.replicas) if self.mesh.replicas else self.mesh.rows * self.mesh.stages
+
+    @property
+    def replica_stages(self) -> list[int]:
+        """Pipeline stages of each fast replica."""
+        return [int(y) for y in self.mesh.replicas] if self.mesh.replicas else [self.mesh.stages] * self.fast_rows
+
+    def replica_codec(self, row: int) -> str:
+        """The boundary codec replica ``row`` uses: --boundary.codec, or dense for a full
+        (1-stage) replica under --boundary.compress selective."""
+        if self.boundary.compress == "selective" and self.replica_stages[row] == 1:
+            return "dense"
+        return self.boundary.codec
 
 
 SECTIONS = [f.name for f in dataclasses.fields(Config) if f.name != "preset"]
 COMPRESSORS = ("none", "powersgd", "sparseloco", "int8")
 ANCHOR_TRANSPORTS = ("dense", "factored")  # orchestration.anchor.wire numbers them on the wire
 SNAPSHOT_CODECS = ("full", "int8")  # orchestration.anchor.snapshot.SnapshotCoder
+# With --mesh.replicas, unless a preset, config file or flag sets them: the paper's DP sync
+# (SparseLoCo, whose error feedback replaces DiLoCo's outer momentum) and boundaries.
+HETEROGENEOUS_DEFAULTS = {("dp", "compressor"): "sparseloco", ("boundary", "codec"): "int4",
+                          ("boundary", "compress"): "selective"}
 RENAMED = {("mesh", "backend"): "dist_backend"}  # old field name -> its name now (old config files)
 ALIASES = {  # short flag -> dotted field
     "model": "model.path", "data": "data.source", "steps": "train.steps",
@@ -344,17 +362,28 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
     ap = build_parser()
     ns = ap.parse_args(argv)
     cfg = Config()
+    given: list[dict] = []
     if ns.preset:
-        apply_dict(cfg, load_preset(ns.preset), where=f"preset {ns.preset}")
+        given.append(load_preset(ns.preset))
+        apply_dict(cfg, given[-1], where=f"preset {ns.preset}")
         cfg.preset = ns.preset
     if ns.config:
-        apply_dict(cfg, load_file(ns.config), where=ns.config)
+        given.append(load_file(ns.config))
+        apply_dict(cfg, given[-1], where=ns.config)
     over: dict = {}
     for dotted, v in vars(ns).items():
         if "." in dotted and v is not None:
             sec, k = dotted.split(".", 1)
             over.setdefault(sec, {})[k] = v
     apply_dict(cfg, over, where="command line")
+    if cfg.mesh.replicas:  # a heterogeneous mesh's own defaults, for what nothing above set
+        named = {(sec, k.replace("-", "_")) for d in [*given, over] for sec, sub in d.items()
+                 if isinstance(sub, dict) for k in sub}
+        fill: dict = {}
+        for (sec, k), v in HETEROGENEOUS_DEFAULTS.items():
+            if (sec, k) not in named:
+                fill.setdefault(sec, {})[k] = v
+        apply_dict(cfg, fill, where="heterogeneous-mesh defaults")
     validate(cfg)
     return cfg, ns
 
@@ -367,6 +396,11 @@ def _need(cond: bool, msg: str) -> None:
 def validate(cfg: Config) -> Config:
     """Checks ranges and combinations; raises ValueError naming the flag. Touches no files."""
     m, t, b, dp, a = cfg.mesh, cfg.train, cfg.boundary, cfg.dp, cfg.anchor
+    if m.replicas:
+        _need(all(isinstance(y, int) and y >= 1 for y in m.replicas),
+              f"--mesh.replicas entries are stage counts >= 1, got {m.replicas}")
+        _need(not a.enabled, "--mesh.replicas (a heterogeneous mesh) cannot run the anchor row (--anchor.enabled)")
+        m.rows, m.stages = len(m.replicas), max(m.replicas)
     _need(m.rows >= 1, f"--mesh.rows must be >= 1, got {m.rows}")
     _need(m.stages >= 1, f"--mesh.stages must be >= 1, got {m.stages}")
     _need(not a.enabled or m.rows >= 2, "--anchor.enabled needs --mesh.rows >= 2 (the last row is the anchor)")
@@ -404,10 +438,20 @@ def validate(cfg: Config) -> Config:
             _need(False, f"--boundary.codec: {e}")
         b.codec, b.options = name, {**spec_options, **b.options}
     _need(b.codec in CODECS, f"--boundary.codec must be one of {', '.join(CODECS)}, got {b.codec!r}")
+    _need(b.compress in ("all", "selective"), f"--boundary.compress must be all or selective, got {b.compress!r}")
+    if m.replicas and len(set(m.replicas)) > 1:
+        _need(b.codec != "pca", "--mesh.replicas: the pca codec fits one basis per boundary of one split; a heterogeneous "
+                                "mesh has several splits: use --boundary.codec subspace (the paper's), int4, ... (docs/codecs.md)")
+        full_compressed = [r for r in range(m.rows) if m.replicas[r] == 1 and cfg.replica_codec(r) not in ("dense", "subspace")]
+        _need(not full_compressed, f"--mesh.replicas: replica {full_compressed[:1]} is a full replica (no stage boundary) "
+                                   f"and --boundary.codec {b.codec} compresses boundaries only; use --boundary.compress "
+                                   f"selective, or the subspace codec (a full replica keeps its constraint)")
     _need(0.0 <= b.p < 1.0, f"--boundary.p must be in [0, 1), got {b.p}")
     _need(dp.mode in ("allreduce", "diloco", "none"), f"--dp.mode must be allreduce, diloco or none, got {dp.mode!r}")
     _need(dp.compressor in COMPRESSORS, f"--dp.compressor must be one of {', '.join(COMPRESSORS)}, got {dp.compressor!r}")
     _need(dp.sync_every >= 1 and dp.fragments >= 1, "--dp.sync-every and --dp.fragments must be >= 1")
+    _need(dp.outer_momentum == -1 or 0 <= dp.outer_momentum < 1,
+          f"--dp.outer-momentum must be -1 (auto) or in [0, 1), got {dp.outer_momentum}")
     _need(a.transport in ANCHOR_TRANSPORTS,
           f"--anchor.transport must be {' or '.join(ANCHOR_TRANSPORTS)}, got {a.transport!r}")
     _need(a.snapshot_codec in SNAPSHOT_CODECS,

@@ -154,10 +154,13 @@ def summarize(cfg, plan, history: list[dict], elapsed: float, steps_done: int, l
     tokens_run = steps_done * cfg.fast_rows * t.batch_size * cfg.data.seq_len
     bpt = last["bytes_per_token"]
     s = {
-        "mesh": f"{cfg.mesh.rows}x{cfg.mesh.stages} ({cfg.fast_rows} fast replicas"
-                + (" + anchor" if cfg.anchor.enabled else "") + f" x {cfg.mesh.stages} stages)",
+        "mesh": (f"replicas {','.join(map(str, cfg.mesh.replicas))} ({cfg.fast_rows} replicas of "
+                 f"{', '.join(map(str, cfg.replica_stages))} stages)") if cfg.mesh.replicas else
+                (f"{cfg.mesh.rows}x{cfg.mesh.stages} ({cfg.fast_rows} fast replicas"
+                 + (" + anchor" if cfg.anchor.enabled else "") + f" x {cfg.mesh.stages} stages)"),
         "model": f"{plan.arch} ({plan.num_layers} layers, H={plan.hidden_size}) from {plan.model_path}",
-        "codec": cfg.boundary.codec + (f" p={cfg.boundary.p}" if cfg.boundary.codec in ("mask", "topk", "bottleneck") else ""),
+        "codec": cfg.boundary.codec + (f" p={cfg.boundary.p}" if cfg.boundary.codec in ("mask", "topk", "bottleneck") else "")
+                 + (" (pipeline replicas only: selective)" if cfg.boundary.compress == "selective" else ""),
         "dp": cfg.dp.mode + ("" if cfg.dp.mode == "none" else f" + {cfg.dp.compressor}"),
         "steps": last["step"], "tokens": last["tokens"],
         "loss_first": history[0]["loss"], "loss_last": last["loss"],
@@ -191,13 +194,16 @@ def reduce_step(cfg, mesh, step: int, stats, gnorm: float, skipped: int, counter
     [stop flag, loss, grad norm, skipped steps, per-stage F and B compute seconds, bytes
     per axis, DP bytes per stage]; returns (the step's metrics record, stop requested)."""
     Y, X, t = cfg.mesh.stages, cfg.fast_rows, cfg.train
+    depth = cfg.replica_stages
+    deepest = depth.count(Y)  # per-stage compute times: the mean over the deepest replicas (all, if alike)
     vec = torch.zeros(4 + 3 * Y + len(AXES), dtype=torch.float64)  # filled on CPU, reduced on mesh.device
     vec[0] = float(stop)
     vec[1] = stats.loss if mesh.is_last else 0.0
-    vec[2] = (gnorm if math.isfinite(gnorm) else 0.0) / Y if mesh.is_first else 0.0
-    vec[3] = float(skipped) / Y
-    vec[4 + mesh.stage] = sum(stats.fwd_s) / len(stats.fwd_s) / X
-    vec[4 + Y + mesh.stage] = sum(stats.bwd_s) / len(stats.bwd_s) / X
+    vec[2] = (gnorm if math.isfinite(gnorm) else 0.0) / X if mesh.is_first else 0.0  # mean over replicas
+    vec[3] = float(skipped) / depth[mesh.row]
+    if depth[mesh.row] == Y:
+        vec[4 + mesh.stage] = sum(stats.fwd_s) / len(stats.fwd_s) / deepest
+        vec[4 + Y + mesh.stage] = sum(stats.bwd_s) / len(stats.bwd_s) / deepest
     tot = counter.totals()
     for i, a in enumerate(AXES):
         vec[4 + 2 * Y + i] = tot[a]

@@ -97,10 +97,17 @@ def prepare(cfg: Config, *, load_model: bool = True) -> Plan:
         if sum(lps) != n_layers:
             raise ValueError(f"--mesh.layers-per-stage {lps} sums to {sum(lps)}, the model has {n_layers} decoder layers")
     else:
-        try:
-            balanced_layers(n_layers, cfg.mesh.stages)
-        except ValueError as e:  # more stages than layers
-            raise ValueError(f"--mesh.stages {cfg.mesh.stages}: {e}") from None
+        for y in sorted(set(cfg.replica_stages)):
+            try:
+                balanced_layers(n_layers, y)
+            except ValueError as e:  # more stages than layers
+                raise ValueError(f"--mesh.{'replicas' if cfg.mesh.replicas else 'stages'} {y}: {e}") from None
+    if (cfg.mesh.replicas and 1 in cfg.mesh.replicas and max(cfg.mesh.replicas) > 1
+            and getattr(hf_cfg, "tie_word_embeddings", False)):
+        raise ValueError(f"--mesh.replicas {','.join(map(str, cfg.mesh.replicas))} with a model whose input and output "
+                         "embeddings are tied: a full replica holds one tied weight where a pipeline replica holds two "
+                         "copies, and syncing them by name is not supported yet; use replicas of >= 2 stages only, "
+                         "or an untied model (the default model is untied)")
     if cfg.mesh.dist_backend == "nccl" and not torch.cuda.is_available():
         raise ValueError("--mesh.dist-backend nccl needs CUDA GPUs, and torch sees none (torch.cuda.is_available() is False)")
     source = cfg.data.source or DEFAULT_DATA
@@ -144,9 +151,13 @@ def prepare(cfg: Config, *, load_model: bool = True) -> Plan:
     if cfg.checkpoint.resume:
         resume_from = ckpt.resolve(cfg.checkpoint.resume, ckpt_dir)
         meta = ckpt.read_meta(resume_from)
-        if (meta["rows"], meta["stages"]) != (cfg.mesh.rows, cfg.mesh.stages):
-            raise ValueError(f"--checkpoint.resume {resume_from} was written by a {meta['rows']}x{meta['stages']} mesh, "
-                             f"this run is {cfg.mesh.rows}x{cfg.mesh.stages}")
+        if meta.get("replicas") is not None:  # stages of each fast replica
+            was, now = [int(y) for y in meta["replicas"]], cfg.replica_stages
+        else:  # a checkpoint from before heterogeneous meshes: rows x stages
+            was, now = [meta["stages"]] * meta["rows"], [cfg.mesh.stages] * cfg.mesh.rows
+        if was != now:
+            raise ValueError(f"--checkpoint.resume {resume_from} was written by a mesh of {_mesh_name(was)}, "
+                             f"this run is {_mesh_name(now)}")
         if meta["step"] >= cfg.train.steps:
             raise ValueError(f"--checkpoint.resume {resume_from} is at step {meta['step']}, not before --train.steps {cfg.train.steps}")
         _check_resumable(cfg, resume_from, meta, hf_cfg)
@@ -161,6 +172,13 @@ def prepare(cfg: Config, *, load_model: bool = True) -> Plan:
         from orchestration.calibration import prepare_run  # pca codec: fit the basis here, forked ranks inherit it
         prepare_run(cfg, plan)
     return plan
+
+
+def _mesh_name(replica_stages: list[int]) -> str:
+    """'2x2' for alike replicas, 'replicas 1,2,2' otherwise."""
+    if len(set(replica_stages)) == 1:
+        return f"{len(replica_stages)}x{replica_stages[0]}"
+    return "replicas " + ",".join(map(str, replica_stages))
 
 
 def resume_needs_a_run(out_dir: str) -> str:
@@ -221,13 +239,14 @@ def run_rank(rank: int, world_size: int, cfg: Config, plan: Plan) -> dict:
     A fast rank is an orchestration.trainer.Trainer; an anchor rank joins a world of its
     own (orchestration.mesh) and runs orchestration.anchor.run_anchor_rank."""
     torch.set_num_threads(cfg.mesh.threads_per_rank)
-    layout = MeshLayout(cfg.mesh.rows, cfg.mesh.stages, cfg.anchor.enabled)
+    layout = MeshLayout.of(cfg)
     if layout.is_anchor(rank):
         from orchestration import anchor
 
         mesh = anchor.join_anchor_row(layout, rank, cfg)
     else:
-        mesh = init_mesh(layout, dist_backend=cfg.mesh.dist_backend, timeout_s=cfg.mesh.timeout_s)
+        mesh = init_mesh(layout, dist_backend=cfg.mesh.dist_backend, timeout_s=cfg.mesh.timeout_s,
+                         num_layers=plan.num_layers, layers_per_stage=cfg.mesh.layers_per_stage)
     try:
         stage = build_stage(cfg, plan, mesh)
         if mesh.is_anchor:
@@ -242,7 +261,7 @@ def run_rank(rank: int, world_size: int, cfg: Config, plan: Plan) -> dict:
 
 def run_anchor_row_rank(index: int, world_size: int, cfg: Config, plan: Plan) -> dict:
     """``--anchor.join`` (local launcher): process ``index`` is the anchor rank of stage ``index``."""
-    layout = MeshLayout(cfg.mesh.rows, cfg.mesh.stages, True)
+    layout = MeshLayout.of(cfg, anchor=True)
     return run_rank(layout.anchor_rank(index), world_size, cfg, plan)
 
 
@@ -273,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    layout = MeshLayout(cfg.mesh.rows, cfg.mesh.stages, cfg.anchor.enabled)
+    layout = MeshLayout.of(cfg)
     join = cfg.anchor.join  # start only the anchor row, joining a running fast circuit
     if not plan.resume_from and not join and (found := ckpt.existing_run(plan.run_dir, plan.ckpt_dir)):
         # (here, not in prepare: tools such as orchestration.experiments prepare finished runs to evaluate them)
@@ -284,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         world = int(os.environ["WORLD_SIZE"])
         want = layout.stages if join else layout.fast_world_size
         if world != want:
-            what = "anchor row (one process per stage)" if join else f"{cfg.mesh.rows}x{cfg.mesh.stages} mesh"
+            what = "anchor row (one process per stage)" if join else f"{layout.name} mesh"
             extra = " plus an anchor row started with --anchor.join" if cfg.anchor.enabled and not join else ""
             print(f"error: torchrun started {world} processes, the {what} needs {want}{extra}", file=sys.stderr)
             return 2

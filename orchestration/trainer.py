@@ -32,6 +32,7 @@ from meshkern.optim import warmup_cosine_lr
 from orchestration.checkpoint import Checkpointer, continue_command
 from orchestration.codecs import make_codec
 from orchestration.config import Config
+from orchestration.dp_sync import ReplicaSync
 from orchestration.run_summary import format_summary
 from orchestration.metrics import LinkCounter, RunLog, reduce_step, summarize, \
     write_link_bytes
@@ -82,7 +83,9 @@ def build_stage(cfg: Config, plan, mesh):
     model = plan.model
     if model is None:
         model, _ = load_causal_lm(plan.model_path, dtype=getattr(torch, cfg.model.dtype))
-    stages = split_model(model, cfg.mesh.stages, cfg.mesh.layers_per_stage or None)
+    y = mesh.layout.stages_of(mesh.row)  # a heterogeneous mesh's replicas differ in depth
+    lps = cfg.mesh.layers_per_stage if len(cfg.mesh.layers_per_stage) == y else None
+    stages = split_model(model, y, lps or None)
     stage = stages[mesh.stage]
     del stages, model
     plan.model = None
@@ -216,27 +219,17 @@ class Trainer:
         self.counter = LinkCounter()
         self.optimizer = make_optimizer(cfg, stage)
         t = cfg.train
-        self.codec = make_codec(cfg.boundary.codec, p=cfg.boundary.p, rescale=cfg.boundary.rescale,
+        self.codec = make_codec(cfg.replica_codec(mesh.row), p=cfg.boundary.p, rescale=cfg.boundary.rescale,
                                 **cfg.boundary.options)
         from orchestration.calibration import attach  # pca codec: the run's basis, bytes counted once
         attach(self)
-        actions = make_schedule(t.schedule, cfg.mesh.stages, t.microbatches)[mesh.stage]
+        actions = make_schedule(t.schedule, mesh.layout.stages_of(mesh.row), t.microbatches)[mesh.stage]
         mask_seed = (t.seed << 16) | mesh.row  # each replica draws its own masks: the row is in the Philox seed
         self.executor = PipelineExecutor(stage, actions, codec=self.codec, prev_rank=mesh.prev_rank,
                                          next_rank=mesh.next_rank, rank=rank, seed=mask_seed, counter=self.counter)
         self.sampler = replica_sampler(cfg, plan, mesh.row)
-        self.allreduce = self.diloco = None
-        if cfg.fast_rows > 1 and cfg.dp.mode == "allreduce":
-            self.allreduce = make_compressor(cfg)
-        elif cfg.fast_rows > 1 and cfg.dp.mode == "diloco":
-            from meshkern.diloco import StreamingDiLoCo
-
-            d = cfg.dp
-            self.diloco = StreamingDiLoCo(list(stage.named_parameters()), mesh.dp, sync_every=d.sync_every,
-                                          num_fragments=d.fragments, outer_lr=d.outer_lr,
-                                          outer_momentum=d.outer_momentum, overlap_steps=d.overlap_steps,
-                                          compressor=make_compressor(cfg), timeout_s=cfg.mesh.timeout_s)
-        tied = stage.tied_lm_head or (stage.is_first and _tied_across(plan, cfg))
+        self.sync = ReplicaSync(cfg, mesh, stage, lambda: make_compressor(cfg))
+        tied = stage.tied_lm_head or (stage.is_first and _tied_across(plan, mesh.layout.stages_of(mesh.row)))
         self.tied_param = (stage.lm_head.weight if stage.is_last else stage.embed_tokens.weight) if tied else None
         self.hook = NullAnchor()
         if cfg.anchor.enabled:
@@ -247,7 +240,7 @@ class Trainer:
         self.skipped = 0  # this rank's replica-steps whose update was skipped (non-finite gradient)
         self.guard = DivergenceGuard(t.max_bad_steps, t.spike_factor, trainer=self)
         self.checkpointer = Checkpointer(cfg, plan, mesh, stage, {
-            "stage": stage, "optimizer": self.optimizer, "diloco": self.diloco, "compressor": self.allreduce,
+            "stage": stage, "optimizer": self.optimizer, **self.sync.parts(),
             "counter": self.counter, "guard": self.guard,
             "anchor": self.hook if cfg.anchor.enabled else None})  # delay mode: what makes a resume exact
 
@@ -261,11 +254,9 @@ class Trainer:
                                    sample_ids=self.sampler.indices(step))
         if self.tied_param is not None:
             dist.all_reduce(self.tied_param.grad, group=mesh.groups[f"ends{mesh.row}"])
-        if self.allreduce is not None:
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-            for p, g in zip(params, self.allreduce.all_reduce_mean(grads, mesh.dp, key=f"stage{mesh.stage}")):
-                p.grad = g
-            self.counter.set_total("dp", self.allreduce.bytes_sent)
+        if self.sync.allreduce is not None:
+            self.sync.all_reduce_grads()
+            self.counter.set_total("dp", self.sync.bytes_sent)
         gnorm = _clip(params, self.cfg.train.clip_grad_norm, mesh.pp)
         self.hook.poll(step)  # folds in what the anchor sent (anchor on)
         if math.isfinite(gnorm):
@@ -275,11 +266,11 @@ class Trainer:
             # stages, so every stage agrees): skip the update rather than corrupt the weights.
             self.skipped += 1
         opt.zero_grad(set_to_none=True)
-        if self.diloco is not None:
-            self.diloco.step()
+        if self.sync.diloco:
+            self.sync.step()
             # Read while a fragment's sync may still run in the background: its bytes count
             # when its collectives have run (exact totals after finish()).
-            self.counter.set_total("dp", self.diloco.bytes_sent)
+            self.counter.set_total("dp", self.sync.bytes_sent)
         self.counter.set_total("anchor", self.hook.bytes_sent)
         self.hook.after_step(step)
         return stats, gnorm
@@ -289,9 +280,9 @@ class Trainer:
         Only the end of training waits for and merges DiLoCo syncs in flight; a checkpoint
         during training saves them as they are (StreamingDiLoCo.state_dict), so saving
         never changes the run's trajectory and a resume continues it exactly."""
-        if self.diloco is not None and final:
-            self.diloco.finish()
-            self.counter.set_total("dp", self.diloco.bytes_sent)  # in-flight syncs are now counted too
+        if self.sync.diloco and final:
+            self.sync.finish()
+            self.counter.set_total("dp", self.sync.bytes_sent)  # in-flight syncs are now counted too
         return self.checkpointer.save(step)
 
     def _diverged(self, step: int, last_ckpt: str) -> str:
@@ -414,10 +405,10 @@ def checkpoint_loss(path: str, rows: torch.Tensor, *, dtype: torch.dtype = torch
     return eval_loss(model, rows)["loss"]
 
 
-def _tied_across(plan, cfg: Config) -> bool:
+def _tied_across(plan, num_stages: int) -> bool:
     from transformers import AutoConfig
 
-    return cfg.mesh.stages > 1 and bool(getattr(AutoConfig.from_pretrained(plan.model_path), "tie_word_embeddings", False))
+    return num_stages > 1 and bool(getattr(AutoConfig.from_pretrained(plan.model_path), "tie_word_embeddings", False))
 
 
 def _clip(params, max_norm: float, pp_group) -> float:
