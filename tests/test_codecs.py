@@ -26,6 +26,19 @@ def _pca_basis():
     codecs.PCA_BASES.pop(KEY.boundary, None)
 
 
+def _codec(name, **kw):
+    """make_codec; "subspace" also needs what the trainer gives it (the token embedding
+    table and basis: attach; the step's input ids: bind_inputs): random ones here, the
+    ids bound for every micro-batch up to KEY's (tests/test_codecs_subspace.py has the rest)."""
+    codec = make_codec(name, **kw)
+    if name == "subspace":
+        g = torch.Generator().manual_seed(5)
+        U, _ = torch.linalg.qr(torch.randn(H, codec.width(H), generator=g))
+        codec.attach(torch.randn(50, H, generator=g), U)
+        codec.bind_inputs([torch.randint(0, 50, (B, T), generator=g)] * (KEY.microbatch + 1))
+    return codec
+
+
 def _h(dtype=torch.float32, seed=0, shape=(B, T, H)):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(shape, generator=g).to(dtype)
@@ -43,7 +56,7 @@ def _roundtrip(codec: BoundaryCodec, h, grad, key=KEY):
 @pytest.mark.parametrize("name", CODECS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_wire_matches_specs_and_bytes_are_exact(name, dtype):
-    codec = make_codec(name, p=0.9)
+    codec = _codec(name, p=0.9)
     h, g = _h(dtype), _h(dtype, seed=1)
     h_hat, grad_h, wire, wire_b = _roundtrip(codec, h, g)
     assert h_hat.shape == h.shape and h_hat.dtype == dtype
@@ -173,7 +186,7 @@ def test_bottleneck_is_a_fixed_orthogonal_projection():
 
 @pytest.mark.parametrize("name", CODECS)
 def test_apply_codec_backward_matches_the_two_sided_steps(name):
-    codec = make_codec(name, p=0.75)
+    codec = _codec(name, p=0.75)
     h = _h().requires_grad_()
     g = _h(seed=1)
     out = apply_codec(codec, h, KEY)
@@ -201,7 +214,7 @@ def test_bad_input_and_peer_garbage_raise():
     with pytest.raises(ValueError, match="wire tensors"):
         codec.decode_fwd([], KEY, h.shape, h.dtype)
     for name in CODECS:  # NaN from a peer stops at the boundary, both directions
-        c = make_codec(name, p=0.5)
+        c = _codec(name, p=0.5)
         wire, ctx = c.encode_fwd(h, KEY)
         bad = [w.clone() for w in wire]
         bad[0].view(-1)[0] = float("nan") if bad[0].dtype.is_floating_point else bad[0].view(-1)[0]

@@ -8,9 +8,10 @@ from orchestration.codecs.bottleneck import BottleneckCodec
 from orchestration.codecs.pca import PCACodec
 from orchestration.codecs.quant import QuantCodec
 from orchestration.codecs.sparse import MaskCodec, TopKCodec
+from orchestration.codecs.subspace import SubspaceCodec
 from orchestration.codecs.tahquant import TAHQuantCodec
 
-CODECS = ("dense", "mask", "topk", "int8", "int4", "bottleneck", "pca", "aqsgd", "tahquant")
+CODECS = ("dense", "mask", "topk", "int8", "int4", "bottleneck", "pca", "aqsgd", "tahquant", "subspace")
 
 
 def parse_spec(spec: str) -> tuple[str, dict]:
@@ -51,8 +52,9 @@ def make_codec(name: str, p: float = 0.95, rescale: bool = False, **options) -> 
     ignored by dense/int8/int4; ``rescale`` applies to mask only. ``options`` go to the
     codec's constructor (topk: k; int8/int4: group_size; bottleneck: rank; mask:
     backend; pca: bits, k or budget, sink, seq_len; aqsgd: bits, gbits, store_dtype, store_device;
-    tahquant: bits, low_bits, high_fraction, tile, meta, gbits; p is ignored by pca, aqsgd and
-    tahquant); an option the codec does not take is a TypeError.
+    tahquant: bits, low_bits, high_fraction, tile, meta, gbits; subspace: k or budget, bits,
+    gbits, seed, backend; p is ignored by pca, aqsgd, tahquant and subspace); an option the
+    codec does not take is a TypeError.
     """
     name, spec_options = parse_spec(name)
     options = {**spec_options, **options}
@@ -66,6 +68,7 @@ def make_codec(name: str, p: float = 0.95, rescale: bool = False, **options) -> 
         "pca": lambda: PCACodec(**options),
         "aqsgd": lambda: AQSGDCodec(**options),
         "tahquant": lambda: TAHQuantCodec(**options),
+        "subspace": lambda: SubspaceCodec(**options),
     }
     try:
         return builders[name]()
