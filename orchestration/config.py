@@ -108,6 +108,7 @@ class DPConfig:
     outer_lr: float = _f(0.7, "DiLoCo: outer Nesterov learning rate")
     outer_momentum: float = _f(-1.0, "DiLoCo: outer Nesterov momentum (-1: auto = 0.9, or 0 with sparseloco, whose error feedback replaces the momentum)")
     overlap_steps: int = _f(1, "DiLoCo: inner steps a fragment's sync may overlap")
+    projection: str = _f("outer", "DiLoCo on a replica whose output projections are subspace-constrained (--boundary.codec subspace): none, or '+'-joined steps of outer (project the averaged pseudo-gradient), error (project SparseLoCo's error feedback and its input), reproject (project the parameters after the merge); docs/subspace_sync.md. The trainer re-projects the weights after every update anyway")
 
 
 @dataclass
@@ -450,6 +451,12 @@ def validate(cfg: Config) -> Config:
     _need(dp.mode in ("allreduce", "diloco", "none"), f"--dp.mode must be allreduce, diloco or none, got {dp.mode!r}")
     _need(dp.compressor in COMPRESSORS, f"--dp.compressor must be one of {', '.join(COMPRESSORS)}, got {dp.compressor!r}")
     _need(dp.sync_every >= 1 and dp.fragments >= 1, "--dp.sync-every and --dp.fragments must be >= 1")
+    try:
+        from meshkern.diloco import parse_projection
+
+        parse_projection(dp.projection)
+    except ValueError as e:
+        _need(False, f"--dp.projection: {e}")
     _need(dp.outer_momentum == -1 or 0 <= dp.outer_momentum < 1,
           f"--dp.outer-momentum must be -1 (auto) or in [0, 1), got {dp.outer_momentum}")
     _need(a.transport in ANCHOR_TRANSPORTS,
@@ -462,6 +469,9 @@ def validate(cfg: Config) -> Config:
         _need(a.snapshot_every >= 1 and a.microbatches >= 1,
               "--anchor.snapshot-every and --anchor.microbatches must be >= 1")
         _need(a.max_staleness >= 0 and a.delay >= 0, "--anchor.max-staleness and --anchor.delay must be >= 0")
+        _need("subspace" not in {cfg.replica_codec(r) for r in range(cfg.fast_rows)},
+              "--anchor.enabled with --boundary.codec subspace is not supported: the anchor row would need the "
+              "constraint and the frozen embedding too")
         _need(a.delay <= a.max_staleness, f"--anchor.delay {a.delay} exceeds --anchor.max-staleness "
                                           f"{a.max_staleness}: every update would be rejected")
     _need(a.state_every >= 0 and a.restarts >= 0, "--anchor.state-every and --anchor.restarts must be >= 0")

@@ -83,10 +83,15 @@ def build_stage(cfg: Config, plan, mesh):
     model = plan.model
     if model is None:
         model, _ = load_causal_lm(plan.model_path, dtype=getattr(torch, cfg.model.dtype))
+    from orchestration import subspace_train
+
+    plan.subspace = subspace_train.prepare_model(cfg, model) if subspace_train.uses_subspace(cfg) else None
     y = mesh.layout.stages_of(mesh.row)  # a heterogeneous mesh's replicas differ in depth
     lps = cfg.mesh.layers_per_stage if len(cfg.mesh.layers_per_stage) == y else None
     stages = split_model(model, y, lps or None)
     stage = stages[mesh.stage]
+    if plan.subspace is not None and stage.tied_lm_head:  # the LM head's copy of the frozen embedding
+        stage.lm_head.weight.requires_grad_(False)
     del stages, model
     plan.model = None
     stage.to(mesh.device).train()
@@ -219,8 +224,9 @@ class Trainer:
         self.counter = LinkCounter()
         self.optimizer = make_optimizer(cfg, stage)
         t = cfg.train
-        self.codec = make_codec(cfg.replica_codec(mesh.row), p=cfg.boundary.p, rescale=cfg.boundary.rescale,
-                                **cfg.boundary.options)
+        name = cfg.replica_codec(mesh.row)  # --boundary.codec, or dense for a full replica left uncompressed
+        self.codec = make_codec(name, p=cfg.boundary.p, rescale=cfg.boundary.rescale,
+                                **(cfg.boundary.options if name == cfg.boundary.codec else {}))
         from orchestration.calibration import attach  # pca codec: the run's basis, bytes counted once
         attach(self)
         actions = make_schedule(t.schedule, mesh.layout.stages_of(mesh.row), t.microbatches)[mesh.stage]
@@ -228,9 +234,17 @@ class Trainer:
         self.executor = PipelineExecutor(stage, actions, codec=self.codec, prev_rank=mesh.prev_rank,
                                          next_rank=mesh.next_rank, rank=rank, seed=mask_seed, counter=self.counter)
         self.sampler = replica_sampler(cfg, plan, mesh.row)
-        self.sync = ReplicaSync(cfg, mesh, stage, lambda: make_compressor(cfg))
+        self.subspace = None
+        if getattr(plan, "subspace", None) is not None:  # before the DP sync snapshots the weights
+            from orchestration.subspace_train import SubspaceRun
+
+            self.subspace = SubspaceRun(self, plan.subspace)
+        self.sync = ReplicaSync(cfg, mesh, stage, lambda: make_compressor(cfg),
+                                projector=self.subspace.projector if self.subspace else None)
         tied = stage.tied_lm_head or (stage.is_first and _tied_across(plan, mesh.layout.stages_of(mesh.row)))
         self.tied_param = (stage.lm_head.weight if stage.is_last else stage.embed_tokens.weight) if tied else None
+        if self.tied_param is not None and not self.tied_param.requires_grad:
+            self.tied_param = None  # frozen (subspace codec): nothing to sum
         self.hook = NullAnchor()
         if cfg.anchor.enabled:
             from orchestration.anchor import FastHook
@@ -261,6 +275,8 @@ class Trainer:
         self.hook.poll(step)  # folds in what the anchor sent (anchor on)
         if math.isfinite(gnorm):
             opt.step()
+            if self.subspace is not None:
+                self.subspace.after_update()  # AdamW's step leaves the subspace: back into it
         else:
             # Non-finite gradient anywhere in this replica (the norm is all-reduced over its
             # stages, so every stage agrees): skip the update rather than corrupt the weights.
@@ -268,6 +284,8 @@ class Trainer:
         opt.zero_grad(set_to_none=True)
         if self.sync.diloco:
             self.sync.step()
+            if self.subspace is not None:
+                self.subspace.after_update()  # whatever --dp.projection did, the codec needs the constraint
             # Read while a fragment's sync may still run in the background: its bytes count
             # when its collectives have run (exact totals after finish()).
             self.counter.set_total("dp", self.sync.bytes_sent)

@@ -41,8 +41,9 @@ class SubspaceCodec(BoundaryCodec):
     ``k`` coordinates per token, explicit or from ``budget`` (``subspace_width``; default
     1/16 of dense fp32 bytes). ``bits``: 32 = fp32 coordinates (exact), 16 = bf16, 2..8 =
     per-token symmetric absmax codes (lowbit.SymQuant: packed codes + one fp32 scale per
-    token); ``gbits`` the same for the gradient (default: ``bits``). ``seed`` is recorded
-    for the trainer (the seed of make_basis); the codec itself draws nothing.
+    token); ``gbits`` the same for the gradient (default: ``bits``). ``seed`` and ``basis``
+    (fitted: to the base model's output projections; random: seeded) are recorded for the
+    trainer (orchestration.subspace_train makes U); the codec itself draws nothing.
     ``backend``: meshkern.subspace's kernel choice.
 
     Needs, before encode/decode: ``attach(embedding [V, H], U [H, k])`` (the frozen token
@@ -57,7 +58,7 @@ class SubspaceCodec(BoundaryCodec):
     name = "subspace"
 
     def __init__(self, k: int | None = None, budget: float | None = None, bits: int = 32, gbits: int | None = None,
-                 seed: int = 0, backend: str = "auto"):
+                 seed: int = 0, basis: str = "fitted", backend: str = "auto"):
         if k is not None and budget is not None:
             raise ValueError("subspace: give k or budget, not both")
         if budget is not None and float(budget) <= 0:
@@ -66,7 +67,9 @@ class SubspaceCodec(BoundaryCodec):
         self.gbits = self.bits if gbits is None else check_bits("subspace: gbits", gbits, BITS)
         self.k = optional_width("subspace: k", k)
         self.budget = None if k is not None else float(16 if budget is None else budget)
-        self.seed, self.backend = int(seed), str(backend)
+        if basis not in ("fitted", "random"):
+            raise ValueError(f"subspace: basis must be fitted or random, got {basis!r}")
+        self.seed, self.basis, self.backend = int(seed), str(basis), str(backend)
         self._E: torch.Tensor | None = None
         self._U: torch.Tensor | None = None
         self._dev: dict = {}
