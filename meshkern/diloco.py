@@ -35,6 +35,21 @@ whose average is not finite (garbage from a peer) is skipped on every rank alike
 
 Byte accounting: ``bytes_sent`` / ``bytes_received`` are the compressor's exact counters
 (see meshkern.compress.base); ``history`` has one record per completed sync.
+
+Subspace-constrained parameters (docs/subspace_sync.md). When some weights must keep
+their columns in a shared subspace (W = U U^T W, e.g. the output projections of a model
+trained through subspace-projected pipeline boundaries), pass ``projector(name, tensor)
+-> tensor`` (the projection of a tensor of parameter ``name``; the tensor itself for an
+unconstrained parameter) and ``projection``, "none" or "+"-joined steps of:
+
+    "outer"      avg <- P(avg)            before the outer optimizer (momentum included)
+    "error"      e <- P(e), delta <- P(delta) before compression: the compressor's
+                 error-feedback buffer (SparseLoCo) and its input stay in the subspace
+    "reproject"  theta_g <- P(theta_g), theta_local <- P(theta_local) after the merge
+
+A sparse pseudo-gradient (top-k, quantized) is not in the subspace even when every
+replica's delta is, so "error" alone does not keep the constraint; "outer" keeps it when
+the parameters start in the subspace; "reproject" keeps it from any start.
 """
 from __future__ import annotations
 
@@ -42,7 +57,7 @@ import concurrent.futures as cf
 import queue
 import threading
 import warnings
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch import Tensor
@@ -95,14 +110,43 @@ def _split_fragments(numels: list[int], num_fragments: int) -> list[list[int]]:
     return frags
 
 
+PROJECTION_STEPS = ("outer", "error", "reproject")
+
+
+def parse_projection(projection: str) -> tuple[str, ...]:
+    """``"none"`` -> (); ``"error+outer"`` -> ("outer", "error") (canonical order).
+    Raises ValueError for an unknown, repeated or empty step."""
+    if not isinstance(projection, str):
+        raise TypeError(f"projection must be a str, got {type(projection).__name__}")
+    if projection == "none":
+        return ()
+    parts = projection.split("+")
+    bad = [p for p in parts if p not in PROJECTION_STEPS]
+    if bad or len(set(parts)) != len(parts):
+        raise ValueError(f"projection must be 'none' or '+'-joined distinct steps of {PROJECTION_STEPS} "
+                         f"(e.g. 'outer+error'), got {projection!r}")
+    return tuple(p for p in PROJECTION_STEPS if p in parts)
+
+
 class StreamingDiLoCo:
     """Outer loop of Streaming DiLoCo over ``params`` (a list of tensors or of (name,
-    tensor) pairs, e.g. ``model.named_parameters()``); see the module docstring."""
+    tensor) pairs, e.g. ``model.named_parameters()``); see the module docstring.
+
+    ``projector(name, tensor) -> tensor`` and ``projection`` (see "Subspace-constrained
+    parameters" above): ``name`` is the parameter's name as given in ``params``
+    (``param{i}`` for bare tensors), ``tensor`` a detached tensor of that parameter's
+    shape (fp32 for half-precision parameters; with "error" also the compressor's fp32
+    buffer); the projector returns a tensor of the same shape (the input itself for an
+    unconstrained parameter) and must be a pure function (with overlap_steps > 0 the
+    "error" step calls it from the sync thread). It is checked once on every parameter
+    at construction. With ``projector=None`` (or ``projection="none"``) nothing changes.
+    """
 
     def __init__(self, params: Iterable, group=None, *, sync_every: int = 100, num_fragments: int = 1,
                  outer_lr: float = 0.7, outer_momentum: float | None = None, nesterov: bool = True,
                  overlap_steps: int = 0, mix: float | None = None, compressor: Compressor | None = None,
-                 timeout_s: float = 300.0):
+                 timeout_s: float = 300.0, projector: Callable[[str, Tensor], Tensor] | None = None,
+                 projection: str = "none"):
         named = []
         for i, item in enumerate(params):
             name, p = item if isinstance(item, tuple) else (f"param{i}", item)
@@ -135,6 +179,15 @@ class StreamingDiLoCo:
             outer_momentum = 0.0 if self.compressor.replaces_outer_momentum else 0.9
         if not 0 <= outer_momentum < 1:
             raise ValueError(f"outer_momentum must be in [0, 1), got {outer_momentum}")
+        steps = parse_projection(projection)
+        if projector is not None and not callable(projector):
+            raise TypeError(f"projector must be a callable (name, tensor) -> tensor, got {type(projector).__name__}")
+        if steps and projector is None:
+            raise ValueError(f"projection={projection!r} needs a projector(name, tensor) -> tensor")
+        if "error" in steps and type(self.compressor).project_error is Compressor.project_error:
+            raise ValueError(f"projection={projection!r}: the 'error' step projects the compressor's error-feedback "
+                             f"buffer, which {type(self.compressor).__name__} does not expose (SparseLoCo does); "
+                             f"use 'outer' or 'reproject'")
 
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
@@ -144,6 +197,9 @@ class StreamingDiLoCo:
         self.overlap_steps = overlap_steps
         self.mix = float(mix)
         self.timeout_s = float(timeout_s)
+        self.projector = projector if steps else None
+        self.projection = "+".join(steps) if steps else "none"
+        self._steps = steps
         self.fragments = _split_fragments([p.numel() for p in self.params], num_fragments)
         self.offsets = [((f + 1) * sync_every // num_fragments) % sync_every for f in range(num_fragments)]
         with torch.no_grad():
@@ -151,6 +207,10 @@ class StreamingDiLoCo:
                                           copy=True) for p in self.params]
         self._outer = torch.optim.SGD(self._global, lr=outer_lr, momentum=outer_momentum,
                                       nesterov=nesterov and outer_momentum > 0)
+        if self.projector is not None:  # fail here, not in a sync thread, on a projector that does not fit
+            with torch.no_grad():
+                for i, g in enumerate(self._global):
+                    self._project(i, g.clone())
         self.step_count = 0
         self.syncs_done = 0
         self.syncs_skipped = 0
@@ -188,6 +248,18 @@ class StreamingDiLoCo:
         if self._pending:
             self._complete(list(self._pending))
 
+    def _project(self, i: int, t: Tensor) -> Tensor:
+        """projector(name_i, t), checked: a tensor of t's shape, cast to t's dtype/device."""
+        out = self.projector(self.names[i], t)
+        if not isinstance(out, Tensor) or out.shape != t.shape:
+            got = f"shape {tuple(out.shape)}" if isinstance(out, Tensor) else f"a {type(out).__name__}"
+            raise ValueError(f"projector returned {got} for parameter {self.names[i]!r} of shape {tuple(t.shape)}; "
+                             f"it must return a tensor of the input's shape")
+        if not out.is_floating_point():
+            raise ValueError(f"projector returned dtype {out.dtype} for parameter {self.names[i]!r}; "
+                             f"it must return a floating-point tensor")
+        return out.to(device=t.device, dtype=t.dtype)
+
     def _check_usable(self) -> None:
         if self._failed is not None:
             raise SyncError(f"StreamingDiLoCo is unusable after a failed sync: {self._failed}")
@@ -197,9 +269,15 @@ class StreamingDiLoCo:
         with torch.no_grad():
             delta = [self._global[i] - self.params[i].detach().to(self._global[i].dtype) for i in idx]
         comp, group, key = self.compressor, self.group, f"fragment{f}"
+        project_error = "error" in self._steps
 
         def job():
+            nonlocal delta
             s0, r0 = comp.bytes_sent, comp.bytes_received
+            if project_error:  # in the sync thread: it owns the compressor's state
+                with torch.no_grad():
+                    comp.project_error(key, [tuple(d.shape) for d in delta], lambda j, e: self._project(idx[j], e))
+                    delta = [self._project(i, d) for i, d in zip(idx, delta)]
             avg = comp.all_reduce_mean(delta, group, key=key)
             return avg, comp.bytes_sent - s0, comp.bytes_received - r0
 
@@ -243,17 +321,22 @@ class StreamingDiLoCo:
             warnings.warn(f"StreamingDiLoCo: non-finite average for fragment {f} at step {self.step_count}; "
                           f"sync skipped, parameters unchanged", RuntimeWarning, stacklevel=3)
             return False
+        outer, reproject = "outer" in self._steps, "reproject" in self._steps
         with torch.no_grad():
             for i, a in zip(idx, avg):
-                self._global[i].grad = a.to(self._global[i].dtype)
+                a = a.to(self._global[i].dtype)
+                self._global[i].grad = self._project(i, a) if outer else a
             self._outer.step()
             for i in idx:
                 self._global[i].grad = None
+                if reproject:
+                    self._global[i].copy_(self._project(i, self._global[i].clone()))
                 p = self.params[i]
                 if self.mix == 1.0:
                     p.copy_(self._global[i])
                 else:
-                    p.copy_(torch.lerp(p.detach().to(self._global[i].dtype), self._global[i], self.mix))
+                    new = torch.lerp(p.detach().to(self._global[i].dtype), self._global[i], self.mix)
+                    p.copy_(self._project(i, new) if reproject else new)
         self.syncs_done += 1
         return True
 
@@ -280,7 +363,7 @@ class StreamingDiLoCo:
                             "avg": [a.detach().clone() for a in avg]})
         return {
             "names": list(self.names), "shapes": [list(p.shape) for p in self.params],
-            "sync_every": self.sync_every, "num_fragments": self.num_fragments,
+            "sync_every": self.sync_every, "num_fragments": self.num_fragments, "projection": self.projection,
             "step_count": self.step_count, "syncs_done": self.syncs_done, "syncs_skipped": self.syncs_skipped,
             "global": [g.detach().clone() for g in self._global],
             "outer": _clone_state(self._outer.state_dict()), "compressor": _clone_state(self.compressor.state_dict()),
@@ -297,6 +380,11 @@ class StreamingDiLoCo:
         if sd["sync_every"] != self.sync_every or sd["num_fragments"] != self.num_fragments:
             raise ValueError(f"state_dict schedule (H={sd['sync_every']}, F={sd['num_fragments']}) differs from "
                              f"this instance (H={self.sync_every}, F={self.num_fragments})")
+        saved = sd.get("projection", "none")
+        if saved != self.projection:
+            raise ValueError(f"state_dict was saved with projection={saved!r}, this instance has "
+                             f"projection={self.projection!r} (its global copies and error feedback may not "
+                             f"satisfy this instance's constraint)")
         with torch.no_grad():
             for g, s in zip(self._global, sd["global"]):
                 g.copy_(s)

@@ -165,6 +165,18 @@ class Compressor:
             setattr(self, k, int(sd[k]))
         self._load_state_dict(sd["state"])
 
+    def project_error(self, key: str, shapes: Sequence[Sequence[int]], fn) -> None:
+        """Replace the error-feedback buffer of stream ``key`` tensor by tensor:
+        ``e_i <- fn(i, e_i)``, where ``e_i`` (a copy, fp32, shaped ``shapes[i]``) is the part
+        of the buffer that belongs to the i-th tensor of the lists this stream averages
+        (``shapes``: their shapes, in :meth:`all_reduce_mean`'s order) and ``fn`` returns a
+        tensor of that shape. A no-op while the stream has no state yet.
+
+        Used by Streaming DiLoCo's ``projection="error"`` to keep what a compressor with
+        error feedback sends inside a subspace (see docs/subspace_sync.md). Compressors
+        without an error-feedback buffer that can be cut per tensor do not implement it."""
+        raise NotImplementedError(f"{type(self).__name__} does not expose an error-feedback buffer to project")
+
     # ---- for subclasses ---------------------------------------------------------------
     def _all_reduce_mean(self, tensors, group, world, key):
         raise NotImplementedError

@@ -128,6 +128,30 @@ class SparseLoCo(Compressor):
             total.scatter_add_(1, idx, v_hat)
         return from_chunks(total.div_(world), tensors)
 
+    def project_error(self, key, shapes, fn):
+        """See :meth:`Compressor.project_error`: the accumulator of ``key`` is the fp32
+        concatenation of the tensors (then zero padding), so tensor i's part is a
+        contiguous slice; padding stays zero. A chunk that straddles two tensors mixes
+        them in its top-k and 2-bit scales, so changing one tensor's part can change
+        what is sent for the other (tensor sizes that are multiples of ``chunk`` avoid it)."""
+        e = self._state.get(key)
+        if e is None:
+            return
+        sizes = [int(torch.Size(s).numel()) for s in shapes]
+        if num_chunks(sum(sizes), self.chunk) != e.shape[0]:
+            raise ValueError(f"SparseLoCo key {key!r}: shapes hold {sum(sizes)} elements, the accumulator "
+                             f"{e.shape[0]} chunks of {self.chunk}")
+        flat, i = e.view(-1), 0
+        for j, (s, n) in enumerate(zip(shapes, sizes)):
+            part = flat[i:i + n].view(torch.Size(s))
+            out = fn(j, part.clone())
+            if not isinstance(out, Tensor) or out.shape != part.shape:
+                got = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
+                raise ValueError(f"SparseLoCo.project_error: fn returned {got} for tensor {j} of shape "
+                                 f"{tuple(part.shape)}; it must return a tensor of the same shape")
+            part.copy_(out)
+            i += n
+
     def _state_dict(self):
         return {k: v.detach().clone() for k, v in self._state.items()}  # copies: later calls update in place
 
