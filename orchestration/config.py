@@ -451,6 +451,8 @@ def validate(cfg: Config) -> Config:
     _need(dp.mode in ("allreduce", "diloco", "none"), f"--dp.mode must be allreduce, diloco or none, got {dp.mode!r}")
     _need(dp.compressor in COMPRESSORS, f"--dp.compressor must be one of {', '.join(COMPRESSORS)}, got {dp.compressor!r}")
     _need(dp.sync_every >= 1 and dp.fragments >= 1, "--dp.sync-every and --dp.fragments must be >= 1")
+    _need(dp.mode != "diloco" or 0 <= dp.overlap_steps < dp.sync_every,
+          f"--dp.overlap-steps {dp.overlap_steps} must be in [0, --dp.sync-every {dp.sync_every})")
     try:
         from meshkern.diloco import parse_projection
 
