@@ -16,6 +16,13 @@ gather, the subtraction and the projection are one pass: the kernels never write
 E[ids] or h - E[ids] to memory (CPU: one L2-sized block of rows at a time, then a BLAS
 GEMM on it; Triton: a [rows, H-block] tile in registers).
 
+Encode with a projected table: E is frozen in this mode, so (h - E[ids]) U =
+h U - (E U)[ids], and a caller that keeps ``table = projected_table(E, U)`` [V, k] passes
+``encode(h, ids, None, U, table=table)``: the GEMM h U with the gathered k-wide table
+rows subtracted in its epilogue, k values gathered per token instead of H (the fastest
+encode: bench/subspace_bench.py). Same rounding bound as the E form (both are
+eps (|h| + |E[ids]|) |U| per element in fp32).
+
 The backward direction of a boundary (the sender needs U U^T g, i.e. the receiver sends
 U^T g and the sender rebuilds U (U^T g)) is two plain matmuls, ``g @ U`` and
 ``c_g @ U.T``: nothing to fuse there, so no kernel is written for it (``project`` and
@@ -39,13 +46,13 @@ from meshkern import _backend
 from meshkern._checks import backend_arg as _backend_arg
 from meshkern._checks import float_tensor
 
-__all__ = ["encode", "decode", "project", "lift", "encode_reference", "decode_reference"]
+__all__ = ["encode", "decode", "project", "lift", "projected_table", "encode_reference", "decode_reference"]
 
 GROUP = "subspace"
 
 
 # ------------------------------------------------------------------------- checks
-def _check(x: Tensor, xname: str, ids, E, offset, U, width_of_x: str) -> tuple[int, int]:
+def _check(x: Tensor, xname: str, ids, E, offset, U, width_of_x: str, table=None) -> tuple[int, int]:
     """Validates shapes/dtypes; returns (H, k). ``width_of_x`` is "H" (encode) or "k"."""
     float_tensor(xname, x, min_dim=1)
     float_tensor("U", U)
@@ -60,7 +67,18 @@ def _check(x: Tensor, xname: str, ids, E, offset, U, width_of_x: str) -> tuple[i
                          f"got {tuple(x.shape)}")
     if U.dtype != x.dtype:
         raise TypeError(f"U must have {xname}'s dtype {x.dtype}, got {U.dtype}")
-    if (ids is None) != (E is None):
+    if table is not None:
+        if width_of_x != "H":
+            raise ValueError("table= is for encode only: decode needs the H-wide rows of E")
+        if E is not None or offset is not None or ids is None:
+            raise ValueError("table= replaces E: give ids and table, without E or offset")
+        float_tensor("table", table)
+        if table.dim() != 2 or table.shape[1] != k:
+            raise ValueError(f"table must be [V, k={k}] (= E @ U), got shape {tuple(table.shape)}")
+        if table.dtype != x.dtype:
+            raise TypeError(f"table must have {xname}'s dtype {x.dtype}, got {table.dtype}")
+        E = table  # ids checks below: same rules against the table's rows
+    elif (ids is None) != (E is None):
         raise ValueError("give ids and E together (the token-embedding base), or neither")
     if E is not None and offset is not None:
         raise ValueError("give ids/E or offset as the base, not both")
@@ -69,14 +87,15 @@ def _check(x: Tensor, xname: str, ids, E, offset, U, width_of_x: str) -> tuple[i
             got = ids.dtype if isinstance(ids, Tensor) else type(ids).__name__
             raise TypeError(f"ids must be an int64 tensor, got {got}")
         float_tensor("E", E)
-        if E.dim() != 2 or E.shape[1] != H:
+        if table is None and (E.dim() != 2 or E.shape[1] != H):
             raise ValueError(f"E must be [V, H={H}], got shape {tuple(E.shape)}")
-        if E.dtype != x.dtype:
+        if table is None and E.dtype != x.dtype:
             raise TypeError(f"E must have {xname}'s dtype {x.dtype}, got {E.dtype}")
         if tuple(ids.shape) != tuple(x.shape[:-1]):
             raise ValueError(f"ids must be {xname}'s leading shape {tuple(x.shape[:-1])}, got {tuple(ids.shape)}")
         if ids.device != x.device or E.device != x.device:
-            raise ValueError(f"ids, E and {xname} must be on one device, got {ids.device}, {E.device}, {x.device}")
+            raise ValueError(f"ids, E (table) and {xname} must be on one device, got {ids.device}, {E.device}, "
+                             f"{x.device}")
     if offset is not None:
         float_tensor("offset", offset)
         if tuple(offset.shape) != (H,):
@@ -99,7 +118,7 @@ def _check_ids_range(ids, E) -> None:
     V = E.shape[0]
     if lo < 0 or hi >= V:
         bad = lo if lo < 0 else hi
-        raise ValueError(f"ids must lie in [0, V={V}) (rows of E), got id {bad}")
+        raise ValueError(f"ids must lie in [0, V={V}) (rows of E / the table), got id {bad}")
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -108,9 +127,12 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
 
 # ---------------------------------------------------------------------- reference
 def encode_reference(h: Tensor, ids: Tensor | None, E: Tensor | None, U: Tensor, *,
-                     offset: Tensor | None = None) -> Tensor:
-    """The spec of ``encode``: (h - base) @ U in fp32 (fp64 for fp64), cast to h's dtype."""
+                     offset: Tensor | None = None, table: Tensor | None = None) -> Tensor:
+    """The spec of ``encode``: (h - base) @ U in fp32 (fp64 for fp64), cast to h's dtype;
+    with ``table``: h @ U - table[ids]."""
     acc = _acc(h.dtype)
+    if table is not None:
+        return (h.to(acc) @ U.to(acc) - table.to(acc)[ids]).to(h.dtype)
     x = h.to(acc)
     if E is not None:
         x = x - E.to(acc)[ids]
@@ -131,41 +153,51 @@ def decode_reference(c: Tensor, ids: Tensor | None, E: Tensor | None, U: Tensor,
     return x.to(c.dtype)
 
 
+def projected_table(E: Tensor, U: Tensor) -> Tensor:
+    """E @ U [V, k] in fp32 (fp64 for fp64), E's dtype: the ``table=`` of ``encode``.
+    Recompute it whenever E or U changes (E is frozen in the subspace mode)."""
+    acc = _acc(E.dtype)
+    return (E.to(acc) @ U.to(acc)).to(E.dtype).contiguous()
+
+
 # ----------------------------------------------------------------------- dispatch
-def _run(op: str, x: Tensor, ids, E, offset, U, backend: str) -> Tensor:
+def _run(op: str, x: Tensor, ids, E, offset, U, backend: str, table=None) -> Tensor:
     """x is [..., H] (encode) or [..., k] (decode); flattened to 2-D for the kernels."""
     which = _backend.resolve(GROUP, x.device, None if backend == "auto" else backend)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     ids2 = None if ids is None else ids.reshape(-1).contiguous()
-    E, offset, U = (None if t is None else t.contiguous() for t in (E, offset, U))
+    E, offset, U, table = (None if t is None else t.contiguous() for t in (E, offset, U, table))
+    extra = (table,) if op == "encode" else ()
     if which == "reference":
-        ref = encode_reference if op == "encode" else decode_reference
-        out = ref(x2, ids2, E, U, offset=offset)
+        if op == "encode":
+            out = encode_reference(x2, ids2, E, U, offset=offset, table=table)
+        else:
+            out = decode_reference(x2, ids2, E, U, offset=offset)
     elif which in ("cpp", "cuda"):
         _backend.extension(GROUP)
         fn = getattr(torch.ops.meshkern_C, f"subspace_{op}", None)
         if fn is None:
             raise RuntimeError("meshkern._subspace_C has no subspace kernels (stale build): rebuild the extension")
-        out = fn(x2, ids2, E, offset, U)
+        out = fn(x2, ids2, E, offset, *extra, U)
     else:
         from meshkern.triton_kernels import subspace as tk  # noqa: PLC0415 (triton is optional)
-        out = getattr(tk, op)(x2, ids2, E, offset, U)
+        out = getattr(tk, op)(x2, ids2, E, offset, *extra, U)
     return out.reshape(*lead, out.shape[-1])
 
 
 # -------------------------------------------------------------------------- ops
 @torch.library.custom_op("meshkern::subspace_encode", mutates_args=())
-def _encode_op(h: Tensor, ids: Tensor | None, E: Tensor | None, offset: Tensor | None, U: Tensor,
-               backend: str) -> Tensor:
-    _check(h, "h", ids, E, offset, U, "H")
-    _check_ids_range(ids, E)
-    return _run("encode", h, ids, E, offset, U, backend)
+def _encode_op(h: Tensor, ids: Tensor | None, E: Tensor | None, offset: Tensor | None, table: Tensor | None,
+               U: Tensor, backend: str) -> Tensor:
+    _check(h, "h", ids, E, offset, U, "H", table)
+    _check_ids_range(ids, E if table is None else table)
+    return _run("encode", h, ids, E, offset, U, backend, table)
 
 
 @_encode_op.register_fake
-def _(h, ids, E, offset, U, backend):
-    _, k = _check(h, "h", ids, E, offset, U, "H")
+def _(h, ids, E, offset, table, U, backend):
+    _, k = _check(h, "h", ids, E, offset, U, "H", table)
     return h.new_empty(*h.shape[:-1], k)
 
 
@@ -183,38 +215,45 @@ def _(c, ids, E, offset, U, backend):
     return c.new_empty(*c.shape[:-1], H)
 
 
+def _rows_grad(table: Tensor, ids: Tensor, g: Tensor) -> Tensor:
+    """d/d table of sum(g * table[ids]): g's rows added into the ids' rows."""
+    return torch.zeros_like(table).index_add_(0, ids.reshape(-1), g.reshape(-1, table.shape[1]).to(table.dtype))
+
+
 def _base_grads(ctx, g_h: Tensor, ids, E, offset, sign: float):
     """Gradients of the base (E rows or offset) from the gradient w.r.t. the H-dim side."""
     gE = goff = None
     if E is not None and ctx.needs_input_grad[2]:
-        gE = torch.zeros_like(E).index_add_(0, ids.reshape(-1), (sign * g_h).reshape(-1, E.shape[1]).to(E.dtype))
+        gE = _rows_grad(E, ids, sign * g_h)
     if offset is not None and ctx.needs_input_grad[3]:
         goff = (sign * g_h).reshape(-1, offset.shape[0]).sum(0).to(offset.dtype)
     return gE, goff
 
 
 def _encode_setup(ctx, inputs, output):
-    h, ids, E, offset, U, backend = inputs
-    ctx.save_for_backward(h, ids, E, offset, U)
+    h, ids, E, offset, table, U, backend = inputs
+    ctx.save_for_backward(h, ids, E, offset, table, U)
 
 
 def _encode_backward(ctx, grad_c):
     # c = (h - base) U: dh = grad_c U^T, dbase = -dh, dU = (h - base)^T grad_c.
-    h, ids, E, offset, U = ctx.saved_tensors
+    # c = h U - table[ids]: dtable = -grad_c gathered back, dU = h^T grad_c.
+    h, ids, E, offset, table, U = ctx.saved_tensors
     acc = _acc(grad_c.dtype)
     g = grad_c.to(acc)
     g_h = g @ U.to(acc).T
     gh = g_h.to(h.dtype) if ctx.needs_input_grad[0] else None
     gE, goff = _base_grads(ctx, g_h, ids, E, offset, -1.0)
+    gT = _rows_grad(table, ids, -g) if table is not None and ctx.needs_input_grad[4] else None
     gU = None
-    if ctx.needs_input_grad[4]:
+    if ctx.needs_input_grad[5]:
         x = h.to(acc)
         if E is not None:
             x = x - E.to(acc)[ids]
         elif offset is not None:
             x = x - offset.to(acc)
         gU = (x.reshape(-1, U.shape[0]).T @ g.reshape(-1, U.shape[1])).to(U.dtype)
-    return gh, None, gE, goff, gU, None
+    return gh, None, gE, goff, gT, gU, None
 
 
 def _decode_setup(ctx, inputs, output):
@@ -241,14 +280,16 @@ _decode_op.register_autograd(_decode_backward, setup_context=_decode_setup)
 
 # --------------------------------------------------------------------- public API
 def encode(h: Tensor, ids: Tensor | None, E: Tensor | None, U: Tensor, *, offset: Tensor | None = None,
-           backend: str | None = "auto") -> Tensor:
+           table: Tensor | None = None, backend: str | None = "auto") -> Tensor:
     """c = (h - E[ids]) @ U  (or (h - offset) @ U, or h @ U): [..., H] -> [..., k].
 
     h [..., H] float; ids [...] int64 in [0, V); E [V, H]; U [H, k]; offset [H]; all
-    float tensors of one dtype and device. TypeError / ValueError for a bad dtype or
-    shape, an id outside [0, V), or both bases given."""
-    _check(h, "h", ids, E, offset, U, "H")
-    return _encode_op(h, ids, E, offset, U, _backend_arg(backend))
+    float tensors of one dtype and device. ``table`` [V, k] = projected_table(E, U), given
+    instead of E: c = h @ U - table[ids] (same value, k values gathered per token instead
+    of H). TypeError / ValueError for a bad dtype or shape, an id outside [0, V), or two
+    bases given."""
+    _check(h, "h", ids, E, offset, U, "H", table)
+    return _encode_op(h, ids, E, offset, table, U, _backend_arg(backend))
 
 
 def decode(c: Tensor, ids: Tensor | None, E: Tensor | None, U: Tensor, *, offset: Tensor | None = None,

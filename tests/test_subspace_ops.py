@@ -86,6 +86,27 @@ def test_encode_decode_match_fp64_formula(backend, kind, H, k):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("H,k", [(48, 5), (576, 36)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_encode_with_projected_table(backend, H, k, dtype):
+    # c = h U - (E U)[ids]: the same value as (h - E[ids]) U; h U and each table entry
+    # carry an H-term dot product's rounding each, the table one rounding to dtype.
+    h, ids, E, U, _ = _problem(N=70, H=H, k=k, dtype=dtype)
+    table = S.projected_table(E, U)
+    assert table.shape == (E.shape[0], k) and table.dtype == dtype
+    c = S.encode(h, ids, None, U, table=table, backend=backend)
+    base = E.double()[ids]
+    want = (h.double() - base) @ U.double()
+    eps_acc = _acc_eps(backend, dtype)
+    eps_out = EPS[dtype] * (2 if backend == "triton" and dtype == torch.bfloat16 else 1)
+    mag = (h.double().abs() + base.abs()) @ U.double().abs()
+    # h U and the table entry each carry an H-term fp32 dot product's error; the table was
+    # rounded to dtype once; the result once more
+    bound = 2 * (H + 2) * eps_acc * mag + eps_out * (mag + want.abs()) + 1e-30
+    assert c.dtype == dtype and ((c.double() - want).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16])
 def test_other_dtypes(backend, dtype):
     h, ids, E, U, off = _problem(N=33, H=64, k=8, dtype=dtype)
@@ -134,6 +155,9 @@ def test_gradients(backend):
     assert torch.autograd.gradcheck(lambda h, E, U: S.encode(h, ids, E, U, backend=backend), (h, E, U))
     assert torch.autograd.gradcheck(lambda h, o, U: S.encode(h, None, None, U, offset=o, backend=backend),
                                     (h, off, U))
+    table = S.projected_table(E.detach(), U.detach()).requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda h, t, U: S.encode(h, ids, None, U, table=t, backend=backend),
+                                    (h, table, U))
     c = torch.randn(6, 3, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda c, E, U: S.decode(c, ids, E, U, backend=backend), (c, E, U))
     assert torch.autograd.gradcheck(lambda c, o, U: S.decode(c, None, None, U, offset=o, backend=backend),
@@ -158,10 +182,16 @@ def test_opcheck(backend):
     h, ids, E, U, off = _problem(N=20, H=32, k=4)
     c = torch.randn(20, 4)
     for op, x in ((torch.ops.meshkern.subspace_encode.default, h), (torch.ops.meshkern.subspace_decode.default, c)):
-        torch.library.opcheck(op, (x, ids, E, None, U, backend))
-        torch.library.opcheck(op, (x, None, None, off, U, backend))
-        torch.library.opcheck(op, (x.requires_grad_(), ids, E.requires_grad_(), None, U, backend))
+        enc = op is torch.ops.meshkern.subspace_encode.default
+        pad = (None,) if enc else ()  # encode's table argument
+        torch.library.opcheck(op, (x, ids, E, None, *pad, U, backend))
+        torch.library.opcheck(op, (x, None, None, off, *pad, U, backend))
+        torch.library.opcheck(op, (x.requires_grad_(), ids, E.requires_grad_(), None, *pad, U, backend))
         E = E.detach()
+        if enc:
+            table = S.projected_table(E, U)
+            torch.library.opcheck(op, (x, ids, None, None, table, U, backend))
+            torch.library.opcheck(op, (x, ids, None, None, table.requires_grad_(), U, backend))
 
 
 def test_bad_inputs():
@@ -170,7 +200,7 @@ def test_bad_inputs():
         S.encode(h, ids.int(), E, U)
     with pytest.raises(ValueError, match=r"ids must lie in \[0, V=10\)"):
         S.encode(h, torch.full((8,), 10), E, U)
-    with pytest.raises(ValueError, match=r"ids must lie in \[0, V=10\) \(rows of E\), got id -1"):
+    with pytest.raises(ValueError, match=r"ids must lie in \[0, V=10\) \(rows of E / the table\), got id -1"):
         S.decode(torch.zeros(8, 4), torch.full((8,), -1), E, U)
     with pytest.raises(ValueError, match="h must be"):
         S.encode(h[:, :15], ids, E, U)
@@ -196,5 +226,14 @@ def test_bad_inputs():
         S.encode(h.long(), ids, E, U)
     with pytest.raises(RuntimeError, match="cannot run"):
         S.encode(h, ids, E, U, backend="cuda")
+    table = S.projected_table(E, U)
+    with pytest.raises(ValueError, match="table= replaces E"):
+        S.encode(h, ids, E, U, table=table)
+    with pytest.raises(ValueError, match="table must be"):
+        S.encode(h, ids, None, U, table=table[:, :3])
+    with pytest.raises(ValueError, match=r"\[0, V=10\) \(rows of E / the table\)"):
+        S.encode(h, torch.full((8,), 10), None, U, table=table)
+    with pytest.raises(ValueError, match="ids must be h's leading shape"):
+        S.encode(h, ids[:7], None, U, table=table)
     with pytest.raises(ValueError, match="unknown backend"):
         S.encode(h, ids, E, U, backend="nope")

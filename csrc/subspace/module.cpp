@@ -9,8 +9,9 @@ MESHKERN_PYMODULE(_subspace_C)
 
 TORCH_LIBRARY_FRAGMENT(meshkern_C, m) {
   // c[N, k] = (h[N, H] - base) @ U[H, k]; base = E[ids] (ids [N] int64, E [V, H]), or
-  // offset [H], or zero. Accumulates in fp32 (fp64 for fp64); result in h's dtype.
-  m.def("subspace_encode(Tensor h, Tensor? ids, Tensor? E, Tensor? offset, Tensor U) -> Tensor");
+  // offset [H], or zero; or, with table [V, k] (= E @ U) instead of E, h @ U - table[ids].
+  // Accumulates in fp32 (fp64 for fp64); result in h's dtype.
+  m.def("subspace_encode(Tensor h, Tensor? ids, Tensor? E, Tensor? offset, Tensor? table, Tensor U) -> Tensor");
   // h[N, H] = base + c[N, k] @ U[H, k]^T, base as above; result in c's dtype.
   m.def("subspace_decode(Tensor c, Tensor? ids, Tensor? E, Tensor? offset, Tensor U) -> Tensor");
 }

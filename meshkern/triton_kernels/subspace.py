@@ -1,6 +1,8 @@
 """Triton kernels for meshkern.subspace: fused encode c = (h - base) @ U and decode
 h = base + c @ U^T, base = E[ids] (a gathered row of the token-embedding table), a
-broadcast offset [H], or zero (BASE = 1, 2, 0; a compile-time constant).
+broadcast offset [H], or zero (BASE = 1, 2, 0; a compile-time constant); encode also
+takes a projected table T = E U [V, k] (BASE = 3): c = h U - T[ids], the gathered k-wide
+T rows subtracted from the accumulator after the H loop.
 
 encode, grid (row blocks): each program owns BM rows and walks H in BH-wide tiles: loads
 the h tile, subtracts the gathered E tile (or the offset) in registers and accumulates
@@ -23,14 +25,14 @@ BLOCK_H = 64
 
 
 @triton.jit
-def _encode_kernel(h_ptr, ids_ptr, E_ptr, off_ptr, U_ptr, out_ptr, N, H, k,
+def _encode_kernel(h_ptr, ids_ptr, E_ptr, off_ptr, T_ptr, U_ptr, out_ptr, N, H, k,
                    BASE: tl.constexpr, BM: tl.constexpr, BH: tl.constexpr, KP: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
     rmask = rows < N
     kk = tl.arange(0, KP)
     kmask = kk < k
     acc = tl.zeros([BM, KP], dtype=tl.float32)
-    if BASE == 1:
+    if BASE == 1 or BASE == 3:
         ids = tl.load(ids_ptr + rows, mask=rmask, other=0)
     for h0 in range(0, H, BH):
         cols = h0 + tl.arange(0, BH)
@@ -44,6 +46,9 @@ def _encode_kernel(h_ptr, ids_ptr, E_ptr, off_ptr, U_ptr, out_ptr, N, H, k,
         u = tl.load(U_ptr + cols[:, None] * k + kk[None, :], mask=cmask[:, None] & kmask[None, :],
                     other=0.0).to(tl.float32)
         acc += tl.dot(x, u, input_precision="ieee")
+    if BASE == 3:
+        acc -= tl.load(T_ptr + ids[:, None] * k + kk[None, :], mask=rmask[:, None] & kmask[None, :],
+                       other=0.0).to(tl.float32)
     tl.store(out_ptr + rows[:, None] * k + kk[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=rmask[:, None] & kmask[None, :])
 
@@ -84,15 +89,19 @@ def _kp(k: int) -> int:
     return max(16, triton.next_power_of_2(k))
 
 
-def encode(h: torch.Tensor, ids, E, offset, U: torch.Tensor) -> torch.Tensor:
+def encode(h: torch.Tensor, ids, E, offset, table, U: torch.Tensor) -> torch.Tensor:
     """h [N, H] (contiguous, checked by meshkern.subspace) -> c [N, k] in h's dtype."""
     N, H = h.shape
     k = U.shape[1]
     out = torch.empty(N, k, dtype=h.dtype, device=h.device)
     if N == 0:
         return out
-    base, ids, E, offset = _base(h, ids, E, offset)
-    _encode_kernel[(triton.cdiv(N, BLOCK_M),)](h, ids, E, offset, U, out, N, H, k,
+    if table is not None:
+        base, E, offset = 3, h, h
+    else:
+        base, ids, E, offset = _base(h, ids, E, offset)
+        table = h
+    _encode_kernel[(triton.cdiv(N, BLOCK_M),)](h, ids, E, offset, table, U, out, N, H, k,
                                                BASE=base, BM=BLOCK_M, BH=BLOCK_H, KP=_kp(k))
     return out
 
