@@ -17,8 +17,8 @@ Contenders, per (H, k), fp32, ids uniform over a V=49152-row table (SmolLM2's vo
                h @ U - T.index_select(0, ids); k values gathered per token instead of H.
                What the subspace codec's encode runs.
 Columns: ms (median), unfused/fused (speedup of the fusion), fused/matmul (distance
-from the limit). Timings interleaved round-robin in one run (bench.mask_bench's
-interleaved_medians); CPU clock = process CPU time with 1 thread (what limits it: the
+from the limit). Timings interleaved round-robin in one run, the order rotated every
+round (rotated_medians); CPU clock = process CPU time with 1 thread (what limits it: the
 GEMM's FLOPs for encode, the write of the [N, H] output for decode).
 """
 from __future__ import annotations
@@ -29,9 +29,31 @@ import time
 
 import torch
 
-from bench.mask_bench import interleaved_medians
+import statistics
 from meshkern import _backend
 from meshkern import subspace as S
+
+
+def rotated_medians(fns: dict, repeats: int, device: torch.device, clock) -> dict:
+    """{name: median seconds}: one warm-up call each, then ``repeats`` rounds with one
+    timing of every contender per round, the order rotated by one each round (so no
+    contender always runs right after the same one, whose cache footprint it would
+    inherit: the E-form ops stream a 113 MB table)."""
+    from bench.spectral_bench import _sync
+
+    names = list(fns)
+    for fn in fns.values():
+        fn()
+    _sync(device)
+    times = {n: [] for n in names}
+    for r in range(repeats):
+        for n in names[r % len(names):] + names[:r % len(names)]:
+            _sync(device)
+            t0 = clock()
+            fns[n]()
+            _sync(device)
+            times[n].append(clock() - t0)
+    return {n: statistics.median(ts) for n, ts in times.items()}
 
 
 def _case(N, H, k, V, device, repeats, clock):
@@ -59,7 +81,7 @@ def _case(N, H, k, V, device, repeats, clock):
         "off dec fused": lambda: S.decode(c, None, None, U, offset=mean, backend=be),
         "off dec unfused": lambda: c @ Ut + mean,
     }
-    t = interleaved_medians(fns, {n: repeats for n in fns}, device, clock)
+    t = rotated_medians(fns, repeats, device, clock)
     return {n: v * 1e3 for n, v in t.items()}
 
 

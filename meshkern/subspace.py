@@ -279,6 +279,16 @@ _decode_op.register_autograd(_decode_backward, setup_context=_decode_setup)
 
 
 # --------------------------------------------------------------------- public API
+def _plain_eager(*ts) -> bool:
+    """True when a call needs none of the custom op's machinery: plain tensors, nothing
+    requiring grad, no compile / dispatch mode active. Then the public functions run the
+    kernel directly: the custom op's dispatch costs ~40 us a call (0.1-0.3 ms on a loaded
+    machine), up to a third of a 4096-token encode at H = 192 (bench/subspace_bench.py)."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
+        return False
+    return all(t is None or (type(t) is Tensor and not t.requires_grad) for t in ts)
+
+
 def encode(h: Tensor, ids: Tensor | None, E: Tensor | None, U: Tensor, *, offset: Tensor | None = None,
            table: Tensor | None = None, backend: str | None = "auto") -> Tensor:
     """c = (h - E[ids]) @ U  (or (h - offset) @ U, or h @ U): [..., H] -> [..., k].
@@ -289,7 +299,11 @@ def encode(h: Tensor, ids: Tensor | None, E: Tensor | None, U: Tensor, *, offset
     of H). TypeError / ValueError for a bad dtype or shape, an id outside [0, V), or two
     bases given."""
     _check(h, "h", ids, E, offset, U, "H", table)
-    return _encode_op(h, ids, E, offset, table, U, _backend_arg(backend))
+    backend = _backend_arg(backend)
+    if _plain_eager(h, ids, E, offset, table, U):
+        _check_ids_range(ids, E if table is None else table)
+        return _run("encode", h, ids, E, offset, U, backend, table)
+    return _encode_op(h, ids, E, offset, table, U, backend)
 
 
 def decode(c: Tensor, ids: Tensor | None, E: Tensor | None, U: Tensor, *, offset: Tensor | None = None,
@@ -297,7 +311,11 @@ def decode(c: Tensor, ids: Tensor | None, E: Tensor | None, U: Tensor, *, offset
     """h = E[ids] + c @ U^T  (or offset + c @ U^T, or c @ U^T): [..., k] -> [..., H].
     Arguments and errors as in ``encode``."""
     _check(c, "c", ids, E, offset, U, "k")
-    return _decode_op(c, ids, E, offset, U, _backend_arg(backend))
+    backend = _backend_arg(backend)
+    if _plain_eager(c, ids, E, offset, U):
+        _check_ids_range(ids, E)
+        return _run("decode", c, ids, E, offset, U, backend)
+    return _decode_op(c, ids, E, offset, U, backend)
 
 
 def project(g: Tensor, U: Tensor) -> Tensor:
