@@ -235,3 +235,57 @@ def test_basis_and_projection_helpers():
     assert float((Uf.double() @ Uf.double().T - U0.double() @ U0.double().T).norm()) < 1e-4
     assert violation(model, Uf) < 1e-4
     assert torch.equal(Uf, make_basis(H, K, model=split_model(model, 2)))  # same from the stages
+
+
+# ------------------------------------------------------- a real pipeline (spawned gloo mesh)
+PIPE_S, PIPE_M, PIPE_STEP = 3, 4, 7  # 3 stages: a middle one receives and sends
+
+
+def _pipe_worker(rank, world, model, ids, E, U):
+    from orchestration.mesh import MeshLayout, destroy_mesh, init_mesh
+    from orchestration.metrics import LinkCounter
+    from orchestration.pipeline import PipelineExecutor
+    from orchestration.schedule import make_schedule
+
+    mesh = init_mesh(MeshLayout(1, PIPE_S), timeout_s=30)
+    stage = split_model(model, PIPE_S)[rank]
+    codec = make_codec("subspace", k=U.shape[1])
+    codec.attach(E, U)  # every rank, the receivers too: they re-add E[ids]
+    counter = LinkCounter()
+    pipe = PipelineExecutor(stage, make_schedule("1f1b", PIPE_S, PIPE_M)[rank], codec=codec,
+                            prev_rank=mesh.prev_rank, next_rank=mesh.next_rank, rank=rank, seed=1, counter=counter)
+    stats = pipe.step(PIPE_STEP, ids, num_microbatches=PIPE_M)  # calls codec.bind_inputs
+    grads = {n: p.grad.clone() for n, p in stage.hf_named_parameters() if p.grad is not None}
+    destroy_mesh()
+    return {"loss": stats.loss, "grads": grads, "links": dict(counter.links), "rejected": stats.rejected}
+
+
+@pytest.mark.slow
+def test_pipeline_executor_with_the_subspace_codec_equals_the_unsplit_model():
+    from orchestration.launch import run_local
+
+    model = _model()
+    U = make_basis(H, K, seed=3)
+    constrain_(model, U)
+    model.model.embed_tokens.weight.requires_grad_(False)  # frozen in this mode
+    ids = _ids(seed=4, B=8, T=16)
+    E = model.model.embed_tokens.weight.detach().clone()
+    res = run_local(_pipe_worker, PIPE_S, (model, ids, E, U), timeout_s=180)
+    ref = copy.deepcopy(model)
+    ref_loss = causal_lm_loss(ref(ids).logits, ids)
+    ref_loss.backward()
+    assert res[-1]["loss"] == pytest.approx(ref_loss.item(), rel=1e-5)
+    assert all(r["rejected"] == 0 for r in res)
+    mb = ids.shape[0] // PIPE_M
+    for b in range(PIPE_S - 1):  # k fp32 values per token, per boundary and direction
+        assert res[b]["links"][("pp_fwd", b, b + 1)] == PIPE_M * mb * ids.shape[1] * K * 4
+        assert res[b + 1]["links"][("pp_bwd", b + 1, b)] == PIPE_M * mb * ids.shape[1] * K * 4
+    grads = {n: g for r in res for n, g in r["grads"].items()}
+    named = dict(ref.named_parameters())
+    assert set(grads) == {n for n, p in named.items() if p.requires_grad}
+    last_upstream = split_model(copy.deepcopy(model), PIPE_S)[-2].layer_range[1]
+    for n, g in grads.items():
+        want = named[n].grad
+        if is_constrained(n) and int(n.split(".")[2]) < last_upstream:
+            g, want = project_tensor(n, g, U), project_tensor(n, want, U)
+        torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-6, msg=n)
