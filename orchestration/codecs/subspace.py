@@ -90,8 +90,10 @@ class SubspaceCodec(BoundaryCodec):
     def attach(self, embedding: torch.Tensor, U: torch.Tensor) -> None:
         """The frozen token-embedding table E [V, H] and the orthonormal basis U [H, k]
         (k = this codec's width at H), both identical on the two sides of every boundary.
-        Kept as fp32 (no copy when already fp32: E must stay frozen). ValueError for
-        shapes that do not fit, non-finite values or a U whose columns are not orthonormal."""
+        Kept as fp32 (no copy when already fp32), and the encode table E U is computed
+        here once: E must stay frozen, and a new E or U needs a new ``attach``. ValueError
+        for shapes that do not fit, non-finite values or a U whose columns are not
+        orthonormal."""
         if not isinstance(embedding, torch.Tensor) or embedding.dim() != 2:
             raise ValueError(f"subspace: embedding must be a [V, H] tensor, got "
                              f"{tuple(embedding.shape) if isinstance(embedding, torch.Tensor) else embedding!r}")
