@@ -53,7 +53,7 @@ def make_codec(name: str, p: float = 0.95, rescale: bool = False, **options) -> 
     codec's constructor (topk: k; int8/int4: group_size; bottleneck: rank; mask:
     backend; pca: bits, k or budget, sink, seq_len; aqsgd: bits, gbits, store_dtype, store_device;
     tahquant: bits, low_bits, high_fraction, tile, meta, gbits; subspace: k or budget, bits,
-    gbits, seed, backend; p is ignored by pca, aqsgd, tahquant and subspace); an option the
+    gbits, seed, basis, backend; p is ignored by pca, aqsgd, tahquant and subspace); an option the
     codec does not take is a TypeError.
     """
     name, spec_options = parse_spec(name)
