@@ -31,6 +31,13 @@ class ReplicaSync:
         if cfg.fast_rows > 1 and cfg.dp.mode != "none":
             if mesh.segments:
                 named = list(stage.hf_named_parameters())
+                if stage.lm_head is not None and stage.embed_tokens is not None \
+                        and stage.lm_head.weight is stage.embed_tokens.weight:
+                    # A full replica of a tied model holds one tensor where a pipeline holds two
+                    # copies (first and last stage, in different segments): it syncs that tensor
+                    # in both, under both names. Gradients: both groups average the same tied-sum
+                    # gradient, so either result is the one. DiLoCo: as the pipelines' copies.
+                    named.append(("lm_head.weight", stage.lm_head.weight))
                 for seg, group in mesh.segments:
                     mine = [(n, p) for n, p in named if param_unit(n) in seg.units]
                     self.groups.append((group, mine, "seg" + "-".join(map(str, seg.ranks))))
@@ -68,10 +75,16 @@ class ReplicaSync:
         missing gradient counts as zeros)."""
         if self.allreduce is None:
             return
+        # Every group reduces the gradients as backward left them: a tensor in two groups (a
+        # full replica's tied weight) must not send the first group's average to the second.
+        local = {id(p): p.grad if p.grad is not None else torch.zeros_like(p)
+                 for _, named, _ in self.groups for _, p in named}
+        results = []
         for group, named, key in self.groups:
             params = [p for _, p in named]
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-            for p, g in zip(params, self.allreduce.all_reduce_mean(grads, group, key=key)):
+            results.append((params, self.allreduce.all_reduce_mean([local[id(p)] for p in params], group, key=key)))
+        for params, avg in results:
+            for p, g in zip(params, avg):
                 p.grad = g
 
     def step(self) -> None:

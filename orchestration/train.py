@@ -102,12 +102,6 @@ def prepare(cfg: Config, *, load_model: bool = True) -> Plan:
                 balanced_layers(n_layers, y)
             except ValueError as e:  # more stages than layers
                 raise ValueError(f"--mesh.{'replicas' if cfg.mesh.replicas else 'stages'} {y}: {e}") from None
-    if (cfg.mesh.replicas and 1 in cfg.mesh.replicas and max(cfg.mesh.replicas) > 1
-            and getattr(hf_cfg, "tie_word_embeddings", False)):
-        raise ValueError(f"--mesh.replicas {','.join(map(str, cfg.mesh.replicas))} with a model whose input and output "
-                         "embeddings are tied: a full replica holds one tied weight where a pipeline replica holds two "
-                         "copies, and syncing them by name is not supported yet; use replicas of >= 2 stages only, "
-                         "or an untied model (the default model is untied)")
     if cfg.mesh.dist_backend == "nccl" and not torch.cuda.is_available():
         raise ValueError("--mesh.dist-backend nccl needs CUDA GPUs, and torch sees none (torch.cuda.is_available() is False)")
     source = cfg.data.source or DEFAULT_DATA

@@ -271,7 +271,10 @@ class Trainer:
         if self.sync.allreduce is not None:
             self.sync.all_reduce_grads()
             self.counter.set_total("dp", self.sync.bytes_sent)
-        gnorm = _clip(params, self.cfg.train.clip_grad_norm, mesh.pp)
+        # The last stage's copy of a tied weight holds the same summed gradient as the first
+        # stage's: the unsplit model counts that weight once in its norm, so do we.
+        twin = self.tied_param if self.tied_param is not None and self.stage.tied_lm_head else None
+        gnorm = _clip(params, self.cfg.train.clip_grad_norm, mesh.pp, skip_in_norm=twin)
         self.hook.poll(step)  # folds in what the anchor sent (anchor on)
         if math.isfinite(gnorm):
             opt.step()
@@ -429,11 +432,12 @@ def _tied_across(plan, num_stages: int) -> bool:
     return num_stages > 1 and bool(getattr(AutoConfig.from_pretrained(plan.model_path), "tie_word_embeddings", False))
 
 
-def _clip(params, max_norm: float, pp_group) -> float:
-    """Global L2 norm of the replica's gradient (all stages) and clipping to ``max_norm``."""
+def _clip(params, max_norm: float, pp_group, skip_in_norm=None) -> float:
+    """Global L2 norm of the replica's gradient (all stages) and clipping to ``max_norm``;
+    ``skip_in_norm`` (a tied weight's second copy) is clipped but not counted."""
     sq = torch.zeros(1, dtype=torch.float64, device=params[0].device)
     for p in params:
-        if p.grad is not None:
+        if p.grad is not None and p is not skip_in_norm:
             sq += p.grad.detach().double().pow(2).sum()
     dist.all_reduce(sq, group=pp_group)
     norm = math.sqrt(sq.item())

@@ -80,24 +80,19 @@ def test_config_refuses_what_a_heterogeneous_mesh_cannot_run(argv, match):
         parse_args(argv)
 
 
-def test_a_tied_model_with_a_full_replica_is_refused_before_any_process_starts(tiny_factory, tmp_path):
-    from transformers import AutoConfig
-
-    root = tiny_factory("tied")
-    conf = AutoConfig.from_pretrained(root / "model")
-    conf.tie_word_embeddings = True
-    conf.save_pretrained(root / "model")
-    cfg, _ = parse_args(_args(root, tmp_path, "--mesh.replicas", "1,2", "--boundary.codec", "dense"))
-    with pytest.raises(ValueError, match="tied"):
-        prepare(cfg, load_model=False)
-
-
 # ------------------------------------------------------------------ end to end
 def _run(argv):
     cfg, _ = parse_args(argv)
     plan = prepare(cfg)
     return cfg, plan, run_local(run_rank, cfg.world_size, (cfg, plan), timeout_s=240,
                                 describe=MeshLayout.of(cfg).describe)
+
+
+def load_causal_lm_weights(root) -> dict:
+    from orchestration.models import load_causal_lm
+
+    model, _ = load_causal_lm(str(root / "model"))
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def _final_weights(plan) -> dict:
@@ -107,29 +102,51 @@ def _final_weights(plan) -> dict:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+@pytest.fixture(scope="module")
+def tied(tiny_factory):
+    """The tiny model with its input and output embeddings tied (one Parameter)."""
+    from orchestration.models import load_causal_lm
+
+    root = tiny_factory("tied")
+    model, _ = load_causal_lm(str(root / "model"))
+    model.config.tie_word_embeddings = True
+    model.lm_head.weight = model.model.embed_tokens.weight
+    model.save_pretrained(root / "model")
+    return root
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("dp", [["--dp.mode", "allreduce"],
-                                ["--dp.mode", "diloco", "--dp.sync-every", "2", "--dp.fragments", "2"]],
-                         ids=["allreduce", "diloco"])
-def test_uncompressed_heterogeneous_run_equals_the_homogeneous_run_on_the_same_data(tiny, tmp_path, dp):
+@pytest.mark.parametrize("dp,model", [(["--dp.mode", "allreduce"], "untied"),
+                                      (["--dp.mode", "diloco", "--dp.sync-every", "2", "--dp.fragments", "2"], "untied"),
+                                      (["--dp.mode", "allreduce"], "tied")],
+                         ids=["allreduce", "diloco", "allreduce-tied"])
+def test_uncompressed_heterogeneous_run_equals_the_homogeneous_run_on_the_same_data(tiny, tied, tmp_path, dp, model):
     """Compression off (dense boundaries, no DP compressor): a mesh of one full replica and
     two 2-stage replicas trains replica by replica exactly what a 3x2 mesh trains (same
     data per replica, same averaged updates), so after the syncs replica 0's weights, whole
-    in one process on one side and split in two on the other, are equal."""
+    in one process on one side and split in two on the other, are equal. Tied embeddings:
+    the full replica's one tensor syncs with the pipelines' first-stage and last-stage copies."""
     common = ["--train.steps", "4", "--boundary.codec", "dense", "--dp.compressor", "none", *dp]
+    if model == "tied":
+        tiny = tied
     _, plan_h, res_h = _run(_args(tiny, tmp_path / "het", "--mesh.replicas", "1,2,2", *common))
     _, plan_g, res_g = _run(_args(tiny, tmp_path / "hom", "--mesh.rows", "3", "--mesh.stages", "2", *common))
+    tol = dict(rtol=1e-5, atol=1e-6)
     # the step records (loss = mean over the replicas) agree step by step
-    torch.testing.assert_close(torch.tensor(res_h[0]["losses"]), torch.tensor(res_g[1]["losses"]), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(res_h[0]["losses"]), torch.tensor(res_g[1]["losses"]), **tol)
     wh, wg = _final_weights(plan_h), _final_weights(plan_g)
     assert wh.keys() == wg.keys()
     for k in wh:
-        torch.testing.assert_close(wh[k], wg[k], rtol=1e-5, atol=1e-6, msg=k)
+        torch.testing.assert_close(wh[k], wg[k], msg=lambda m, k=k: f"{k}: {m}", **tol)
+    if model == "tied":  # a sync that left the head copies out would move them apart by far more
+        moved = (wh["lm_head.weight"] - load_causal_lm_weights(tiny)["lm_head.weight"]).abs().max()
+        assert moved > 100 * tol["atol"]
     # and the weights did move: the test can fail
     from orchestration.models import load_causal_lm
 
     base, _ = load_causal_lm(str(tiny / "model"))
     assert not torch.allclose(base.model.layers[0].mlp.up_proj.weight, wh["model.layers.0.mlp.up_proj.weight"])
+    assert not torch.allclose(base.model.embed_tokens.weight, wh["model.embed_tokens.weight"])
     # the full replica's rank is in both segments: DP bytes on rank 0, none on pipeline links of replica 0
     assert res_h[0]["bytes"]["pp_fwd"] == 0 and res_h[1]["bytes"]["pp_fwd"] > 0
 
