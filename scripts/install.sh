@@ -68,7 +68,7 @@ else
             >.venv/logs/base-model.log 2>&1 &
         BG=$!
     fi
-    say "3/3 compiling meshkern's C++ extensions (mask, spectral, dp) and installing meshkern (~3 min on 2 idle cores)"
+    say "3/3 compiling meshkern's C++ extensions (mask, spectral, dp, subspace) and installing meshkern (~3 min on 2 idle cores)"
     ticking "3/3 C++ build + pip install -e ." .venv/logs/pip-meshkern.log \
         "$PY" -m pip install --no-build-isolation -e .
     echo "$NOW" >"$STAMP"  # installed: a later call skips the build even if the base model fails below

@@ -38,6 +38,12 @@ Backward semantics (what gradient comes back), per codec:
                 (straight-through for the quantizer), U^T g / gsd quantized the same way,
                 rebuilt as U (gsd * codes). ``sink``: position 0 of every row (the
                 attention sink) travels as int8 over all H dims instead, both ways.
+    subspace    subspace-projected boundaries (Protocol Models): for a model whose
+                o_proj/down_proj stay in span(U) (orchestration.subspace), the k
+                coordinates (h - E[ids]) U forward, U^T g back; the receiver re-adds the
+                frozen token embedding E[ids] from the ids it holds (``bind_inputs``).
+                Lossless on a constrained model; needs ``attach(E, U)``
+                (orchestration.subspace_train does it in the trainer).
 
 ``make_codec(name, p=0.95, rescale=False, **options)`` builds one by name or spec
 (``parse_spec``: ``name:key=value,...``); ``apply_codec``
@@ -45,7 +51,7 @@ runs a round trip inside one process as an autograd function (the in-process ref
 of a compressed pipeline).
 
 Modules: base (protocol, validation, dense, apply_codec), sparse (mask, topk), quant
-(int8/int4), bottleneck, pca, aqsgd, tahquant (paper baselines; lowbit: their bit packer and
+(int8/int4), bottleneck, pca, subspace, aqsgd, tahquant (paper baselines; lowbit: their bit packer and
 quantizers), registry (CODECS, make_codec, parse_spec).
 """
 from orchestration.codecs.aqsgd import AQSGDCodec
@@ -56,8 +62,9 @@ from orchestration.codecs.pca import PCA_BASES, PCABasis, PCACodec, pca_width
 from orchestration.codecs.quant import QuantCodec
 from orchestration.codecs.registry import CODECS, make_codec, parse_spec
 from orchestration.codecs.sparse import MaskCodec, TopKCodec
+from orchestration.codecs.subspace import SubspaceCodec
 from orchestration.codecs.tahquant import TAHQuantCodec
 
 __all__ = ["AQSGDCodec", "TAHQuantCodec", "CODECS", "DIRECTIONS", "PCA_BASES", "BottleneckCodec", "BoundaryCodec", "DenseCodec", "MaskCodec",
-           "NonFiniteWire", "PCABasis", "PCACodec", "QuantCodec", "Spec", "TopKCodec", "apply_codec", "kept_count",
+           "NonFiniteWire", "PCABasis", "PCACodec", "QuantCodec", "Spec", "SubspaceCodec", "TopKCodec", "apply_codec", "kept_count",
            "make_codec", "parse_spec", "pca_width", "validate_wire"]

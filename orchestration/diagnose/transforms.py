@@ -46,6 +46,10 @@ def parse_codec_spec(spec: str) -> tuple[str, dict]:
     name = spec.partition(":")[0].strip()
     if name not in CODECS:  # said in the command line's words: which flag, what to choose from
         raise UsageError(f"--codecs: unknown codec {name!r} in {spec!r}; choose from {', '.join(CODECS)}")
+    if name == "subspace":  # lossless only on a model trained under its constraint
+        raise UsageError("--codecs subspace: the subspace codec is exact on a model whose output projections are "
+                         "constrained to its basis, which only the trainer does (--boundary.codec subspace); what "
+                         "the constraint costs an unconstrained model: python bench/subspace_constraint_probe.py")
     try:
         return parse_spec(spec)
     except ValueError as e:
