@@ -1,6 +1,9 @@
-"""The paper's two extra baselines as boundary codecs (aqsgd, tahquant) next to int4:
-bytes per token, encode/decode time, AQ-SGD's store memory and its error per visit, and
-where tahquant's time goes (is a fast Hadamard kernel worth writing?).
+"""The paper's two extra baselines as boundary codecs (aqsgd, tahquant) next to int4, and
+our pca (the trainer's default) and subspace codecs: bytes per token, encode/decode time,
+AQ-SGD's store memory and its error per visit, and where tahquant's time goes (is a fast
+Hadamard kernel worth writing?). pca's basis is fitted to the bench's activations (as
+calibration does, from the activations themselves); subspace runs on activations that
+satisfy its constraint (E[ids] + a vector in span(U)), where it is exact.
 
     python -m bench.codec_baselines_bench                       # B=8, T=128, H=576 (SmolLM2-135M)
     python -m bench.codec_baselines_bench --shape 4x2048x2048   # a Llama-3.2-1B micro-batch
@@ -50,6 +53,34 @@ def activations(B, T, H, device, seed=0) -> torch.Tensor:
     return x.to(device)
 
 
+def _ours(x: torch.Tensor, B: int, T: int, H: int):
+    """(label, codec, activations) for pca (budget 15, int4, sink; basis fitted to x) and
+    subspace (budget 16, fp32 coordinates; x moved into E[ids] + span(U))."""
+    from orchestration.codecs import PCABasis, PCACodec
+    from orchestration.subspace import make_basis
+
+    pca = PCACodec(bits=4, budget=15, sink=True, seq_len=T, bases={})
+    flat = x.reshape(-1, H).float().cpu()
+    mean = flat.mean(0)
+    _, _, V = torch.linalg.svd(flat - mean, full_matrices=False)
+    from orchestration.codecs.pca import pca_width
+    k = pca_width(H, bits=4, budget=15, sink=True, seq_len=T)
+    U = V[:k].T.contiguous()
+    sd = ((flat - mean) @ U).std(0).clamp_min(1e-6)
+    pca.bases = {0: PCABasis(mean, U, sd, torch.ones(k)).to(x.device)}
+    yield "pca (bits=4, budget=15, sink)", pca, x
+
+    sub = make_codec("subspace:budget=16")
+    V_, ks = 4096, sub.width(H)
+    g = torch.Generator().manual_seed(2)
+    E = torch.randn(V_, H, generator=g).to(x.device)
+    Us = make_basis(H, ks, seed=3).to(x.device)
+    ids = torch.randint(0, V_, (B, T), generator=g).to(x.device)
+    sub.attach(E, Us)
+    sub.bind_inputs([ids])
+    yield "subspace (budget=16, fp32)", sub, E[ids] + (x @ Us) @ Us.T
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="8x128x576", help="BxTxH of one micro-batch's boundary tensor")
@@ -75,6 +106,13 @@ def main(argv=None) -> None:
         enc = _median_ms(lambda: c.encode_fwd(x, key), a.repeats, now)
         dec = _median_ms(lambda: c.decode_fwd(wire, key, x.shape, x.dtype), a.repeats, now)
         err = float((c.decode_fwd(wire, key, x.shape, x.dtype) - x).norm() / x.norm())
+        print(f"{spec:34s} {fb:9.1f} {dense / fb:7.2f} {bb:9.1f} {dense / bb:7.2f} {enc:8.2f} {dec:8.2f} {err:8.4f}")
+    for spec, c, xs in _ours(x, B, T, H):
+        fb, bb = (c.wire_bytes((B, T, H), torch.float32, d) / (B * T) for d in ("fwd", "bwd"))
+        wire, _ = c.encode_fwd(xs, key)
+        enc = _median_ms(lambda: c.encode_fwd(xs, key), a.repeats, now)
+        dec = _median_ms(lambda: c.decode_fwd(wire, key, xs.shape, xs.dtype), a.repeats, now)
+        err = float((c.decode_fwd(wire, key, xs.shape, xs.dtype) - xs).norm() / xs.norm())
         print(f"{spec:34s} {fb:9.1f} {dense / fb:7.2f} {bb:9.1f} {dense / bb:7.2f} {enc:8.2f} {dec:8.2f} {err:8.4f}")
 
     # AQ-SGD over visits: the same B samples, h drifting slowly; sender and receiver objects.
