@@ -37,8 +37,8 @@ def _f(default, help: str, **kw):
 class MeshConfig:
     rows: int = _f(3, "rows of the mesh = data-parallel replicas (with the anchor on, the last row is the anchor replica)")
     stages: int = _f(2, "columns of the mesh = pipeline stages per replica")
-    layers_per_stage: list = _f([], "decoder layers per stage, e.g. 3,1 (empty: balanced); with --mesh.replicas it applies to the replicas of that many stages")
-    replicas: list = _f([], "a heterogeneous mesh: pipeline stages of each replica, e.g. 1,2,2 = one full replica (the whole model in one process) and two 2-stage pipeline replicas; sets --mesh.rows and --mesh.stages (the deepest replica); DP sync then runs per parameter name (docs/heterogeneous.md); no anchor. Empty: --mesh.rows replicas of --mesh.stages stages")
+    layers_per_stage: list = _f([], "decoder layers per stage, e.g. 3,1 (empty: balanced); with --mesh.replicas it applies to the deepest replicas (the others are balanced)")
+    replicas: list = _f([], "a heterogeneous mesh: pipeline stages of each replica, e.g. 1,2,2 = one full replica (the whole model in one process) and two 2-stage pipeline replicas; sets --mesh.rows and --mesh.stages (the deepest replica); DP sync then runs per parameter name; unless set otherwise, this mode uses --dp.compressor sparseloco, --boundary.codec int4 and --boundary.compress selective (docs/heterogeneous.md); no anchor. Empty: --mesh.rows replicas of --mesh.stages stages")
     dist_backend: str = _f("auto", "torch.distributed backend of the mesh (not a kernel backend, see MESHKERN_BACKEND): "
                                "auto (nccl with CUDA, else gloo), gloo, nccl")
     timeout_s: float = _f(60.0, "a rank that waits on a dead or stalled peer longer than this fails with an error")
@@ -95,7 +95,7 @@ class BoundaryConfig:
     p: float = _f(0.95, "fraction of hidden dims dropped per token (mask; also the ratio target of topk/bottleneck)")
     rescale: bool = _f(False, "mask: scale kept values by 1/(1-p) (dropout-style unbiased estimate)")
     options: dict = _f({}, "extra keyword arguments for the codec, as JSON, e.g. '{\"k\": 64}'")
-    compress: str = _f("all", "which replicas use --boundary.codec: all, or selective (heterogeneous meshes: only the pipeline replicas; full replicas train uncompressed and, with the subspace codec, unconstrained)")
+    compress: str = _f("all", "which replicas use --boundary.codec: all, or selective (only the pipeline replicas; full replicas train uncompressed and, with the subspace codec, unconstrained); selective is the default with --mesh.replicas")
 
 
 @dataclass
@@ -108,7 +108,7 @@ class DPConfig:
     outer_lr: float = _f(0.7, "DiLoCo: outer Nesterov learning rate")
     outer_momentum: float = _f(-1.0, "DiLoCo: outer Nesterov momentum (-1: auto = 0.9, or 0 with sparseloco, whose error feedback replaces the momentum)")
     overlap_steps: int = _f(1, "DiLoCo: inner steps a fragment's sync may overlap")
-    projection: str = _f("outer", "DiLoCo on a replica whose output projections are subspace-constrained (--boundary.codec subspace): none, or '+'-joined steps of outer (project the averaged pseudo-gradient), error (project SparseLoCo's error feedback and its input), reproject (project the parameters after the merge); docs/subspace_sync.md. The trainer re-projects the weights after every update anyway")
+    projection: str = _f("outer", "with --boundary.codec subspace, what a constrained replica's DiLoCo projects onto the subspace: none, or steps joined by '+': outer (the averaged pseudo-gradient), error (SparseLoCo's error feedback and its input; needs --dp.compressor sparseloco), reproject (the weights after the merge); docs/subspace_sync.md. The trainer also re-projects the weights after every optimizer step and merge")
 
 
 @dataclass
@@ -401,7 +401,11 @@ def validate(cfg: Config) -> Config:
         _need(all(isinstance(y, int) and y >= 1 for y in m.replicas),
               f"--mesh.replicas entries are stage counts >= 1, got {m.replicas}")
         _need(not a.enabled, "--mesh.replicas (a heterogeneous mesh) cannot run the anchor row (--anchor.enabled)")
-        m.rows, m.stages = len(m.replicas), max(m.replicas)
+        derived, untouched = (len(m.replicas), max(m.replicas)), (MeshConfig().rows, MeshConfig().stages)
+        _need((m.rows, m.stages) in (derived, untouched),
+              f"--mesh.replicas {','.join(map(str, m.replicas))} makes a mesh of {derived[0]} replicas of up to "
+              f"{derived[1]} stages; it conflicts with --mesh.rows {m.rows} / --mesh.stages {m.stages} (give one or the other)")
+        m.rows, m.stages = derived
     _need(m.rows >= 1, f"--mesh.rows must be >= 1, got {m.rows}")
     _need(m.stages >= 1, f"--mesh.stages must be >= 1, got {m.stages}")
     _need(not a.enabled or m.rows >= 2, "--anchor.enabled needs --mesh.rows >= 2 (the last row is the anchor)")
@@ -453,12 +457,18 @@ def validate(cfg: Config) -> Config:
     _need(dp.sync_every >= 1 and dp.fragments >= 1, "--dp.sync-every and --dp.fragments must be >= 1")
     _need(dp.mode != "diloco" or 0 <= dp.overlap_steps < dp.sync_every,
           f"--dp.overlap-steps {dp.overlap_steps} must be in [0, --dp.sync-every {dp.sync_every})")
+    _need(dp.mode != "diloco" or dp.fragments <= dp.sync_every,
+          f"--dp.fragments {dp.fragments} must be <= --dp.sync-every {dp.sync_every} (one fragment starts per step)")
     try:
         from meshkern.diloco import parse_projection
 
-        parse_projection(dp.projection)
+        steps = parse_projection(dp.projection)
     except ValueError as e:
         _need(False, f"--dp.projection: {e}")
+    subspace_used = "subspace" in {cfg.replica_codec(r) for r in range(cfg.fast_rows)}
+    _need(not (subspace_used and dp.mode == "diloco" and "error" in steps and dp.compressor != "sparseloco"),
+          f"--dp.projection {dp.projection}: the 'error' step projects SparseLoCo's error feedback; "
+          f"--dp.compressor {dp.compressor} has none (use outer or reproject, or --dp.compressor sparseloco)")
     _need(dp.outer_momentum == -1 or 0 <= dp.outer_momentum < 1,
           f"--dp.outer-momentum must be -1 (auto) or in [0, 1), got {dp.outer_momentum}")
     _need(a.transport in ANCHOR_TRANSPORTS,

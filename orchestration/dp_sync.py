@@ -30,19 +30,15 @@ class ReplicaSync:
         self.groups: list[tuple[object, list[tuple[str, torch.Tensor]], str]] = []  # (group, named params, key)
         if cfg.fast_rows > 1 and cfg.dp.mode != "none":
             if mesh.segments:
-                named = list(stage.hf_named_parameters())
-                if stage.lm_head is not None and stage.embed_tokens is not None \
-                        and stage.lm_head.weight is stage.embed_tokens.weight:
-                    # A full replica of a tied model holds one tensor where a pipeline holds two
-                    # copies (first and last stage, in different segments): it syncs that tensor
-                    # in both, under both names. Gradients: both groups average the same tied-sum
-                    # gradient, so either result is the one. DiLoCo: as the pipelines' copies.
-                    named.append(("lm_head.weight", stage.lm_head.weight))
+                # Trainable parameters only: a frozen one (the subspace codec's embedding) is
+                # frozen on every replica, so every group member leaves out the same tensors.
+                named = [(n, p) for n, p in stage.hf_named_parameters() if p.requires_grad]
                 for seg, group in mesh.segments:
                     mine = [(n, p) for n, p in named if param_unit(n) in seg.units]
                     self.groups.append((group, mine, "seg" + "-".join(map(str, seg.ranks))))
             else:
-                self.groups.append((mesh.dp, list(stage.named_parameters()), f"stage{mesh.stage}"))
+                self.groups.append((mesh.dp, [(n, p) for n, p in stage.named_parameters() if p.requires_grad],
+                                    f"stage{mesh.stage}"))
         self.allreduce = None
         self.diloco: list = []
         if self.groups and self.mode == "allreduce":

@@ -357,16 +357,19 @@ def model_step(schedule, compute_times, message_bytes, link: LinkSpec = LinkSpec
 
 
 # ------------------------------------------------------------------ a finished run
-def model_run(cfg, plan, history: list[dict]) -> StepModel:
+def model_run(cfg, plan, history: list[dict]) -> StepModel | None:
     """The modeled step of a finished trainer run (``model_step``) at --run.bandwidth-bps and
     --run.latency-s, replaying this run's schedule with its measured per-stage compute times
-    (median over steps, the first step excluded as warm-up) and its exact byte counts."""
+    (median over steps, the first step excluded as warm-up) and its exact byte counts.
+    None for a heterogeneous mesh (replicas of different depth), which that model does not describe."""
     import torch
 
     from orchestration.codecs import make_codec
     from orchestration.schedule import make_schedule
 
     t, Y, X = cfg.train, cfg.mesh.stages, cfg.fast_rows
+    if len(set(cfg.replica_stages)) > 1:
+        return None  # one schedule of X identical replicas: a heterogeneous mesh is not that (summary: n/a)
     hist = history[1:] or history
     med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
     compute = {"F": [med([h["fwd_s"][s] for h in hist]) for s in range(Y)],

@@ -160,7 +160,8 @@ def summarize(cfg, plan, history: list[dict], elapsed: float, steps_done: int, l
                  + (" + anchor" if cfg.anchor.enabled else "") + f" x {cfg.mesh.stages} stages)"),
         "model": f"{plan.arch} ({plan.num_layers} layers, H={plan.hidden_size}) from {plan.model_path}",
         "codec": cfg.boundary.codec + (f" p={cfg.boundary.p}" if cfg.boundary.codec in ("mask", "topk", "bottleneck") else "")
-                 + (" (pipeline replicas only: selective)" if cfg.boundary.compress == "selective" else ""),
+                 + (" (pipeline replicas only: selective)"
+                    if cfg.boundary.compress == "selective" and 1 in cfg.replica_stages else ""),
         "dp": cfg.dp.mode + ("" if cfg.dp.mode == "none" else f" + {cfg.dp.compressor}"),
         "steps": last["step"], "tokens": last["tokens"],
         "loss_first": history[0]["loss"], "loss_last": last["loss"],

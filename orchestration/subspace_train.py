@@ -12,8 +12,9 @@ re-add):
   and broadcast from fast rank 0, so every rank holds the same bits.
 A *constrained* replica (codec ``subspace``; under ``--boundary.compress selective`` a
 full replica is not one) projects its output projections onto span(U) before the first
-step and after every optimizer step and every DP outer step, and its DiLoCo applies
-``--dp.projection`` to the pseudo-gradient sync (meshkern.diloco).
+step and after every optimizer step and every DP outer step (the final merge included),
+projects their gradients onto span(U) before the optimizer sees them, and its DiLoCo
+applies ``--dp.projection`` to the pseudo-gradient sync (meshkern.diloco).
 """
 from __future__ import annotations
 
@@ -48,9 +49,9 @@ def prepare_model(cfg, model) -> dict:
 
 
 class SubspaceRun:
-    """One fast rank's part: ``after_update()`` after the optimizer step and after the DP
-    outer step; ``projector`` for DiLoCo (None on an unconstrained replica);
-    ``violation()`` for the step record."""
+    """One fast rank's part: ``project_grads()`` before clipping, ``after_update()`` after
+    the optimizer step and after the DP outer step; ``projector`` for DiLoCo (None on an
+    unconstrained replica)."""
 
     def __init__(self, trainer, init: dict):
         cfg, mesh, stage = trainer.cfg, trainer.mesh, trainer.stage
@@ -68,9 +69,17 @@ class SubspaceRun:
         if self.constrained:
             sub.constrain_(stage, self.U)
 
+    def project_grads(self) -> None:
+        """Before clipping and the optimizer step: project the output projections' gradients
+        onto span(U). A stage upstream of a subspace boundary receives them already
+        projected (the codec sends U^T g), the last stage and a full replica do not;
+        AdamW's per-element scaling would turn that difference into different updates."""
+        if not self.constrained:
+            return
+        for name, p in self.stage.named_parameters():
+            if p.grad is not None and sub.is_constrained(name):
+                p.grad = sub.project_tensor(name, p.grad, self.U)
+
     def after_update(self) -> None:
         if self.constrained:
             sub.constrain_(self.stage, self.U)
-
-    def violation(self) -> float:
-        return sub.violation(self.stage, self.U) if self.constrained else 0.0

@@ -201,7 +201,15 @@ def _check_resumable(cfg: Config, path: str, meta: dict, hf_cfg) -> None:
     old = meta.get("config", {})
     n = hf_cfg.num_hidden_layers
     split = lambda lps: list(lps) if lps else balanced_layers(n, cfg.mesh.stages)  # noqa: E731
-    for section, key in (("train", "optimizer"), ("anchor", "enabled"), ("mesh", "layers_per_stage")):
+    # What the ranks' saved state depends on (DiLoCo / compressor state, the subspace projector):
+    # a mismatch found by one rank's load would leave the others waiting for it.
+    keys = (("train", "optimizer"), ("anchor", "enabled"), ("mesh", "layers_per_stage"), ("dp", "mode"),
+            ("dp", "compressor"), ("dp", "projection"), ("boundary", "compress"))
+    was_sub = old.get("boundary", {}).get("codec") == "subspace"
+    if was_sub != (cfg.boundary.codec == "subspace") and old.get("boundary"):
+        raise ValueError(f"--checkpoint.resume {path} was written with --boundary.codec {old['boundary']['codec']}, this "
+                         f"run has {cfg.boundary.codec}: the subspace codec changes what each rank trains and saves")
+    for section, key in keys:
         was, now = old.get(section, {}).get(key), getattr(getattr(cfg, section), key)
         if key == "layers_per_stage" and was is not None:
             was, now = split(was), split(now)

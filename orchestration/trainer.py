@@ -90,12 +90,25 @@ def build_stage(cfg: Config, plan, mesh):
     lps = cfg.mesh.layers_per_stage if len(cfg.mesh.layers_per_stage) == y else None
     stages = split_model(model, y, lps or None)
     stage = stages[mesh.stage]
-    if plan.subspace is not None and stage.tied_lm_head:  # the LM head's copy of the frozen embedding
-        stage.lm_head.weight.requires_grad_(False)
+    if y == 1 and max(cfg.replica_stages) > 1 and stage.lm_head.weight is stage.embed_tokens.weight:
+        _untie(stage)  # a full replica beside pipelines holds two copies, as their stages do
     del stages, model
     plan.model = None
     stage.to(mesh.device).train()
     return stage
+
+
+def _untie(stage) -> None:
+    """Give a one-stage replica of a tied model its own copy of the LM head, like a
+    pipeline's last stage (stages.split_model): in a heterogeneous mesh the embedding and
+    the head then sync by name in their own groups, each copy with its pipeline
+    counterparts, and the trainer sums the two copies' gradients every step."""
+    import copy
+
+    head = copy.deepcopy(stage.lm_head)
+    w = stage.embed_tokens.weight
+    head.weight = torch.nn.Parameter(w.detach().clone(), requires_grad=w.requires_grad)
+    stage.lm_head, stage.tied_lm_head = head, True
 
 
 class NullAnchor:
@@ -266,7 +279,10 @@ class Trainer:
             g["lr"] = lr_at(step, self.cfg)
         stats = self.executor.step(step, self.sampler(step), num_microbatches=self.cfg.train.microbatches,
                                    sample_ids=self.sampler.indices(step))
-        if self.tied_param is not None:
+        if self.tied_param is not None and self.stage.is_first and self.stage.is_last:  # a full replica (_untie)
+            g = self.stage.embed_tokens.weight.grad + self.stage.lm_head.weight.grad
+            self.stage.embed_tokens.weight.grad, self.stage.lm_head.weight.grad = g, g.clone()
+        elif self.tied_param is not None:
             dist.all_reduce(self.tied_param.grad, group=mesh.groups[f"ends{mesh.row}"])
         if self.sync.allreduce is not None:
             self.sync.all_reduce_grads()
@@ -274,6 +290,8 @@ class Trainer:
         # The last stage's copy of a tied weight holds the same summed gradient as the first
         # stage's: the unsplit model counts that weight once in its norm, so do we.
         twin = self.tied_param if self.tied_param is not None and self.stage.tied_lm_head else None
+        if self.subspace is not None:
+            self.subspace.project_grads()  # every split (and the unsplit model) gives AdamW the same gradient
         gnorm = _clip(params, self.cfg.train.clip_grad_norm, mesh.pp, skip_in_norm=twin)
         self.hook.poll(step)  # folds in what the anchor sent (anchor on)
         if math.isfinite(gnorm):
@@ -303,7 +321,9 @@ class Trainer:
         never changes the run's trajectory and a resume continues it exactly."""
         if self.sync.diloco and final:
             self.sync.finish()
-            self.counter.set_total("dp", self.sync.bytes_sent)  # in-flight syncs are now counted too
+            self.counter.set_total("dp", self.sync.bytes_sent)
+            if self.subspace is not None:
+                self.subspace.after_update()  # the merges finish() made, whatever --dp.projection did  # in-flight syncs are now counted too
         return self.checkpointer.save(step)
 
     def _diverged(self, step: int, last_ckpt: str) -> str:

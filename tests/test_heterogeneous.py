@@ -74,6 +74,10 @@ def test_config_derives_the_mesh_and_the_codec_of_each_replica():
     (["--mesh.replicas", "1,2", "--boundary.codec", "int4", "--boundary.compress", "all"], "full replica"),
     (["--mesh.replicas", "0,2"], "stage counts >= 1"),
     (["--boundary.compress", "some"], "all or selective"),
+    (["--mesh.replicas", "1,2,2", "--mesh.rows", "5"], "conflicts with --mesh.rows"),
+    (["--boundary.codec", "subspace", "--dp.compressor", "powersgd", "--dp.projection", "error"], "error feedback"),
+    (["--dp.projection", "outer+sideways"], "--dp.projection"),
+    (["--dp.fragments", "4", "--dp.sync-every", "2", "--dp.overlap-steps", "0"], "--dp.fragments 4"),
 ])
 def test_config_refuses_what_a_heterogeneous_mesh_cannot_run(argv, match):
     with pytest.raises(ValueError, match=match):
@@ -118,14 +122,16 @@ def tied(tiny_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("dp,model", [(["--dp.mode", "allreduce"], "untied"),
                                       (["--dp.mode", "diloco", "--dp.sync-every", "2", "--dp.fragments", "2"], "untied"),
-                                      (["--dp.mode", "allreduce"], "tied")],
-                         ids=["allreduce", "diloco", "allreduce-tied"])
+                                      (["--dp.mode", "allreduce"], "tied"),
+                                      (["--dp.mode", "diloco", "--dp.sync-every", "2", "--dp.fragments", "2"], "tied")],
+                         ids=["allreduce", "diloco", "allreduce-tied", "diloco-tied"])
 def test_uncompressed_heterogeneous_run_equals_the_homogeneous_run_on_the_same_data(tiny, tied, tmp_path, dp, model):
     """Compression off (dense boundaries, no DP compressor): a mesh of one full replica and
     two 2-stage replicas trains replica by replica exactly what a 3x2 mesh trains (same
     data per replica, same averaged updates), so after the syncs replica 0's weights, whole
     in one process on one side and split in two on the other, are equal. Tied embeddings:
-    the full replica's one tensor syncs with the pipelines' first-stage and last-stage copies."""
+    the full replica holds two copies like a pipeline's first and last stage (summing their
+    gradients itself), each synced with its pipeline counterparts."""
     common = ["--train.steps", "4", "--boundary.codec", "dense", "--dp.compressor", "none", *dp]
     if model == "tied":
         tiny = tied
@@ -173,19 +179,22 @@ def test_heterogeneous_sparseloco_run_checkpoints_and_resumes_bit_identically(ti
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("compress", ["all", "selective"])
-def test_subspace_runs_keep_the_constraint_where_they_should_and_freeze_the_embedding(tiny, tmp_path, compress):
+@pytest.mark.parametrize("compress,projection", [("all", "outer"), ("selective", "outer"), ("all", "none")])
+def test_subspace_runs_keep_the_constraint_where_they_should_and_freeze_the_embedding(tiny, tmp_path, compress,
+                                                                                      projection):
     """The paper's setting on the issue's mesh: subspace boundaries, SparseLoCo DiLoCo. Under
     'all' replica 0 (the full one) keeps its output projections in span(U) like the
-    pipelines (<= 1e-5 after training, outer steps included); under 'selective' it trains
-    them freely. The token embedding, re-added by every receiver, never moves."""
+    pipelines (<= 1e-5 after training, outer steps and the final merge included, even when
+    DiLoCo itself projects nothing); under 'selective' it trains them freely. The token
+    embedding, re-added by every receiver, never moves."""
     from orchestration import subspace as sub
     from orchestration.models import load_causal_lm
 
     argv = _args(tiny, tmp_path, "--mesh.replicas", "1,2,2", "--train.steps", "4", "--boundary.codec", "subspace",
-                 "--boundary.options", '{"k": 8}', "--boundary.compress", compress, "--dp.sync-every", "2")
+                 "--boundary.options", '{"k": 8}', "--boundary.compress", compress, "--dp.sync-every", "2",
+                 "--dp.projection", projection)
     cfg, plan, res = _run(argv)
-    assert (cfg.dp.compressor, cfg.dp.projection) == ("sparseloco", "outer")
+    assert cfg.dp.compressor == "sparseloco"
     base, _ = load_causal_lm(str(tiny / "model"))
     U = sub.make_basis(40, 8, model=base)
     w = _final_weights(plan)
