@@ -8,10 +8,11 @@ SparseLoCo DiLoCo, continued pre-training of ``--model`` on ``--data``, for ever
 ``dense`` (no boundary compression), and for each subspace width k in ``--ks``
 ``all-k<K>`` (every replica keeps the subspace constraint) and ``sel-k<K>`` (only the
 pipeline replicas do: selective). Each (row, seed) is one trainer run (a subprocess);
-its record (OUT/records/ROW-sSEED.json) holds the held-out loss of replica 0's final
-checkpoint (the full replica) and the bytes per trained token of every axis. A record
-that exists is not run again; ``--table-only`` rebuilds OUT/table.md and the plot from
-the records."""
+its record (OUT/records/ROW-sSEED.json) holds the held-out loss of two final models, the
+full replica's (replica 0, the exported checkpoint) and pipeline replica 1's (rebuilt from
+its stages' saved state), and the bytes per trained token of every axis. A record that
+exists is not run again; ``--table-only`` rebuilds OUT/table.md and the plot from the
+records."""
 from __future__ import annotations
 
 import argparse
@@ -56,6 +57,35 @@ def trainer_argv(a, flags: list[str], seed: int, run_root: str, name: str) -> li
             *shlex.split(a.trainer_args)]
 
 
+def replica_model(final: str, cfg, row: int, base_path: str):
+    """Replica ``row``'s model at checkpoint ``final``: the base model with the weights its
+    stages saved (rank_XXXXX.pt "stage" parts, local names mapped to the unsplit model's)."""
+    from orchestration import checkpoint as ckpt
+    from orchestration.mesh import MeshLayout
+    from orchestration.models import load_causal_lm
+    from orchestration.stages import balanced_layers
+
+    model, _ = load_causal_lm(base_path)
+    lay = MeshLayout.of(cfg)
+    y = lay.stages_of(row)
+    split, lo, sd = balanced_layers(model.config.num_hidden_layers, y), 0, {}
+    for s in range(y):
+        for k, v in ckpt.load_rank_state(final, lay.rank_of(row, s))["stage"].items():
+            if k.startswith("rotary_emb."):
+                continue
+            if k.startswith("layers."):
+                i, rest = k[len("layers."):].split(".", 1)
+                k = f"model.layers.{int(i) + lo}.{rest}"
+            elif k.startswith(("embed_tokens.", "norm.")):
+                k = "model." + k
+            sd[k] = v
+        lo += split[s]
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    if unexpected or [m for m in missing if m != "lm_head.weight"]:
+        raise RuntimeError(f"replica {row} at {final}: missing {missing}, unexpected {unexpected}")
+    return model
+
+
 def run_one(a, row: str, flags: list[str], seed: int) -> dict:
     """Trains one (row, seed) in a subprocess and scores replica 0's final checkpoint."""
     import torch
@@ -78,8 +108,12 @@ def run_one(a, row: str, flags: list[str], seed: int) -> dict:
     final = ckpt.resolve("latest", os.path.join(a.work, name, "checkpoints"))
     held = plan.eval_rows[:a.eval_sequences]
     last = read_jsonl(os.path.join(a.work, name, "metrics.jsonl"))[-1]
+    from orchestration.scoring import eval_loss
+
+    pipe = eval_loss(replica_model(final, cfg, 1, plan.model_path), held)["loss"]
     return {"row": row, "seed": seed, "settings": settings(a), "argv": argv, "complete": True,
-            "final_loss": checkpoint_loss(final, held), "base_loss": checkpoint_loss(plan.model_path, held),
+            "final_loss": checkpoint_loss(final, held), "pipeline_loss": pipe,
+            "base_loss": checkpoint_loss(plan.model_path, held),
             "bytes_per_token": last["bytes_per_token"], "train_loss_last": last["loss"],
             "wall_s": time.perf_counter() - t0, "torch": torch.__version__}
 
@@ -93,15 +127,15 @@ def collect(out: str, s: dict) -> dict[str, list[dict]]:
     return {k: sorted(v, key=lambda r: r["seed"]) for k, v in by_row.items()}
 
 
-def _paired(rs: list[dict], ref: list[dict]) -> list[float]:
-    base = {r["seed"]: r["final_loss"] for r in ref}
-    return [r["final_loss"] - base[r["seed"]] for r in rs if r["seed"] in base]
+def _paired(rs: list[dict], ref: list[dict], key: str = "final_loss") -> list[float]:
+    base = {r["seed"]: r[key] for r in ref}
+    return [r[key] - base[r["seed"]] for r in rs if r["seed"] in base]
 
 
 def make_table(by_row: dict[str, list[dict]], order: list[str]) -> str:
     """Markdown: held-out loss (mean ± sd over seeds), paired deltas, bytes per token."""
-    head = ["row", "seeds", "held-out loss (replica 0)", "Δ vs dense (paired)", "all − selective (paired)",
-            "B/tok PP fwd+bwd", "B/tok DP", "B/tok total"]
+    head = ["row", "seeds", "held-out loss, full replica 0", "Δ vs dense (paired)", "all − selective (paired)",
+            "held-out loss, pipeline replica 1", "Δ vs dense (paired)", "B/tok PP fwd+bwd", "B/tok DP", "B/tok total"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     dense = by_row.get("dense", [])
     for name in order:
@@ -115,6 +149,8 @@ def make_table(by_row: dict[str, list[dict]], order: list[str]) -> str:
         lines.append("| " + " | ".join([
             name, str(len(rs)), _fmt([r["final_loss"] for r in rs]),
             "0" if name == "dense" else _fmt(_paired(rs, dense)), vs_sel,
+            _fmt([r["pipeline_loss"] for r in rs]),
+            "0" if name == "dense" else _fmt(_paired(rs, dense, "pipeline_loss")),
             _fmt([b["pp_fwd"] + b["pp_bwd"] for b in bpt], 1), _fmt([b["dp"] for b in bpt], 1),
             _fmt([sum(b.values()) for b in bpt], 1)]) + " |")
     base = [r["base_loss"] for rs in by_row.values() for r in rs]
@@ -143,14 +179,17 @@ def make_plot(by_row: dict[str, list[dict]], ks: list[int], path: str) -> str:
                 ys.append(statistics.fmean(ls))
                 es.append(statistics.stdev(ls) if len(ls) > 1 else 0.0)
         if xs:
-            ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, label=label)
+            ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, label=label + ", full replica 0")
+        pys = [statistics.fmean(r["pipeline_loss"] for r in by_row[f"{mode}-k{k}"]) for k in ks if by_row.get(f"{mode}-k{k}")]
+        if pys:
+            ax.plot(xs, pys, marker="s", ls="--", label=label + ", pipeline replica 1")
     if by_row.get("dense"):
         rs = by_row["dense"]
         ax.axhline(statistics.fmean(r["final_loss"] for r in rs), color="k", ls="--", lw=1, label="dense boundaries")
         ax.axhline(rs[0]["base_loss"], color="gray", ls=":", lw=1, label="base model")
     ax.set_xscale("log")
     ax.set_xlabel("pipeline bytes per trained token (fwd + bwd, all replicas)")
-    ax.set_ylabel("held-out loss of replica 0")
+    ax.set_ylabel("held-out loss")
     ax.set_title(f"replicas {REPLICAS}, SparseLoCo")
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -153,6 +153,13 @@ def test_uncompressed_heterogeneous_run_equals_the_homogeneous_run_on_the_same_d
     base, _ = load_causal_lm(str(tiny / "model"))
     assert not torch.allclose(base.model.layers[0].mlp.up_proj.weight, wh["model.layers.0.mlp.up_proj.weight"])
     assert not torch.allclose(base.model.embed_tokens.weight, wh["model.embed_tokens.weight"])
+    if dp[1] == "allreduce":  # every replica applies the same averaged gradient: replica 1 (rebuilt) == replica 0
+        from orchestration.hetero_experiments import replica_model
+
+        cfg_h = parse_args(_args(tiny, tmp_path / "het", "--mesh.replicas", "1,2,2", *common))[0]
+        r1 = replica_model(ckpt.resolve("latest", plan_h.ckpt_dir), cfg_h, 1, str(tiny / "model")).state_dict()
+        for k in wh:
+            torch.testing.assert_close(r1[k], wh[k], msg=lambda m, k=k: f"replica 1 {k}: {m}", **tol)
     # the full replica's rank is in both segments: DP bytes on rank 0, none on pipeline links of replica 0
     assert res_h[0]["bytes"]["pp_fwd"] == 0 and res_h[1]["bytes"]["pp_fwd"] > 0
 
