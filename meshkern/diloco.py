@@ -65,10 +65,13 @@ from torch import Tensor
 from meshkern.compress import Compressor, NoCompression, SyncError
 
 
-class _Worker:
+class SyncWorker:
     """One daemon thread running sync jobs in submission order, so every rank issues
     its collectives in the same order; daemon so a peer stuck in a collective cannot
-    keep the process alive at exit."""
+    keep the process alive at exit. Several StreamingDiLoCo instances of one rank (one
+    per process group, e.g. a heterogeneous mesh's full replica) share one (``worker=``),
+    so their collectives, too, run one at a time in the order they were started (NCCL
+    does not order collectives of different communicators issued from several threads)."""
 
     def __init__(self, device: torch.device):
         self._device = device
@@ -140,13 +143,16 @@ class StreamingDiLoCo:
     unconstrained parameter) and must be a pure function (with overlap_steps > 0 the
     "error" step calls it from the sync thread). It is checked once on every parameter
     at construction. With ``projector=None`` (or ``projection="none"``) nothing changes.
+
+    ``worker``: a :class:`SyncWorker` shared with the rank's other instances (default: its
+    own, started at the first sync).
     """
 
     def __init__(self, params: Iterable, group=None, *, sync_every: int = 100, num_fragments: int = 1,
                  outer_lr: float = 0.7, outer_momentum: float | None = None, nesterov: bool = True,
                  overlap_steps: int = 0, mix: float | None = None, compressor: Compressor | None = None,
                  timeout_s: float = 300.0, projector: Callable[[str, Tensor], Tensor] | None = None,
-                 projection: str = "none"):
+                 projection: str = "none", worker: "SyncWorker | None" = None):
         named = []
         for i, item in enumerate(params):
             name, p = item if isinstance(item, tuple) else (f"param{i}", item)
@@ -216,7 +222,7 @@ class StreamingDiLoCo:
         self.syncs_skipped = 0
         self.history: list[dict] = []
         self._pending: list[tuple[int, int, int, cf.Future]] = []  # (due step, fragment, start step, future)
-        self._worker: _Worker | None = None
+        self._worker: SyncWorker | None = worker
         self._failed: str | None = None
 
     # ---- counters -----------------------------------------------------------------------
@@ -289,7 +295,7 @@ class StreamingDiLoCo:
                 fut.set_exception(e)
         else:
             if self._worker is None:
-                self._worker = _Worker(self.params[0].device)
+                self._worker = SyncWorker(self.params[0].device)
             fut = self._worker.submit(job)
         self._pending.append((t + self.overlap_steps, f, t, fut))
 

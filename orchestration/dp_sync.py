@@ -46,7 +46,10 @@ class ReplicaSync:
         elif self.groups and self.mode == "diloco":
             from meshkern.diloco import StreamingDiLoCo
 
+            from meshkern.diloco import SyncWorker
+
             d = cfg.dp
+            worker = SyncWorker(mesh.device)  # one thread: this rank's groups sync one at a time, in order
             for group, named, _ in self.groups:
                 kw = {}
                 if projector is not None:
@@ -54,7 +57,7 @@ class ReplicaSync:
                 self.diloco.append(StreamingDiLoCo(
                     named, group, sync_every=d.sync_every, num_fragments=min(d.fragments, len(named)),
                     outer_lr=d.outer_lr, outer_momentum=None if d.outer_momentum < 0 else d.outer_momentum, overlap_steps=d.overlap_steps,
-                    compressor=make_compressor(), timeout_s=cfg.mesh.timeout_s, **kw))
+                    compressor=make_compressor(), timeout_s=cfg.mesh.timeout_s, worker=worker, **kw))
 
     @property
     def active(self) -> bool:
