@@ -3,7 +3,7 @@
     python -m orchestration.hetero_experiments --out docs/results/heterogeneous \
         --figures docs/figures/heterogeneous
 
-On one full replica beside two 2-stage pipeline replicas (``--mesh.replicas 1,2,2``),
+On one full replica beside two 2-stage pipeline replicas (``--replicas 1,2,2``, the default),
 SparseLoCo DiLoCo, continued pre-training of ``--model`` on ``--data``, for every seed:
 ``dense`` (no boundary compression), and for each subspace width k in ``--ks``
 ``all-k<K>`` (every replica keeps the subspace constraint) and ``sel-k<K>`` (only the
@@ -27,7 +27,7 @@ import time
 from orchestration.experiment_report import _fmt
 from orchestration.experiment_rows import RECORDS, _write_json, load_result
 
-REPLICAS = "1,2,2"
+REPLICAS = "1,2,2"  # the issue's mesh: one full replica beside two 2-stage pipeline replicas
 
 
 def rows(ks: list[int]) -> list[tuple[str, list[str]]]:
@@ -43,13 +43,13 @@ def rows(ks: list[int]) -> list[tuple[str, list[str]]]:
 
 def settings(a) -> dict:
     """What makes two records comparable (all but the row and the seed)."""
-    return {"model": a.model, "data": a.data, "replicas": REPLICAS, "steps": a.steps, "lr": a.lr,
+    return {"model": a.model, "data": a.data, "replicas": a.replicas, "steps": a.steps, "lr": a.lr,
             "batch_size": a.batch_size, "seq_len": a.seq_len, "eval_sequences": a.eval_sequences,
             "max_sequences": a.max_sequences, "trainer_args": a.trainer_args}
 
 
 def trainer_argv(a, flags: list[str], seed: int, run_root: str, name: str) -> list[str]:
-    return ["--mesh.replicas", REPLICAS, *flags, "--data", a.data, *(["--model", a.model] if a.model else []),
+    return ["--mesh.replicas", a.replicas, *flags, "--data", a.data, *(["--model", a.model] if a.model else []),
             "--train.steps", str(a.steps), "--train.lr", str(a.lr), "--train.seed", str(seed),
             "--train.batch-size", str(a.batch_size), "--train.microbatches", "2", "--data.seq-len", str(a.seq_len),
             "--data.max-sequences", str(a.max_sequences), "--checkpoint.every", "0",
@@ -159,7 +159,7 @@ def make_table(by_row: dict[str, list[dict]], order: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def make_plot(by_row: dict[str, list[dict]], ks: list[int], path: str) -> str:
+def make_plot(by_row: dict[str, list[dict]], ks: list[int], path: str, replicas: str = REPLICAS) -> str:
     """Loss vs pipeline bytes per token: compress-all and selective, one point per k."""
     import statistics
 
@@ -190,7 +190,7 @@ def make_plot(by_row: dict[str, list[dict]], ks: list[int], path: str) -> str:
     ax.set_xscale("log")
     ax.set_xlabel("pipeline bytes per trained token (fwd + bwd, all replicas)")
     ax.set_ylabel("held-out loss")
-    ax.set_title(f"replicas {REPLICAS}, SparseLoCo")
+    ax.set_title(f"replicas {replicas}, SparseLoCo")
     ax.legend(fontsize=8)
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -207,6 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--work", default="", help="trainer run directories (default: OUT/work; large, not for git)")
     ap.add_argument("--model", default="", help="base model (default: the trainer's default model)")
     ap.add_argument("--data", default="corpus:prose", help="training data (default: %(default)s)")
+    ap.add_argument("--replicas", default=REPLICAS, help="--mesh.replicas: a full replica first, then pipeline "
+                    "replicas; replica 0 and 1 are scored (default: %(default)s)")
     ap.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default: %(default)s)")
     ap.add_argument("--ks", default="24,12,6", help="subspace widths k, one compression ratio each "
                     "(default %(default)s: 8x, 16x, 32x fewer PP bytes than dense fp32 at H=192)")
@@ -247,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         f.write(table)
     print(table)
     if by_row:
-        print("plot:", make_plot(by_row, ks, os.path.join(a.figures or a.out, "loss_vs_bytes.png")))
+        print("plot:", make_plot(by_row, ks, os.path.join(a.figures or a.out, "loss_vs_bytes.png"), a.replicas))
     return 0
 
 
