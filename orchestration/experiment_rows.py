@@ -48,6 +48,11 @@ ROWS: tuple[Row, ...] = (
     # Calibrated PCA codec at 1/15 of dense fp32 per direction (k int4 coordinates + position 0 as int8).
     Row("pca4", "baseline", "pca4", label="PCA-int4 + sink, 1/15 of dense (no anchor)",
         paper="(not in the paper; diagnose: sink+pca-int4)"),
+    # The anchor circuit and spectral correction on top of pca4 (issue #12): M95+AP's anchor
+    # settings (factored transport, SpectralAdamW) with pca4's boundaries.
+    Row("pca4-ap", "baseline", "m95-ap", ("--boundary.codec", "pca", "--boundary.options",
+                                          '{"bits": 4, "budget": 15, "sink": true}'),
+        label="PCA-int4 + sink + anchor + spectral (1/15 of dense)", paper="(not in the paper)"),
     # The paper's two other baselines, at its 8x forward / 2x backward (vs fp32): at H=192,
     # seq 128, aqsgd sends 96 B of 4-bit delta codes + a 4 B scale per token forward (7.7x)
     # and tahquant ~106 B (3.8 bits on average + per-tile fp16 zero/scale + flags/pivots,
