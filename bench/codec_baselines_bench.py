@@ -99,15 +99,9 @@ def main(argv=None) -> None:
     print(f"# boundary tensor {B}x{T}x{H} fp32 on {a.device}, {a.threads} thread(s); dense {dense} B/token")
     print(f"{'codec':34s} {'fwd B/tok':>9s} {'x fp32':>7s} {'bwd B/tok':>9s} {'x fp32':>7s} "
           f"{'enc ms':>8s} {'dec ms':>8s} {'rel err':>8s}")
-    for spec in ("int4", "aqsgd:bits=4,gbits=16", "aqsgd:bits=2,gbits=8", "tahquant:gbits=16", "tahquant:bits=3"):
-        c = make_codec(spec)
-        fb, bb = (c.wire_bytes((B, T, H), torch.float32, d) / (B * T) for d in ("fwd", "bwd"))
-        wire, _ = c.encode_fwd(x, key)
-        enc = _median_ms(lambda: c.encode_fwd(x, key), a.repeats, now)
-        dec = _median_ms(lambda: c.decode_fwd(wire, key, x.shape, x.dtype), a.repeats, now)
-        err = float((c.decode_fwd(wire, key, x.shape, x.dtype) - x).norm() / x.norm())
-        print(f"{spec:34s} {fb:9.1f} {dense / fb:7.2f} {bb:9.1f} {dense / bb:7.2f} {enc:8.2f} {dec:8.2f} {err:8.4f}")
-    for spec, c, xs in _ours(x, B, T, H):
+    baselines = [(spec, make_codec(spec), x) for spec in
+                 ("int4", "aqsgd:bits=4,gbits=16", "aqsgd:bits=2,gbits=8", "tahquant:gbits=16", "tahquant:bits=3")]
+    for spec, c, xs in baselines + list(_ours(x, B, T, H)):
         fb, bb = (c.wire_bytes((B, T, H), torch.float32, d) / (B * T) for d in ("fwd", "bwd"))
         wire, _ = c.encode_fwd(xs, key)
         enc = _median_ms(lambda: c.encode_fwd(xs, key), a.repeats, now)
