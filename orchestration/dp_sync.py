@@ -44,9 +44,7 @@ class ReplicaSync:
         if self.groups and self.mode == "allreduce":
             self.allreduce = make_compressor()
         elif self.groups and self.mode == "diloco":
-            from meshkern.diloco import StreamingDiLoCo
-
-            from meshkern.diloco import SyncWorker
+            from meshkern.diloco import StreamingDiLoCo, SyncWorker
 
             d = cfg.dp
             worker = SyncWorker(mesh.device)  # one thread: this rank's groups sync one at a time, in order
@@ -56,12 +54,8 @@ class ReplicaSync:
                     kw = dict(projector=projector, projection=d.projection)
                 self.diloco.append(StreamingDiLoCo(
                     named, group, sync_every=d.sync_every, num_fragments=min(d.fragments, len(named)),
-                    outer_lr=d.outer_lr, outer_momentum=None if d.outer_momentum < 0 else d.outer_momentum, overlap_steps=d.overlap_steps,
-                    compressor=make_compressor(), timeout_s=cfg.mesh.timeout_s, worker=worker, **kw))
-
-    @property
-    def active(self) -> bool:
-        return bool(self.groups)
+                    outer_lr=d.outer_lr, outer_momentum=None if d.outer_momentum < 0 else d.outer_momentum,
+                    overlap_steps=d.overlap_steps, compressor=make_compressor(), timeout_s=cfg.mesh.timeout_s, worker=worker, **kw))
 
     @property
     def bytes_sent(self) -> int:
