@@ -9,6 +9,8 @@ import torch
 from meshkern import spectral as sp
 from meshkern.optim import AnchorMomentum, SpectralAdamW, spectral_param_groups
 
+from backend_params import op_backends
+
 
 def _params(seed=0):
     """A small Llama-block-shaped parameter list: attention/MLP matrices (some sharing a
@@ -342,14 +344,7 @@ def test_filter_keeps_anchor_direction():
     assert torch.allclose(out_out, 0.3 * g_out, atol=1e-5)
 
 
-def _backends():
-    from meshkern import _backend
-
-    return ["reference", pytest.param("cpp", marks=pytest.mark.skipif(
-        _backend.extension("spectral") is None, reason="meshkern._spectral_C not built"))]
-
-
-@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("backend", op_backends("spectral", triton=False))
 def test_reused_proj_buffer_is_bit_identical_to_fresh(backend):
     """The per-parameter G_proj buffer (project(out=)) changes no bit of the training
     trajectory vs a fresh G_proj per step; one buffer per filtered parameter, reused across

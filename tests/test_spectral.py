@@ -6,18 +6,10 @@ import torch
 from meshkern import _backend
 from meshkern import spectral as sp
 
-
-def _backends():
-    out = [pytest.param("reference", id="reference")]
-    out.append(pytest.param("cpp", id="cpp", marks=pytest.mark.skipif(
-        _backend.extension("spectral") is None, reason="meshkern._spectral_C not built")))
-    out.append(pytest.param("triton", id="triton", marks=pytest.mark.skipif(
-        _backend.why_unavailable("triton", "spectral", torch.device("cpu")) is not None,
-        reason="Triton cannot run CPU tensors here")))
-    return out
+from backend_params import op_backends
 
 
-BACKENDS = _backends()
+BACKENDS = op_backends("spectral")
 
 
 def _known_spectrum(B, m, n, s, seed=0, dtype=torch.float32):

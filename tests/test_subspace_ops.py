@@ -10,21 +10,12 @@ for decode (n = k). fp16/bf16 outputs add one rounding to their own precision.""
 import pytest
 import torch
 
-from meshkern import _backend
 from meshkern import subspace as S
 
-
-def _backends():
-    out = [pytest.param("reference", id="reference")]
-    out.append(pytest.param("cpp", id="cpp", marks=pytest.mark.skipif(
-        _backend.extension("subspace") is None, reason="meshkern._subspace_C not built")))
-    out.append(pytest.param("triton", id="triton", marks=pytest.mark.skipif(
-        _backend.why_unavailable("triton", "subspace", torch.device("cpu")) is not None,
-        reason="Triton cannot run CPU tensors here")))
-    return out
+from backend_params import op_backends
 
 
-BACKENDS = _backends()
+BACKENDS = op_backends("subspace")
 EPS = {torch.float32: 2.0**-24, torch.float64: 2.0**-53, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 
 
