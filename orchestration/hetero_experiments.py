@@ -63,7 +63,7 @@ def replica_model(final: str, cfg, row: int, base_path: str):
     from orchestration import checkpoint as ckpt
     from orchestration.mesh import MeshLayout
     from orchestration.models import load_causal_lm
-    from orchestration.stages import balanced_layers
+    from orchestration.stages import balanced_layers, hf_name
 
     model, _ = load_causal_lm(base_path)
     lay = MeshLayout.of(cfg)
@@ -71,14 +71,8 @@ def replica_model(final: str, cfg, row: int, base_path: str):
     split, lo, sd = balanced_layers(model.config.num_hidden_layers, y), 0, {}
     for s in range(y):
         for k, v in ckpt.load_rank_state(final, lay.rank_of(row, s))["stage"].items():
-            if k.startswith("rotary_emb."):
-                continue
-            if k.startswith("layers."):
-                i, rest = k[len("layers."):].split(".", 1)
-                k = f"model.layers.{int(i) + lo}.{rest}"
-            elif k.startswith(("embed_tokens.", "norm.")):
-                k = "model." + k
-            sd[k] = v
+            if not k.startswith("rotary_emb."):
+                sd[hf_name(k, lo)] = v
         lo += split[s]
     missing, unexpected = model.load_state_dict(sd, strict=False)
     if unexpected or [m for m in missing if m != "lm_head.weight"]:

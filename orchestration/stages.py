@@ -145,12 +145,7 @@ class Stage(nn.Module):
 
     def hf_name(self, name: str) -> str:
         """The unsplit model's name of this stage's parameter/buffer ``name``."""
-        if name.startswith("layers."):
-            i, rest = name[len("layers."):].split(".", 1)
-            return f"model.layers.{int(i) + self.layer_range[0]}.{rest}"
-        if name.startswith(("embed_tokens.", "norm.")):
-            return "model." + name
-        return name
+        return hf_name(name, self.layer_range[0])
 
     def hf_named_parameters(self):
         """(unsplit-model name, parameter) for every parameter of this stage."""
@@ -160,6 +155,18 @@ class Stage(nn.Module):
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """This stage's parameters and persistent buffers under the unsplit model's names."""
         return {self.hf_name(k): t for k, t in self.state_dict().items() if not k.startswith("rotary_emb.")}
+
+
+def hf_name(name: str, first_layer: int) -> str:
+    """The unsplit model's name of a stage's parameter/buffer ``name`` (as the Stage names
+    it: ``layers.<local i>.``, ``embed_tokens.``, ``norm.``, ``lm_head.``), for a stage
+    whose first decoder layer is ``first_layer``."""
+    if name.startswith("layers."):
+        i, rest = name[len("layers."):].split(".", 1)
+        return f"model.layers.{int(i) + first_layer}.{rest}"
+    if name.startswith(("embed_tokens.", "norm.")):
+        return "model." + name
+    return name
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,
