@@ -72,6 +72,14 @@ def param_unit(hf_name: str) -> str:
     raise ValueError(f"parameter {hf_name!r} belongs to no model unit (embed, layers, final norm, LM head)")
 
 
+def mesh_name(replica_stages: list[int]) -> str:
+    """A mesh in words, from the stage count of each replica: '2x2' when alike,
+    'replicas 1,2,2' otherwise."""
+    if len(set(replica_stages)) == 1:
+        return f"{len(replica_stages)}x{replica_stages[0]}"
+    return "replicas " + ",".join(map(str, replica_stages))
+
+
 @dataclass(frozen=True)
 class MeshLayout:
     """Pure arithmetic of the mesh; no torch.distributed needed (used before spawning).
@@ -151,8 +159,8 @@ class MeshLayout:
 
     @property
     def name(self) -> str:
-        """'3x2' (homogeneous) or 'replicas 1,2,2'."""
-        return f"replicas {','.join(map(str, self.shapes))}" if self.shapes else f"{self.rows}x{self.stages}"
+        """'3x2' (homogeneous) or 'replicas 1,2,2' (``mesh_name``)."""
+        return mesh_name(list(self.shapes) or [self.stages] * self.rows)
 
     def anchor_rank(self, stage: int) -> int:
         """The anchor row's rank of ``stage`` (numbering of the whole mesh, as the launcher's)."""

@@ -40,7 +40,7 @@ import torch
 from orchestration import checkpoint as ckpt
 from orchestration.config import Config, flag_name, parse_args, to_yaml
 from orchestration.launch import MeshFailure, free_port, run_local
-from orchestration.mesh import MeshLayout, init_mesh, destroy_mesh
+from orchestration.mesh import MeshLayout, destroy_mesh, init_mesh, mesh_name
 from orchestration.trainer import (RankContext, Trainer, build_stage, data_shard,  # noqa: F401 (data_shard,
                                    replica_sampler)  # replica_sampler: importable here for tests and tools)
 
@@ -150,8 +150,8 @@ def prepare(cfg: Config, *, load_model: bool = True) -> Plan:
         else:  # a checkpoint from before heterogeneous meshes: rows x stages
             was, now = [meta["stages"]] * meta["rows"], [cfg.mesh.stages] * cfg.mesh.rows
         if was != now:
-            raise ValueError(f"--checkpoint.resume {resume_from} was written by a mesh of {_mesh_name(was)}, "
-                             f"this run is {_mesh_name(now)}")
+            raise ValueError(f"--checkpoint.resume {resume_from} was written by a mesh of {mesh_name(was)}, "
+                             f"this run is {mesh_name(now)}")
         if meta["step"] >= cfg.train.steps:
             raise ValueError(f"--checkpoint.resume {resume_from} is at step {meta['step']}, not before --train.steps {cfg.train.steps}")
         _check_resumable(cfg, resume_from, meta, hf_cfg)
@@ -166,13 +166,6 @@ def prepare(cfg: Config, *, load_model: bool = True) -> Plan:
         from orchestration.calibration import prepare_run  # pca codec: fit the basis here, forked ranks inherit it
         prepare_run(cfg, plan)
     return plan
-
-
-def _mesh_name(replica_stages: list[int]) -> str:
-    """'2x2' for alike replicas, 'replicas 1,2,2' otherwise."""
-    if len(set(replica_stages)) == 1:
-        return f"{len(replica_stages)}x{replica_stages[0]}"
-    return "replicas " + ",".join(map(str, replica_stages))
 
 
 def resume_needs_a_run(out_dir: str) -> str:
