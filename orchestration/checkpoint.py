@@ -91,12 +91,13 @@ def shard_name(stage: int, num_stages: int) -> str:
     return f"model-{stage + 1:05d}-of-{num_stages:05d}.safetensors"
 
 
-def write_stage_shard(tmp: str, stage, num_stages: int) -> dict[str, str]:
-    """Writes this stage's weights (HF names) as one safetensors shard; returns name -> file."""
+def write_stage_shard(tmp: str, stage, num_stages: int, untied: bool = False) -> dict[str, str]:
+    """Writes this stage's weights (HF names) as one safetensors shard; returns name -> file.
+    ``untied``: a tied model trained with --model.tied-embeddings untie keeps its head copy."""
     from safetensors.torch import save_file
 
     sd = {k: v.detach().cpu().contiguous().clone() for k, v in stage.hf_state_dict().items()}
-    if getattr(stage, "tied_lm_head", False):
+    if getattr(stage, "tied_lm_head", False) and not untied:
         sd.pop("lm_head.weight", None)  # the copy of the tied embedding: stage 0 holds it
     fname = shard_name(stage.index, num_stages)
     save_file(sd, os.path.join(tmp, fname), metadata={"format": "pt"})
@@ -129,6 +130,13 @@ def finalize(root: str, tmp: str, step: int, meta: dict, model_dir: str | None, 
             src = os.path.join(model_dir, name)
             if os.path.isfile(src):
                 shutil.copy2(src, os.path.join(tmp, name))
+    if meta.get("untied_embeddings"):  # the head copy trained apart: the export is an untied model
+        path = os.path.join(tmp, "config.json")
+        with open(path) as f:
+            hf = json.load(f)
+        hf["tie_word_embeddings"] = False
+        with open(path, "w") as f:
+            json.dump(hf, f, indent=2)
     files = {}
     for name in sorted(os.listdir(tmp)):
         p = os.path.join(tmp, name)
@@ -292,6 +300,7 @@ class Checkpointer:
 
     def __init__(self, cfg, plan, mesh, stage, parts: dict):
         self.cfg, self.plan, self.mesh, self.stage, self.parts = cfg, plan, mesh, stage, parts
+        self.untied_embeddings = False  # set by the trainer: a tied model trained untied
 
     def save(self, step: int) -> str | None:
         """Every fast rank calls it at the same step; returns the checkpoint directory, or
@@ -310,7 +319,7 @@ class Checkpointer:
         dist.barrier(group=mesh.fast)  # the directory exists before anyone writes (rank 0 may have removed an old one)
         y0 = cfg.replica_stages[0]  # replica 0's stages write the HF checkpoint
         if mesh.row == 0:
-            write_stage_shard(tmp, self.stage, y0)
+            write_stage_shard(tmp, self.stage, y0, untied=self.untied_embeddings)
         state = {"step": step}
         state.update({k: None if v is None else v.state_dict() for k, v in self.parts.items()})
         write_rank_state(tmp, mesh.rank, state)
@@ -318,7 +327,8 @@ class Checkpointer:
         final = step_dir(root, step)
         if mesh.rank == 0:
             meta = {"step": step, "rows": cfg.mesh.rows, "stages": cfg.mesh.stages, "anchor": cfg.anchor.enabled,
-                    "replicas": cfg.replica_stages, "model_path": plan.model_path, "config": cfg.to_dict()}
+                    "replicas": cfg.replica_stages, "model_path": plan.model_path, "config": cfg.to_dict(),
+                    "untied_embeddings": self.untied_embeddings}
             finalize(root, tmp, step, meta, plan.model_path, y0, cfg.checkpoint.keep)
         dist.barrier(group=mesh.fast)
         return final

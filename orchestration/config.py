@@ -51,6 +51,11 @@ class ModelConfig:
     path: str = _f("", "local Hugging Face checkpoint directory, a .gguf file, or a built-in name (smollm2-135m; "
                    "converted once into the cache) (empty: the default base model, built on first use)")
     dtype: str = _f("float32", "parameter dtype: float32 or bfloat16")
+    tied_embeddings: str = _f("sync", "a model whose input and output embeddings are tied, split over stages (each end "
+                              "holds a copy): sync = sum the two copies' gradients every step, exactly the unsplit "
+                              "model, at V x H x 4 bytes each way between first and last stage per step (no codec "
+                              "compresses it); untie = each copy trains on its own gradient, no such traffic, and the "
+                              "exported model is untied (a separate lm_head.weight)")
 
 
 @dataclass
@@ -419,6 +424,8 @@ def validate(cfg: Config) -> Config:
     _need(m.start_method in ("fork", "spawn"), f"--mesh.start-method must be fork or spawn, got {m.start_method!r}")
     _need(m.threads_per_rank >= 1, "--mesh.threads-per-rank must be >= 1")
     _need(cfg.model.dtype in ("float32", "bfloat16"), f"--model.dtype must be float32 or bfloat16, got {cfg.model.dtype!r}")
+    _need(cfg.model.tied_embeddings in ("sync", "untie"),
+          f"--model.tied-embeddings must be sync or untie, got {cfg.model.tied_embeddings!r}")
     _need(cfg.data.seq_len >= 2, f"--data.seq-len must be >= 2, got {cfg.data.seq_len}")
     _need(0.0 <= cfg.data.eval_fraction < 1.0, "--data.eval-fraction must be in [0, 1)")
     _need(cfg.data.on_decode_error in ("auto", "raise", "skip"),

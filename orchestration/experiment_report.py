@@ -51,7 +51,7 @@ def make_table(by_row: dict[str, list[dict]], s: Settings) -> str:
     has_em = any("exact_match" in r for rs in by_row.values() for r in rs)
     has_codec = any(r.get("codec_on_loss") is not None for rs in by_row.values() for r in rs)
     head = ["row", "seeds", "held-out loss", "Δ vs base", "Δ vs Dense (paired)", "ppl",
-            "B/tok PP fwd", "B/tok PP bwd", "B/tok DP", "B/tok anchor", "B/tok total",
+            "B/tok PP fwd", "B/tok PP bwd", "B/tok DP", "B/tok anchor", "B/tok tied", "B/tok total",
             "modeled tok/s @200Mbps", "network-only tok/s"]
     if s.prune:
         head.append("prune " + "/".join(f"{float(f):.0%}" for f in s.prune) + " (loss +%)")
@@ -71,7 +71,7 @@ def make_table(by_row: dict[str, list[dict]], s: Settings) -> str:
                  _fmt(paired) if name != "dense" else "0",
                  _fmt([r["final_perplexity"] for r in rs], 1),
                  _fmt(bpt("pp_fwd"), 1), _fmt(bpt("pp_bwd"), 1), _fmt(bpt("dp"), 1), _fmt(bpt("anchor"), 1),
-                 _fmt([r["bytes_per_token_total"] for r in rs], 1),
+                 _tied_cell(rs), _fmt([r["bytes_per_token_total"] for r in rs], 1),
                  _fmt([r["modeled_tokens_per_s"] for r in rs], 0),
                  _fmt([r["network_bound_tokens_per_s"] for r in rs], 0)]
         if s.prune:
@@ -85,6 +85,12 @@ def make_table(by_row: dict[str, list[dict]], s: Settings) -> str:
                                    for t in (rs[0].get("exact_match") or {})) or "-")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _tied_cell(rs: list[dict]) -> str:
+    """The tied-embedding axis; records written before it was counted lack it ("not counted")."""
+    tied = [r["bytes_per_token"].get("tied") for r in rs]
+    return "not counted" if None in tied else _fmt(tied, 1)
 
 
 def make_curve_table(by_row: dict[str, list[dict]]) -> str:
@@ -115,7 +121,7 @@ def make_curve_table(by_row: dict[str, list[dict]]) -> str:
 
 def write_csv(by_row: dict[str, list[dict]], path: str) -> None:
     cols = ["row", "group", "seed", "base_loss", "final_loss", "final_perplexity", "bpt_pp_fwd", "bpt_pp_bwd",
-            "bpt_dp", "bpt_anchor", "bpt_total", "modeled_tokens_per_s", "network_bound_tokens_per_s",
+            "bpt_dp", "bpt_anchor", "bpt_tied", "bpt_total", "modeled_tokens_per_s", "network_bound_tokens_per_s",
             "measured_tokens_per_s", "modeled_limit", "train_wall_s", "codec_on_loss", "curve_step_loss"]
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
@@ -124,7 +130,7 @@ def write_csv(by_row: dict[str, list[dict]], path: str) -> None:
             for r in rs:
                 b = r["bytes_per_token"]
                 w.writerow([r["row"], r["group"], r["seed"], r["base_loss"], r["final_loss"], r["final_perplexity"],
-                            b["pp_fwd"], b["pp_bwd"], b["dp"], b["anchor"], r["bytes_per_token_total"],
+                            b["pp_fwd"], b["pp_bwd"], b["dp"], b["anchor"], b.get("tied"), r["bytes_per_token_total"],
                             r["modeled_tokens_per_s"], r["network_bound_tokens_per_s"],
                             r["measured_tokens_per_s"], r["modeled_limit"], r.get("train_wall_s"),
                             r.get("codec_on_loss"),

@@ -288,7 +288,7 @@ def model_step(schedule, compute_times, message_bytes, link: LinkSpec = LinkSpec
                dp_every: float = 1.0, dp_fragments: int = 1, dp_overlap_steps: float | None = None,
                anchor_up_bytes: float | Sequence[float] = 0.0,
                anchor_down_bytes: float | Sequence[float] = 0.0,
-               anchor_up_nodes: int | None = None) -> StepModel:
+               anchor_up_nodes: int | None = None, tied_bytes: float = 0.0) -> StepModel:
     """Model one step of an X x Y mesh (X = ``replicas`` fast rows), "node" topology.
 
     dp_payload_bytes: what one stage column all-reduces to sync all its parameters once
@@ -315,6 +315,9 @@ def model_step(schedule, compute_times, message_bytes, link: LinkSpec = LinkSpec
         gradient push on their uplink); if that saturates, the anchor falls further
         behind (more staleness) but the fast circuit does not wait, so it is not modeled
         into the step time.
+    tied_bytes: what each of a replica's first and last stage sends the other per step
+        to sum a tied embedding's gradient (the trainer's "ends" all-reduce, before the
+        optimizer step): a blocking transfer after the pipeline, both directions at once.
     """
     S = len(schedule)
     tl = simulate(schedule, compute_times, message_bytes, link, topology="node")
@@ -332,14 +335,17 @@ def model_step(schedule, compute_times, message_bytes, link: LinkSpec = LinkSpec
     if blocking:
         per_step, frac = (1.0, 1.0) if dp_blocking else (1.0 / period, 1.0 / dp_fragments)
         dp_s = max(ring_allreduce_s(b * frac, X, link) for b in dp) * per_step
-    step, limiting = tl.step_s + dp_s, ("dp (blocking)" if dp_s > 0 else "pipeline")
+    tied_s = link.wire_s(tied_bytes) if tied_bytes > 0 else 0.0
+    step, limiting = tl.step_s + dp_s + tied_s, ("dp (blocking)" if dp_s > 0 else "pipeline")
+    if tied_s > max(dp_s, tl.step_s):
+        limiting = "tied-embedding gradient all-reduce (blocking)"
     for s in range(S):  # background: overlapped DP bursts and anchor traffic
         burst = 0.0 if blocking else link.wire_s(ring_allreduce_bytes(dp[s], X) / dp_fragments)
         w = window if not blocking else period
         for direction, anc in (("up", up_anc[s]), ("down", down_anc[s])):
             idle, a = tl.step_s - tl.busy_s.get((direction, s), 0.0), link.wire_s(anc)
             stall = max(0.0, burst + w * (a - idle)) + max(0.0, (period - w) * (a - idle))
-            need = tl.step_s + dp_s + stall / period
+            need = tl.step_s + dp_s + tied_s + stall / period
             if need > step + 1e-12:
                 step, limiting = need, f"{direction}link of stage {s} (pipeline busy + background)"
     pp = tl.bytes_by_kind()
@@ -348,6 +354,7 @@ def model_step(schedule, compute_times, message_bytes, link: LinkSpec = LinkSpec
         "pp_bwd": pp["B"] * X,
         "dp": sum(ring_allreduce_bytes(b, X) for b in dp) * X / (1.0 if dp_blocking else dp_every),
         "anchor": sum(up_anc) * (X if anchor_up_nodes is None else anchor_up_nodes) + sum(down_anc) * X,
+        "tied": 2.0 * tied_bytes * X,
     }
     tokens = X * tokens_per_replica
     per_tok = {k: v / tokens for k, v in axes.items()}
@@ -383,8 +390,9 @@ def model_run(cfg, plan, history: list[dict]) -> StepModel | None:
     ring = 2.0 * (X - 1) / X if X > 1 else 1.0
     dp_payload = [history[-1]["dp_bytes_by_stage"][s] / n / X / ring for s in range(Y)]
     anchor = history[-1]["bytes"]["anchor"] / n / max(1, X * Y)
+    tied = history[-1]["bytes"].get("tied", 0) / n / X / 2  # per end node and step
     return model_step(make_schedule(t.schedule, Y, t.microbatches), compute, msg,
                                 LinkSpec(cfg.run.bandwidth_bps, cfg.run.latency_s),
                                 replicas=X, tokens_per_replica=t.batch_size * cfg.data.seq_len,
                                 dp_payload_bytes=dp_payload, dp_blocking=cfg.dp.mode == "allreduce",
-                                anchor_up_bytes=anchor)
+                                anchor_up_bytes=anchor, tied_bytes=tied)

@@ -4,7 +4,8 @@ model: the trainer hands it the held-out loss and the modeled step.
 
 Axes: "pp_fwd" (activations between stages), "pp_bwd" (activation gradients),
 "dp" (replica sync: gradient all-reduce or DiLoCo fragments, as counted by the
-compressor / StreamingDiLoCo), "anchor" (anchor <-> fast traffic). Every rank counts
+compressor / StreamingDiLoCo), "anchor" (anchor <-> fast traffic), "tied" (the gradient
+all-reduce of a tied embedding split over a pipeline's first and last stage, every step). Every rank counts
 the bytes it SENDS, so summing over ranks counts each byte on the wire once.
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-AXES = ("pp_fwd", "pp_bwd", "dp", "anchor")
+AXES = ("pp_fwd", "pp_bwd", "dp", "anchor", "tied")
 
 
 class LinkCounter:

@@ -14,6 +14,8 @@ AXIS_TEXT = {
     "pp_bwd": "activation gradients sent backward between pipeline stages, per trained token",
     "dp": "replica sync (DiLoCo fragments or gradient all-reduce, after the compressor), per trained token",
     "anchor": "traffic between the fast replicas and the anchor row (snapshots, anchor gradients), per trained token",
+    "tied": "tied embedding split over first and last stage: its full gradient all-reduced between them every "
+            "step (not compressed by the boundary codec), per trained token",
 }
 
 
@@ -63,7 +65,9 @@ def summary_rows(s: dict) -> list[tuple[str, str, str]]:
         rows.append((f"modeled tokens/s @ {s['bandwidth_bps'] / 1e6:.0f} Mbps", f"{s['modeled_tokens_per_s']:.1f}",
                      "orchestration.linkmodel's estimate for a mesh of real devices over links of --run.bandwidth-bps"))
         rows.append(("why they differ", "", _why_modeled_differs(s)))
-    for a in ("pp_fwd", "pp_bwd", "dp", "anchor"):
+    for a in AXIS_TEXT:
+        if a == "tied" and not s["bytes_per_token"].get(a):
+            continue  # untied model, or one stage: no such traffic
         rows.append((f"bytes/token {a}{whole}", f"{s['bytes_per_token'][a]:.1f}", AXIS_TEXT[a]))
     rows.append(("bytes/token PP (fwd+bwd)", f"{s['bytes_per_token_pp']:.1f}",
                  "both pipeline directions, what masking shrinks (dense fp32 sends 8 x H bytes)"))

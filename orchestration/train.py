@@ -196,7 +196,7 @@ def _check_resumable(cfg: Config, path: str, meta: dict, hf_cfg) -> None:
     split = lambda lps: list(lps) if lps else balanced_layers(n, cfg.mesh.stages)  # noqa: E731
     # What the ranks' saved state depends on (DiLoCo / compressor state, the subspace projector):
     # a mismatch found by one rank's load would leave the others waiting for it.
-    keys = (("train", "optimizer"), ("anchor", "enabled"), ("mesh", "layers_per_stage"), ("dp", "mode"),
+    keys = (("train", "optimizer"), ("anchor", "enabled"), ("model", "tied_embeddings"), ("mesh", "layers_per_stage"), ("dp", "mode"),
             ("dp", "compressor"), ("dp", "projection"), ("boundary", "compress"))
     was_sub = old.get("boundary", {}).get("codec") == "subspace"
     if was_sub != (cfg.boundary.codec == "subspace") and old.get("boundary"):

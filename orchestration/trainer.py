@@ -255,7 +255,8 @@ class Trainer:
         self.sync = ReplicaSync(cfg, mesh, stage, lambda: make_compressor(cfg),
                                 projector=self.subspace.projector if self.subspace else None)
         tied = stage.tied_lm_head or (stage.is_first and _tied_across(plan, mesh.layout.stages_of(mesh.row)))
-        self.tied_param = (stage.lm_head.weight if stage.is_last else stage.embed_tokens.weight) if tied else None
+        untie = cfg.model.tied_embeddings == "untie"
+        self.tied_param = (stage.lm_head.weight if stage.is_last else stage.embed_tokens.weight) if tied and not untie else None
         if self.tied_param is not None and not self.tied_param.requires_grad:
             self.tied_param = None  # frozen (subspace codec): nothing to sum
         self.hook = NullAnchor()
@@ -270,6 +271,7 @@ class Trainer:
             "stage": stage, "optimizer": self.optimizer, **self.sync.parts(),
             "counter": self.counter, "guard": self.guard,
             "anchor": self.hook if cfg.anchor.enabled else None})  # delay mode: what makes a resume exact
+        self.checkpointer.untied_embeddings = tied and untie  # rank 0's view decides the export's config
 
     # ------------------------------------------------------------------ one step
     def step(self, step: int):
@@ -283,7 +285,14 @@ class Trainer:
             g = self.stage.embed_tokens.weight.grad + self.stage.lm_head.weight.grad
             self.stage.embed_tokens.weight.grad, self.stage.lm_head.weight.grad = g, g.clone()
         elif self.tied_param is not None:
-            dist.all_reduce(self.tied_param.grad, group=mesh.groups[f"ends{mesh.row}"])
+            grad = self.tied_param.grad
+            dist.all_reduce(grad, group=mesh.groups[f"ends{mesh.row}"])
+            # An all-reduce of two ranks sends the tensor's size from each (reduce-scatter
+            # and all-gather of halves): not small, and no boundary codec compresses it.
+            lay = mesh.layout
+            ends = (lay.rank_of(mesh.row, 0), lay.rank_of(mesh.row, lay.stages_of(mesh.row) - 1))
+            self.counter.add("tied", mesh.rank, ends[1] if mesh.rank == ends[0] else ends[0],
+                             grad.numel() * grad.element_size())
         if self.sync.allreduce is not None:
             self.sync.all_reduce_grads()
             self.counter.set_total("dp", self.sync.bytes_sent)

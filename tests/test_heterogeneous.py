@@ -162,6 +162,12 @@ def test_uncompressed_heterogeneous_run_equals_the_homogeneous_run_on_the_same_d
             torch.testing.assert_close(r1[k], wh[k], msg=lambda m, k=k: f"replica 1 {k}: {m}", **tol)
     # the full replica's rank is in both segments: DP bytes on rank 0, none on pipeline links of replica 0
     assert res_h[0]["bytes"]["pp_fwd"] == 0 and res_h[1]["bytes"]["pp_fwd"] > 0
+    # a tied embedding split over a pipeline's two stages: each end sends its whole fp32
+    # gradient every step (4 steps); the full replica sums its two copies in memory
+    emb = load_causal_lm_weights(tiny)["model.embed_tokens.weight"]
+    want = 4 * emb.numel() * 4 if model == "tied" else 0
+    assert [r["bytes"]["tied"] for r in sorted(res_g, key=lambda r: r["rank"])] == [want] * 6
+    assert [r["bytes"]["tied"] for r in sorted(res_h, key=lambda r: r["rank"])] == [0] + [want] * 4
 
 
 @pytest.mark.slow

@@ -113,8 +113,21 @@ def test_model_step_blocking_dp_adds_the_allreduce():
     assert m.step_s == pytest.approx(8.0 + 3.0)  # stage 1's 2x payload: 1.5 * 2 s
     assert m.limiting == "dp (blocking)"
     assert m.tokens == 4000 and m.tokens_per_s == pytest.approx(4000 / 11.0)
-    assert m.bytes == pytest.approx({"pp_fwd": 4 * ONE_S, "pp_bwd": 4 * ONE_S, "dp": 4 * 1.5 * 3 * ONE_S, "anchor": 0})
+    assert m.bytes == pytest.approx({"pp_fwd": 4 * ONE_S, "pp_bwd": 4 * ONE_S, "dp": 4 * 1.5 * 3 * ONE_S, "anchor": 0,
+                                   "tied": 0})
     assert m.bytes_per_token["total"] == pytest.approx(sum(m.bytes.values()) / 4000)
+
+
+def test_model_step_tied_embedding_allreduce_blocks_after_the_pipeline():
+    """A tied embedding split over first and last stage: both send its gradient every step
+    before the optimizer step, so its wire time adds to the step; it dominates when larger."""
+    sched = make_schedule("gpipe", 2, 1)
+    ct, mb = {"F": 1.0, "B": 2.0}, {"F": ONE_S, "B": ONE_S}  # pipeline 8 s
+    m = model_step(sched, ct, mb, L, replicas=3, tokens_per_replica=100, tied_bytes=2 * ONE_S)
+    assert m.step_s == pytest.approx(8.0 + 2.0) and m.limiting == "pipeline"
+    assert m.bytes["tied"] == pytest.approx(3 * 2 * 2 * ONE_S)  # both ends of each replica
+    big = model_step(sched, ct, mb, L, replicas=3, tokens_per_replica=100, tied_bytes=10 * ONE_S)
+    assert big.step_s == pytest.approx(18.0) and big.limiting.startswith("tied-embedding")
 
 
 def test_model_step_background_fills_idle_link_time():
