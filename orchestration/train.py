@@ -147,8 +147,8 @@ def prepare(cfg: Config, *, load_model: bool = True) -> Plan:
         meta = ckpt.read_meta(resume_from)
         if meta.get("replicas") is not None:  # stages of each fast replica
             was, now = [int(y) for y in meta["replicas"]], cfg.replica_stages
-        else:  # a checkpoint from before heterogeneous meshes: rows x stages
-            was, now = [meta["stages"]] * meta["rows"], [cfg.mesh.stages] * cfg.mesh.rows
+        else:  # a checkpoint from before heterogeneous meshes: rows (the anchor row included) x stages
+            was, now = [meta["stages"]] * (meta["rows"] - bool(meta.get("anchor"))), cfg.replica_stages
         if was != now:
             raise ValueError(f"--checkpoint.resume {resume_from} was written by a mesh of {mesh_name(was)}, "
                              f"this run is {mesh_name(now)}")

@@ -56,6 +56,19 @@ def test_checkpoint_then_resume_continues_with_identical_losses(tiny, tmp_path, 
     assert res2[1]["losses"] == full[2:]  # bit-identical continuation
     assert res2[0]["bytes"] == res[0]["bytes"]  # counters restored, then the same traffic
 
+    if dp[1] == "allreduce":  # a checkpoint from before heterogeneous meshes (no "replicas" in its meta)
+        path = os.path.join(step2, "meta.json")
+        with open(path) as f:
+            meta = json.load(f)
+        del meta["replicas"]
+        with open(path, "w") as f:
+            json.dump(meta, f)
+        # 2,1 derives rows 2 x stages 2 like the checkpoint, but its replicas differ
+        with pytest.raises(ValueError, match=r"written by a mesh of 2x2, this run is replicas 2,1"):
+            prepare(parse_args(_args(tiny, tmp_path, "--mesh.replicas", "2,1", "--train.steps", "4",
+                                     "--boundary.codec", "dense", "--boundary.compress", "all", *dp,
+                                     "--checkpoint.resume", step2))[0], load_model=False)
+
 
 @pytest.mark.slow
 def test_killed_rank_stops_the_mesh_and_keeps_the_last_checkpoint(tiny, tmp_path):
