@@ -385,6 +385,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
     if cfg.mesh.replicas:  # a heterogeneous mesh's own defaults, for what nothing above set
         named = {(sec, k.replace("-", "_")) for d in [*given, over] for sec, sub in d.items()
                  if isinstance(sub, dict) for k in sub}
+        reps = list(cfg.mesh.replicas)
+        for k, v in (("rows", len(reps)), ("stages", max(reps))):
+            # each flag given (here or in a file) must agree with the replicas; one not given is derived
+            _need(("mesh", k) not in named or getattr(cfg.mesh, k) == v,
+                  f"--mesh.replicas {','.join(map(str, reps))} makes a mesh of {len(reps)} replicas of up to "
+                  f"{max(reps)} stages; it conflicts with --mesh.{k} {getattr(cfg.mesh, k)} (give one or the other)")
+            setattr(cfg.mesh, k, v)
         fill: dict = {}
         for (sec, k), v in HETEROGENEOUS_DEFAULTS.items():
             if (sec, k) not in named:

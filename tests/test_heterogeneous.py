@@ -66,6 +66,9 @@ def test_config_derives_the_mesh_and_the_codec_of_each_replica():
     cfg, _ = parse_args(["--mesh.replicas", "2,2", "--dp.compressor", "powersgd", "--boundary.compress", "all"])
     assert (cfg.dp.compressor, cfg.boundary.compress) == ("powersgd", "all")
     assert parse_args([])[0].dp.compressor == "powersgd"  # homogeneous meshes keep theirs
+    # --mesh.rows / --mesh.stages given alongside: accepted when they agree, one by one
+    cfg, _ = parse_args(["--mesh.replicas", "1,3", "--mesh.rows", "2"])
+    assert (cfg.mesh.rows, cfg.mesh.stages) == (2, 3)
 
 
 @pytest.mark.parametrize("argv,match", [
@@ -75,6 +78,8 @@ def test_config_derives_the_mesh_and_the_codec_of_each_replica():
     (["--mesh.replicas", "0,2"], "stage counts >= 1"),
     (["--boundary.compress", "some"], "all or selective"),
     (["--mesh.replicas", "1,2,2", "--mesh.rows", "5"], "conflicts with --mesh.rows"),
+    (["--mesh.replicas", "1,2,2,2", "--mesh.rows", "3", "--mesh.stages", "2"], "conflicts with --mesh.rows 3"),
+    (["--mesh.replicas", "1,3", "--mesh.stages", "2"], "conflicts with --mesh.stages 2"),
     (["--boundary.codec", "subspace", "--dp.compressor", "powersgd", "--dp.projection", "error"], "error feedback"),
     (["--dp.projection", "outer+sideways"], "--dp.projection"),
     (["--dp.fragments", "4", "--dp.sync-every", "2", "--dp.overlap-steps", "0"], "--dp.fragments 4"),
