@@ -63,17 +63,19 @@ def replica_model(final: str, cfg, row: int, base_path: str):
     from orchestration import checkpoint as ckpt
     from orchestration.mesh import MeshLayout
     from orchestration.models import load_causal_lm
-    from orchestration.stages import balanced_layers, hf_name
+    from orchestration.stages import hf_name, replica_split
 
     model, _ = load_causal_lm(base_path)
     lay = MeshLayout.of(cfg)
     y = lay.stages_of(row)
-    split, lo, sd = balanced_layers(model.config.num_hidden_layers, y), 0, {}
+    split, lo, sd = replica_split(model.config.num_hidden_layers, y, cfg.mesh.layers_per_stage), 0, {}
     for s in range(y):
         for k, v in ckpt.load_rank_state(final, lay.rank_of(row, s))["stage"].items():
             if not k.startswith("rotary_emb."):
                 sd[hf_name(k, lo)] = v
         lo += split[s]
+    if model.config.tie_word_embeddings:  # the last stage's head is a copy: keep stage 0's, as the export does
+        sd.pop("lm_head.weight", None)
     missing, unexpected = model.load_state_dict(sd, strict=False)
     if unexpected or [m for m in missing if m != "lm_head.weight"]:
         raise RuntimeError(f"replica {row} at {final}: missing {missing}, unexpected {unexpected}")

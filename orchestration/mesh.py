@@ -186,15 +186,13 @@ class MeshLayout:
     def sync_segments(self, num_layers: int, layers_per_stage: list[int] | None = None) -> list[SyncSegment]:
         """DP sync groups by parameter name: model units grouped by the tuple of ranks (one
         per fast replica) that hold them, in a fixed order (every rank builds the same list).
-        Each replica is split like the trainer splits it (``stages.balanced_layers``, or
-        ``layers_per_stage`` for replicas of that many stages)."""
-        from orchestration.stages import balanced_layers
+        Each replica is split like the trainer splits it (``stages.replica_split``)."""
+        from orchestration.stages import replica_split
 
         holders: dict[str, list[int]] = {}
         for r in range(self.fast_rows):
             y = self.stages_of(r)
-            split = list(layers_per_stage) if layers_per_stage and len(layers_per_stage) == y else balanced_layers(num_layers, y)
-            for s, units in enumerate(stage_units(num_layers, split)):
+            for s, units in enumerate(stage_units(num_layers, replica_split(num_layers, y, layers_per_stage))):
                 for u in units:
                     holders.setdefault(u, []).append(self.rank_of(r, s))
         by_ranks: dict[tuple, list[str]] = {}

@@ -68,6 +68,16 @@ def _layer_attention_types(config) -> list[str]:
     return [_SLIDING if sliding else _FULL] * n
 
 
+def replica_split(num_layers: int, num_stages: int, layers_per_stage=None) -> list[int]:
+    """Layers per stage of a replica of ``num_stages`` stages: ``layers_per_stage``
+    (--mesh.layers-per-stage) when it has that many entries, else ``balanced_layers``. The
+    one rule the trainer, the sync segments, the resume check and the experiment tools use
+    (in a heterogeneous mesh a split given for one depth does not apply to the others)."""
+    if layers_per_stage and len(layers_per_stage) == num_stages:
+        return [int(k) for k in layers_per_stage]
+    return balanced_layers(num_layers, num_stages)
+
+
 def balanced_layers(num_layers: int, num_stages: int) -> list[int]:
     """Layers per stage, as even as possible; earlier stages get the extra layers.
 

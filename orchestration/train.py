@@ -72,7 +72,7 @@ def prepare(cfg: Config, *, load_model: bool = True) -> Plan:
 
     from orchestration import data as data_mod
     from orchestration import model_paths, models
-    from orchestration.stages import SUPPORTED_ARCHITECTURES, balanced_layers
+    from orchestration.stages import SUPPORTED_ARCHITECTURES, replica_split
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # one progress bar on screen: ours
@@ -93,15 +93,13 @@ def prepare(cfg: Config, *, load_model: bool = True) -> Plan:
                          f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     n_layers = hf_cfg.num_hidden_layers
     lps = cfg.mesh.layers_per_stage
-    if lps:
-        if sum(lps) != n_layers:
-            raise ValueError(f"--mesh.layers-per-stage {lps} sums to {sum(lps)}, the model has {n_layers} decoder layers")
-    else:
-        for y in sorted(set(cfg.replica_stages)):
-            try:
-                balanced_layers(n_layers, y)
-            except ValueError as e:  # more stages than layers
-                raise ValueError(f"--mesh.{'replicas' if cfg.mesh.replicas else 'stages'} {y}: {e}") from None
+    if lps and sum(lps) != n_layers:
+        raise ValueError(f"--mesh.layers-per-stage {lps} sums to {sum(lps)}, the model has {n_layers} decoder layers")
+    for y in sorted(set(cfg.replica_stages)):
+        try:
+            replica_split(n_layers, y, lps)
+        except ValueError as e:  # more stages than layers
+            raise ValueError(f"--mesh.{'replicas' if cfg.mesh.replicas else 'stages'} {y}: {e}") from None
     if cfg.mesh.dist_backend == "nccl" and not torch.cuda.is_available():
         raise ValueError("--mesh.dist-backend nccl needs CUDA GPUs, and torch sees none (torch.cuda.is_available() is False)")
     source = cfg.data.source or DEFAULT_DATA
@@ -189,11 +187,11 @@ def _check_resumable(cfg: Config, path: str, meta: dict, hf_cfg) -> None:
     """ValueError naming the difference if the checkpoint at ``path`` was written by a run
     whose state this one cannot load: another optimizer or anchor setting, another layer
     split, another model shape."""
-    from orchestration.stages import balanced_layers
+    from orchestration.stages import replica_split
 
     old = meta.get("config", {})
     n = hf_cfg.num_hidden_layers
-    split = lambda lps: list(lps) if lps else balanced_layers(n, cfg.mesh.stages)  # noqa: E731
+    split = lambda lps: replica_split(n, cfg.mesh.stages, lps)  # noqa: E731
     # What the ranks' saved state depends on (DiLoCo / compressor state, the subspace projector):
     # a mismatch found by one rank's load would leave the others waiting for it.
     keys = (("train", "optimizer"), ("anchor", "enabled"), ("model", "tied_embeddings"), ("mesh", "layers_per_stage"), ("dp", "mode"),

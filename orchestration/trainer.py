@@ -77,7 +77,7 @@ class RankContext:
 def build_stage(cfg: Config, plan, mesh):
     """This rank's stage of the model (seeded, on the mesh's device, in train mode)."""
     from orchestration.models import load_causal_lm
-    from orchestration.stages import split_model
+    from orchestration.stages import replica_split, split_model
 
     torch.manual_seed(cfg.train.seed)
     model = plan.model
@@ -87,8 +87,7 @@ def build_stage(cfg: Config, plan, mesh):
 
     plan.subspace = subspace_train.prepare_model(cfg, model) if subspace_train.uses_subspace(cfg) else None
     y = mesh.layout.stages_of(mesh.row)  # a heterogeneous mesh's replicas differ in depth
-    lps = cfg.mesh.layers_per_stage if len(cfg.mesh.layers_per_stage) == y else None
-    stages = split_model(model, y, lps or None)
+    stages = split_model(model, y, replica_split(model.config.num_hidden_layers, y, cfg.mesh.layers_per_stage))
     stage = stages[mesh.stage]
     if y == 1 and max(cfg.replica_stages) > 1 and stage.lm_head.weight is stage.embed_tokens.weight:
         _untie(stage)  # a full replica beside pipelines holds two copies, as their stages do
