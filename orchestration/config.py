@@ -401,6 +401,24 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
     return cfg, ns
 
 
+def ineffective_settings(cfg: Config) -> list[str]:
+    """Settings a valid config accepts that change nothing in this mesh, one line each
+    (the trainer prints them as warnings)."""
+    out = []
+    codecs = {cfg.replica_codec(r) for r in range(cfg.fast_rows)}
+    if cfg.boundary.compress == "selective" and not cfg.mesh.replicas and cfg.mesh.stages > 1:
+        out.append("--boundary.compress selective: this mesh has no full replica, so every replica's boundaries "
+                   "are compressed, as with all")
+    if cfg.boundary.codec == "subspace" and "subspace" not in codecs:
+        out.append("--boundary.codec subspace: no replica uses it (selective keeps full replicas dense and this "
+                   "mesh has no pipeline replica)")
+    if cfg.dp.projection != DPConfig().projection and (
+            cfg.dp.mode != "diloco" or cfg.fast_rows < 2 or "subspace" not in codecs):
+        out.append(f"--dp.projection {cfg.dp.projection}: it acts on the DiLoCo sync (--dp.mode diloco, 2+ replicas) of "
+                   f"subspace-constrained replicas; this run has none, so it is ignored")
+    return out
+
+
 def _need(cond: bool, msg: str) -> None:
     if not cond:
         raise ValueError(msg)
@@ -459,8 +477,9 @@ def validate(cfg: Config) -> Config:
     _need(b.codec in CODECS, f"--boundary.codec must be one of {', '.join(CODECS)}, got {b.codec!r}")
     _need(b.compress in ("all", "selective"), f"--boundary.compress must be all or selective, got {b.compress!r}")
     if m.replicas and len(set(m.replicas)) > 1:
-        _need(b.codec != "pca", "--mesh.replicas: the pca codec fits one basis per boundary of one split; a heterogeneous "
-                                "mesh has several splits: use --boundary.codec subspace (the paper's), int4, ... (docs/codecs.md)")
+        _need(b.codec != "pca", "--mesh.replicas: the pca codec is not supported on a heterogeneous mesh (its calibration "
+                                "fits the bases of one homogeneous split): use --boundary.codec subspace (the paper's), "
+                                "int4, ... (docs/codecs.md)")
         full_compressed = [r for r in range(m.rows) if m.replicas[r] == 1 and cfg.replica_codec(r) not in ("dense", "subspace")]
         _need(not full_compressed, f"--mesh.replicas: replica {full_compressed[:1]} is a full replica (no stage boundary) "
                                    f"and --boundary.codec {b.codec} compresses boundaries only; use --boundary.compress "

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from orchestration import checkpoint as ckpt
-from orchestration.config import Config, flag_name, parse_args, to_yaml
+from orchestration.config import Config, flag_name, ineffective_settings, parse_args, to_yaml
 from orchestration.launch import MeshFailure, free_port, run_local
 from orchestration.mesh import MeshLayout, destroy_mesh, init_mesh, mesh_name
 from orchestration.trainer import (RankContext, Trainer, build_stage, data_shard,  # noqa: F401 (data_shard,
@@ -153,6 +153,8 @@ def prepare(cfg: Config, *, load_model: bool = True) -> Plan:
         if meta["step"] >= cfg.train.steps:
             raise ValueError(f"--checkpoint.resume {resume_from} is at step {meta['step']}, not before --train.steps {cfg.train.steps}")
         _check_resumable(cfg, resume_from, meta, hf_cfg)
+    for line in ineffective_settings(cfg):
+        print(f"warning: {line}", file=sys.stderr, flush=True)
     max_pos = getattr(hf_cfg, "max_position_embeddings", None)
     if max_pos and cfg.data.seq_len > max_pos:
         print(f"warning: --data.seq-len {cfg.data.seq_len} exceeds the model's max_position_embeddings {max_pos}",

@@ -89,6 +89,25 @@ def test_config_refuses_what_a_heterogeneous_mesh_cannot_run(argv, match):
         parse_args(argv)
 
 
+@pytest.mark.parametrize("argv,match", [
+    (["--mesh.rows", "2", "--mesh.stages", "2", "--boundary.compress", "selective"], "no full replica"),
+    (["--mesh.replicas", "1,1", "--boundary.codec", "subspace"], "no replica uses it"),
+    (["--mesh.replicas", "1,2", "--boundary.codec", "subspace", "--dp.mode", "allreduce",
+      "--dp.projection", "reproject"], "--dp.projection reproject"),
+    (["--dp.projection", "reproject"], "is ignored"),
+    ([], None),
+    (["--mesh.replicas", "1,2", "--boundary.codec", "subspace", "--dp.projection", "reproject"], None),
+])
+def test_settings_that_change_nothing_are_named(argv, match):
+    from orchestration.config import ineffective_settings
+
+    lines = ineffective_settings(parse_args(argv)[0])
+    if match is None:
+        assert lines == []
+    else:
+        assert len(lines) == 1 and match in lines[0]
+
+
 # ------------------------------------------------------------------ end to end
 def _run(argv):
     cfg, _ = parse_args(argv)
