@@ -97,7 +97,9 @@ class Stage(nn.Module):
     """One pipeline stage: [embedding] -> decoder layers [lo, hi) -> [final norm -> LM head].
 
     Attributes: ``index``, ``num_stages``, ``layer_range`` (lo, hi), ``is_first``,
-    ``is_last``, ``hidden_size``, ``vocab_size``, ``tied_lm_head`` (see module doc).
+    ``is_last``, ``hidden_size``, ``vocab_size``, ``tied_lm_head`` (see module doc),
+    ``tied_embed`` (the first stage of a tied model split over stages: its embedding has a
+    copy on the last stage).
     Parameter names follow the HF checkpoint (``model.layers.<i>.``, ``model.embed_tokens.``,
     ``model.norm.``, ``lm_head.``) via ``hf_state_dict()``, so stages can be written back
     into one HF-format checkpoint.
@@ -110,6 +112,7 @@ class Stage(nn.Module):
         super().__init__()
         self.index, self.num_stages = index, num_stages
         self.config = config
+        self.tied_embed = False  # set by split_model
         self.layer_range = layer_range
         self.is_first, self.is_last = index == 0, index == num_stages - 1
         self.hidden_size, self.vocab_size = config.hidden_size, config.vocab_size
@@ -248,6 +251,7 @@ def split_model(model: nn.Module, num_stages: int,
             norm=backbone.norm if last else None, lm_head=lm_head,
             tied_lm_head=tied and last and not first))
         lo += k
+    stages[0].tied_embed = tied and num_stages > 1
     return stages
 
 

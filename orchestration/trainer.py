@@ -253,7 +253,7 @@ class Trainer:
             self.subspace = SubspaceRun(self, plan.subspace)
         self.sync = ReplicaSync(cfg, mesh, stage, lambda: make_compressor(cfg),
                                 projector=self.subspace.projector if self.subspace else None)
-        tied = stage.tied_lm_head or (stage.is_first and _tied_across(plan, mesh.layout.stages_of(mesh.row)))
+        tied = stage.tied_lm_head or stage.tied_embed  # split_model / _untie decided, from the weights themselves
         untie = cfg.model.tied_embeddings == "untie"
         self.tied_param = (stage.lm_head.weight if stage.is_last else stage.embed_tokens.weight) if tied and not untie else None
         if self.tied_param is not None and not self.tied_param.requires_grad:
@@ -452,12 +452,6 @@ def checkpoint_loss(path: str, rows: torch.Tensor, *, dtype: torch.dtype = torch
 
     model, _ = load_causal_lm(path, dtype=dtype)
     return eval_loss(model, rows)["loss"]
-
-
-def _tied_across(plan, num_stages: int) -> bool:
-    from transformers import AutoConfig
-
-    return num_stages > 1 and bool(getattr(AutoConfig.from_pretrained(plan.model_path), "tie_word_embeddings", False))
 
 
 def _clip(params, max_norm: float, pp_group, skip_in_norm=None) -> float:
