@@ -208,11 +208,17 @@ def evaluate_run(row: Row, seed: int, s: Settings, argv: list[str], run_dir: str
     return rec
 
 
-def _code_version() -> str:
+def _code_version(root: str | None = None) -> str:
     """The repository's commit (+ "-dirty" with uncommitted changes): what a result was
-    measured with (data generators and presets can change between runs)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    measured with (data generators and presets can change between runs). "unknown" when the
+    source tree is not itself a git checkout (an installed package, or a copy of the tree
+    inside another checkout, whose commit says nothing about this code)."""
+    root = root or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
+        top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=root, capture_output=True,
+                             text=True, timeout=10).stdout.strip()
+        if not top or os.path.realpath(top) != os.path.realpath(root):
+            return "unknown"
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
                               text=True, timeout=10).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,

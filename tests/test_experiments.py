@@ -157,3 +157,25 @@ def test_experiments_help_shows_each_default_once():
     assert "(default: None)" not in text and "(default: False)" not in text
     assert text.count("default 80") == 1 and "default 80, --quick 4) (default" not in text
     assert "(default: main)" in text and "(default: 0,1,2)" in text and "--docs" in text
+
+
+def test_code_version_names_only_the_checkout_the_code_is_in(tmp_path):
+    """A record's code version is the commit of the checkout holding the code; a copy of the
+    tree inside another checkout (or no checkout) is "unknown", not the outer commit."""
+    import subprocess
+
+    def git(*a):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *a], cwd=tmp_path, check=True,
+                       capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "f.txt").write_text("x")
+    git("add", "f.txt")
+    git("commit", "-q", "-m", "c")
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tmp_path, capture_output=True,
+                          text=True).stdout.strip()
+    assert experiments._code_version(str(tmp_path)) == head
+    (tmp_path / "f.txt").write_text("y")
+    assert experiments._code_version(str(tmp_path)) == head + "-dirty"
+    (tmp_path / "copy").mkdir()
+    assert experiments._code_version(str(tmp_path / "copy")) == "unknown"
