@@ -300,7 +300,9 @@ class Checkpointer:
 
     def __init__(self, cfg, plan, mesh, stage, parts: dict):
         self.cfg, self.plan, self.mesh, self.stage, self.parts = cfg, plan, mesh, stage, parts
-        self.untied_embeddings = False  # set by the trainer: a tied model trained untied
+        # a tied model split over stages and trained untied: the export keeps the head copy, untied
+        self.untied_embeddings = cfg.model.tied_embeddings == "untie" and bool(
+            getattr(stage, "tied_lm_head", False) or getattr(stage, "tied_embed", False))
 
     def save(self, step: int) -> str | None:
         """Every fast rank calls it at the same step; returns the checkpoint directory, or

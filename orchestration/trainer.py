@@ -270,7 +270,6 @@ class Trainer:
             "stage": stage, "optimizer": self.optimizer, **self.sync.parts(),
             "counter": self.counter, "guard": self.guard,
             "anchor": self.hook if cfg.anchor.enabled else None})  # delay mode: what makes a resume exact
-        self.checkpointer.untied_embeddings = tied and untie  # rank 0's view decides the export's config
 
     # ------------------------------------------------------------------ one step
     def step(self, step: int):
