@@ -431,11 +431,7 @@ def validate(cfg: Config) -> Config:
         _need(all(isinstance(y, int) and y >= 1 for y in m.replicas),
               f"--mesh.replicas entries are stage counts >= 1, got {m.replicas}")
         _need(not a.enabled, "--mesh.replicas (a heterogeneous mesh) cannot run the anchor row (--anchor.enabled)")
-        derived, untouched = (len(m.replicas), max(m.replicas)), (MeshConfig().rows, MeshConfig().stages)
-        _need((m.rows, m.stages) in (derived, untouched),
-              f"--mesh.replicas {','.join(map(str, m.replicas))} makes a mesh of {derived[0]} replicas of up to "
-              f"{derived[1]} stages; it conflicts with --mesh.rows {m.rows} / --mesh.stages {m.stages} (give one or the other)")
-        m.rows, m.stages = derived
+        m.rows, m.stages = len(m.replicas), max(m.replicas)  # parse_args checked given flags against these
     _need(m.rows >= 1, f"--mesh.rows must be >= 1, got {m.rows}")
     _need(m.stages >= 1, f"--mesh.stages must be >= 1, got {m.stages}")
     _need(not a.enabled or m.rows >= 2, "--anchor.enabled needs --mesh.rows >= 2 (the last row is the anchor)")
