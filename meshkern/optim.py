@@ -505,7 +505,7 @@ class SpectralAdamW(torch.optim.AdamW):
     def _take_priors(self, factors) -> None:
         """Stores accepted factors as the priors (fp32 copies on each parameter's device),
         batched over entries of one shape, device and tau: one copy of each of U, S, V per
-        batch, and the direct projection's U d and V d prepared here for each batch
+        batch, and the direct projection's (U d)^T, V d and V^T prepared here for each batch
         (``_direct`` then finds them) instead of a dozen small tensor ops per matrix at
         the next step."""
         groups: dict[tuple, list[int]] = {}
@@ -517,13 +517,14 @@ class SpectralAdamW(torch.optim.AdamW):
             dev = params[members[0]].device
             Us, Ss, Vs = (torch.stack([factors[i][k].detach().to(dev, torch.float32) for i in members])
                           for k in range(3))
-            if self.backend == "auto" and dev.type == "cpu":
+            direct = self.backend == "auto" and dev.type == "cpu"
+            if direct:
                 d = spectral.gains(Ss, tau)[:, None, :]
-                Uds, Vds = Us * d, Vs * d
-            for j, i in enumerate(members):
-                prior = self._prior[i] = (Us[j], Ss[j], Vs[j])
-                if self.backend == "auto" and dev.type == "cpu":
-                    self._prep[i] = (prior, tau, Us[j], Uds[j], Vs[j], Vds[j])
+                prep = zip(*((Us * d).mT.contiguous().unbind(), (Vs * d).unbind(), Vs.mT.contiguous().unbind()))
+            for i, u, s, v in zip(members, Us.unbind(), Ss.unbind(), Vs.unbind()):
+                prior = self._prior[i] = (u, s, v)
+                if direct:
+                    self._prep[i] = (prior, tau, u, *next(prep))
 
     @staticmethod
     def _factors_ok(factors, idx: list[int], check_ortho: bool) -> bool:
@@ -625,36 +626,23 @@ class SpectralAdamW(torch.optim.AdamW):
         return buf
 
     def _direct(self, i: int, f: Factors, tau: float, g: Tensor):
-        """The prior of parameter ``i`` prepared for the direct projection (``_project``):
-        (U, U diag(d), V, V diag(d)) in fp32 on g's device, cached until the prior or tau
-        changes; None where the direct path does not apply (then meshkern.spectral.project
-        runs). Direct: backend "auto", fp32 gradient on CPU."""
-        if self.backend != "auto" or g.dtype != torch.float32 or g.device.type != "cpu" or g.dim() != 2:
+        """The prior of parameter ``i`` prepared for the direct projection
+        (meshkern.spectral.project_prepared): (U, (U diag(d))^T, V diag(d), V^T) in fp32 on g's
+        device, contiguous, cached until the prior or tau changes; None where the direct
+        path does not apply (then meshkern.spectral.project runs). Direct: backend "auto",
+        a contiguous fp32 matrix gradient on CPU. Why a path of its own: the custom op's
+        checks and dispatch cost more than the GEMMs on small matrices, and all of a step's
+        matrices go to the kernel in one call (docs/benchmarks.md, "The fast node's
+        optimizer with the factored transport")."""
+        if self.backend != "auto" or g.dtype != torch.float32 or g.device.type != "cpu" or g.dim() != 2 \
+                or not g.is_contiguous():
             return None
         c = self._prep.get(i)
         if c is None or c[0] is not f or c[1] != tau:
             U, S, V = (t.detach().to(g.device, torch.float32).contiguous() for t in f)
             d = spectral.gains(S, tau)
-            c = self._prep[i] = (f, tau, U, (U * d).contiguous(), V, (V * d).contiguous())
+            c = self._prep[i] = (f, tau, U, (U * d).mT.contiguous(), (V * d).contiguous(), V.mT.contiguous())
         return c[2:]
-
-    @staticmethod
-    def _project(g: Tensor, prep, alpha: float, out: Tensor | None) -> tuple[Tensor, Tensor]:
-        """alpha*G + (1-alpha) * U X_f V^T with X_f = diag(d) U^T G V diag(d) = (U d)^T G (V d),
-        as four torch GEMMs (two m*n*r, two m*r*r) with no per-call checks or dispatch
-        layers: the same result as meshkern.spectral.project to fp32 rounding. Returns
-        (G_proj, X_f); ||G_filt||_F^2 = ||X_f||_F^2 (U, V orthonormal). On CPU at the shapes of
-        bench/anchor_step_bench.py this costs about the two m*n*r GEMMs, while the
-        custom op's checks and dispatch cost more than the GEMMs on small matrices
-        (docs/benchmarks.md, "The fast node's optimizer with the factored transport")."""
-        U, Ud, V, Vd = prep
-        Xf = torch.mm(Ud.mT, torch.mm(g, Vd))
-        Z = torch.mm(U, Xf)
-        if out is None:
-            gp = torch.addmm(g, Z, V.mT, beta=alpha, alpha=1.0 - alpha)
-        else:
-            gp = torch.addmm(g, Z, V.mT, beta=alpha, alpha=1.0 - alpha, out=out)
-        return gp, Xf
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -666,6 +654,7 @@ class SpectralAdamW(torch.optim.AdamW):
         swapped = []
         measure = self._energy_due  # the energy statistic: at the first step with a new prior only
         kept, total = [], []  # per filtered parameter: ||G_filt||^2, ||G||^2 (summed once, below)
+        direct = []  # (param, G, prepared prior, alpha, G_proj buffer): one project_prepared call
         try:
             for i, ((group, p), f) in enumerate(zip(self._flat_groups(), facs)):
                 if not self._prior_enabled or f is None or p.grad is None or p.grad.is_sparse \
@@ -673,21 +662,29 @@ class SpectralAdamW(torch.optim.AdamW):
                     continue  # prior off or alpha = 1: G_proj = G exactly, skip the work
                 g = p.grad
                 prep = self._direct(i, f, group["tau"], g)
-                if prep is not None and g.is_contiguous():
-                    gp, Xf = self._project(g, prep, group["alpha"], self._proj_buffer(i, g))
-                    if measure:  # ||G_filt||^2 = ||X_f||^2 (U, V orthonormal); ||G||^2 is a pass over G
-                        xf, gv = Xf.view(-1), g.view(-1)
-                        kept.append(torch.dot(xf, xf))
-                        total.append(torch.dot(gv, gv))
-                else:
-                    U, S, V = f
-                    gp, fsq = spectral.project(g, U, S, V, group["tau"], group["alpha"], backend=self.backend,
-                                               return_stats=True, out=self._proj_buffer(i, g))
-                    if measure:
-                        kept.append(fsq.float())
-                        total.append(torch.linalg.vector_norm(g, dtype=torch.float32).square())
+                if prep is not None:
+                    buf = self._proj_buffer(i, g)
+                    direct.append((p, g, prep, group["alpha"], torch.empty_like(g) if buf is None else buf))
+                    continue
+                U, S, V = f
+                gp, fsq = spectral.project(g, U, S, V, group["tau"], group["alpha"], backend=self.backend,
+                                           return_stats=True, out=self._proj_buffer(i, g))
+                if measure:
+                    kept.append(fsq.float())
+                    total.append(torch.linalg.vector_norm(g, dtype=torch.float32).square())
                 swapped.append((p, g))
                 p.grad = gp
+            if direct:
+                Us, Udts, Vds, Vts = (list(t) for t in zip(*(e[2] for e in direct)))
+                xfs = spectral.project_prepared([e[1] for e in direct], Us, Udts, Vds, Vts,
+                                                [e[3] for e in direct], [e[4] for e in direct])
+                for (p, g, _, _, gp), xf in zip(direct, xfs):
+                    if measure:  # ||G_filt||^2 = ||X_f||^2 (U, V orthonormal); ||G||^2 is a pass over G
+                        xv, gv = xf.view(-1), g.view(-1)
+                        kept.append(torch.dot(xv, xv))
+                        total.append(torch.dot(gv, gv))
+                    swapped.append((p, g))
+                    p.grad = gp
             if swapped:
                 self._counters["filtered_steps"] += 1
                 if measure:

@@ -253,6 +253,33 @@ def _project_backend(G, U, S, V, tau, alpha, out, backend) -> Tensor:
     return projection.spectral_project(G, U, S, V, float(tau), float(alpha), out)
 
 
+# ------------------------------------------------------- prepared projection (CPU)
+def project_prepared_reference(G: Tensor, U: Tensor, Udt: Tensor, Vd: Tensor, Vt: Tensor, alpha: float,
+                               out: Tensor) -> Tensor:
+    """The torch chain of one matrix: Xf = Udt (G Vd); out = alpha G + (1 - alpha) U Xf Vt.
+
+    The prior prepared once per arrival: Udt = (U diag(d))^T, Vd = V diag(d), Vt = V^T (d
+    the gains). Writes ``out`` (G's shape) and returns Xf [r, r]; ||G_filt||_F^2 = ||Xf||_F^2
+    for orthonormal U, V. The spec of meshkern_C::project_prepared."""
+    Xf = torch.mm(Udt, torch.mm(G, Vd))
+    torch.addmm(G, torch.mm(U, Xf), Vt, beta=alpha, alpha=1.0 - alpha, out=out)
+    return Xf
+
+
+def project_prepared(G: list[Tensor], U: list[Tensor], Udt: list[Tensor], Vd: list[Tensor], Vt: list[Tensor],
+                     alpha: list[float], out: list[Tensor]) -> list[Tensor]:
+    """``project_prepared_reference`` for every entry of the lists (fp32 CPU matrices,
+    contiguous, ``out[e]`` not G[e]), in one call into meshkern_C::project_prepared
+    (csrc/spectral/project_prepared.cpp) when the cpp backend is what "auto" resolves to,
+    else entry by entry in torch. The two agree to fp32 rounding (the kernel adds alpha G
+    last, in one rounding). No input checks beyond the kernel's own: the caller
+    (SpectralAdamW's direct path) builds these lists itself, once per step."""
+    if G and _backend.resolve(GROUP, G[0].device, "auto") == "cpp":
+        _backend.extension(GROUP)
+        return list(torch.ops.meshkern_C.project_prepared(G, U, Udt, Vd, Vt, [float(a) for a in alpha], out))
+    return [project_prepared_reference(*args) for args in zip(G, U, Udt, Vd, Vt, alpha, out)]
+
+
 # ------------------------------------------------------------------------- sym_eig
 @torch.library.custom_op("meshkern::sym_eig", mutates_args=())
 def _sym_eig_op(A: Tensor, sweeps: int, backend: str) -> tuple[Tensor, Tensor]:
@@ -696,4 +723,5 @@ def randomized_svd(M: Tensor, rank: int, *, oversample: int = 16, power_iters: i
 
 
 __all__ = ["sym_eig", "randomized_svd", "project", "gains", "sym_eig_reference", "project_reference",
+           "project_prepared", "project_prepared_reference",
            "DEFAULT_SWEEPS", "KRYLOV_STEPS", "METHODS"]

@@ -2,7 +2,8 @@
 
 meshkern.mask's and meshkern.spectral.project's docstrings promise it (rows / batch
 entries are split across threads, each computed by one thread in a fixed order); the
-other C++ ops (sym_eig's Jacobi kernel, krylov's gram_products, powersgd_ef_project) are
+other C++ ops (sym_eig's Jacobi kernel, krylov's gram_products, SpectralAdamW's
+project_prepared, powersgd_ef_project) are
 checked alike, since SpectralAdamW and the DP compressors run them on every rank and the
 ranks must agree. (Not the whole randomized_svd: its torch GEMMs and QRs are MKL's, whose
 bits may depend on the thread count; its docstring promises determinism per device only.) One process: the thread count is switched with torch.set_num_threads
@@ -69,6 +70,22 @@ def _gram_products():
     return outs
 
 
+def _project_prepared():
+    """SpectralAdamW's direct projection: rows of out split over threads in blocks of 64
+    (300 rows: 5 blocks). r = 16 runs its small products in row panels on AVX2 / AVX-512
+    CPUs; without them they are MKL's GEMMs, whose bits may depend on the thread count."""
+    if not torch.ops.meshkern_C.gram_products_supported(16):
+        pytest.skip("no row-panel kernel for r = 16 on this CPU")
+    m, n, r = 300, 200, 16
+    G = [_rand(m, n, seed=12), _rand(n, m, seed=13)]
+    U = [torch.linalg.qr(_rand(g.shape[0], r, seed=14)).Q.contiguous() for g in G]
+    V = [torch.linalg.qr(_rand(g.shape[1], r, seed=15)).Q.contiguous() for g in G]
+    outs = [torch.empty_like(g) for g in G]
+    xfs = sp.project_prepared(G, U, [(u * 0.5).mT.contiguous() for u in U], [v * 0.25 for v in V],
+                              [v.mT.contiguous() for v in V], [0.3, 0.7], outs)
+    return outs + xfs
+
+
 def _ef_project():
     """The specialized fp32 kernel (r = 8) and the generic one (r = 6; fp64)."""
     outs = []
@@ -83,6 +100,8 @@ CASES = [
     pytest.param(_project, id="project", marks=pytest.mark.skipif(not HAVE_SPECTRAL, reason="not built")),
     pytest.param(_sym_eig, id="sym_eig", marks=pytest.mark.skipif(not HAVE_SPECTRAL, reason="not built")),
     pytest.param(_gram_products, id="gram_products", marks=pytest.mark.skipif(not HAVE_SPECTRAL, reason="not built")),
+    pytest.param(_project_prepared, id="project_prepared",
+                 marks=pytest.mark.skipif(not HAVE_SPECTRAL, reason="not built")),
     pytest.param(_ef_project, id="ef_project", marks=pytest.mark.skipif(not HAVE_DP, reason="not built")),
 ]
 
