@@ -541,7 +541,10 @@ class SpectralAdamW(torch.optim.AdamW):
         bad = []
         for members in groups.values():
             Us, Ss, Vs = (torch.stack([factors[i][k].detach() for i in members]) for k in range(3))
-            bad.append(~(torch.isfinite(Us).all() & torch.isfinite(Ss).all() & torch.isfinite(Vs).all()))
+            # Finite iff the sums are (a NaN or inf propagates; an overflowing sum of finite
+            # values only sends the caller to the exact per-entry checks): three reductions
+            # instead of three bool tensors of the factors' size.
+            bad.append(~torch.isfinite(torch.stack([Us.sum(), Ss.sum(), Vs.sum()])).all())
             bad.append((Ss < 0).any())
             if check_ortho:
                 for Q in (Us, Vs):
@@ -569,17 +572,28 @@ class SpectralAdamW(torch.optim.AdamW):
 
     def _out_of_bounds(self, norms: list) -> list[str]:
         """Problems for entries whose norm exceeds max_anchor_ratio x the receiver's own
-        scale of that parameter (see the class docstring); one host sync per entry."""
+        scale of that parameter (see the class docstring); one host sync per entry. The
+        scale is at least 1, so a norm <= max_anchor_ratio passes without reading the
+        parameter, its gradient or its momentum (real priors always do: the norms below
+        cost two passes over every parameter at every arrival); above that the scale's
+        terms are read one by one until one admits the entry, the same decision."""
         problems = []
         for i, ((_, p), n) in enumerate(zip(self._flat_groups(), norms)):
             if n is None or not self._anchor.enabled[i]:
                 continue
-            scale = max(1.0, float(torch.linalg.vector_norm(p.detach().float())))  # 1: zero-initialized p
-            if p.grad is not None and not p.grad.is_sparse:
-                scale = max(scale, float(torch.linalg.vector_norm(p.grad.detach().float())))
-            if self._anchor.m[i] is not None:
-                scale = max(scale, float(torch.linalg.vector_norm(self._anchor.m[i])))
             got = float(n)
+            if got <= self.max_anchor_ratio:
+                continue
+            terms = [lambda p=p: torch.linalg.vector_norm(p.detach().float())]  # ||p||: 1 if zero-initialized
+            if p.grad is not None and not p.grad.is_sparse:
+                terms.append(lambda p=p: torch.linalg.vector_norm(p.grad.detach().float()))
+            if self._anchor.m[i] is not None:
+                terms.append(lambda i=i: torch.linalg.vector_norm(self._anchor.m[i]))
+            scale = 1.0
+            for term in terms:
+                if got <= self.max_anchor_ratio * scale:
+                    break
+                scale = max(scale, float(term()))
             if not got <= self.max_anchor_ratio * scale:
                 problems.append(f"entry {i}: norm {got:.3g} > max_anchor_ratio {self.max_anchor_ratio:g} x this "
                                 f"parameter's scale {scale:.3g}")

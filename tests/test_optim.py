@@ -197,7 +197,9 @@ def test_bad_anchor_is_rejected_and_state_kept():
     facs = AnchorMomentum(params, rank=4).factors()  # all None: accepted, no change
     assert opt.observe_factored_prior(facs, 1)
     U, S, V = torch.zeros(32, 4), torch.ones(4), torch.zeros(32, 4)
-    for bad in [(U, -S, V), (U, S * float("nan"), V), (U[:, :3], S, V), (U, S)]:
+    U_inf, V_nan = U.clone(), V.clone()
+    U_inf[3, 1], V_nan[0, 2] = float("inf"), float("nan")
+    for bad in [(U, -S, V), (U, S * float("nan"), V), (U_inf, S, V), (U, S, V_nan), (U[:, :3], S, V), (U, S)]:
         with pytest.warns(RuntimeWarning, match="rejected factored"):
             assert opt.observe_factored_prior([bad] + [None] * (len(params) - 1), 1) is False
     with pytest.raises(ValueError, match="staleness"):

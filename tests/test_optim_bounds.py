@@ -96,3 +96,39 @@ def test_max_anchor_ratio_is_checked():
     for bad in (0, -1.0, float("inf"), "big"):
         with pytest.raises(ValueError, match="max_anchor_ratio"):
             SpectralAdamW([w, b], max_anchor_ratio=bad)
+
+
+def _scaled(p_norm, g_norm):
+    """w with ||w||_F = p_norm and a gradient of norm g_norm (b without a gradient)."""
+    w, b, _ = _setup()
+    with torch.no_grad():
+        w.mul_(p_norm / w.norm())
+    g = torch.randn(16, 12, generator=torch.Generator().manual_seed(5))
+    w.grad = g * (g_norm / g.norm())
+    return w, b
+
+
+# bound = max_anchor_ratio (1e3) x max(1, ||p||, ||p.grad||): a norm <= 1e3 passes without
+# reading p (the scale is at least 1); above, the largest of the terms decides.
+@pytest.mark.parametrize("p_norm,g_norm,s_norm,ok", [
+    (0.5, 0.1, 9e2, True), (0.5, 0.1, 2e3, False),     # scale 1
+    (1e3, 0.1, 9e5, True), (1e3, 0.1, 2e6, False),     # scale ||p||
+    (0.5, 50.0, 4e4, True), (0.5, 50.0, 6e4, False),   # scale ||p.grad||
+])
+def test_magnitude_bound_takes_the_largest_scale_term(p_norm, g_norm, s_norm, ok):
+    from orchestration.anchor.bounds import check_entries
+    from orchestration.anchor.wire import Layout, Rejected
+
+    w, b = _scaled(p_norm, g_norm)
+    U, V = _orthonormal(16, 4, 1), _orthonormal(12, 4, 2)
+    S = torch.tensor([1.0, 0.0, 0.0, 0.0]) * s_norm
+    opt = SpectralAdamW([w, b], lr=1e-2, rank=4)
+    layout = Layout.build([("w", w)], "factored", 4, torch.float32)
+    if ok:
+        assert opt.observe_factored_prior([(U, S, V), None], staleness=1)
+        check_entries(layout, [(U, S, V)], [w], opt.max_anchor_ratio)
+    else:
+        with pytest.warns(RuntimeWarning, match="max_anchor_ratio"):
+            assert not opt.observe_factored_prior([(U, S, V), None], staleness=1)
+        with pytest.raises(Rejected, match="norm"):
+            check_entries(layout, [(U, S, V)], [w], opt.max_anchor_ratio)
