@@ -259,8 +259,9 @@ class SpectralAdamW(torch.optim.AdamW):
     matrix (two skinny GEMMs on G, plus two m*r*r ones), an SVD refresh at the first step
     after each dense arrival (none for a factored one: the anchor node ran it), and at
     that first step one more read of G (the energy statistic). On CPU with backend "auto"
-    and fp32 gradients the projection runs as plain torch GEMMs with the prior prepared
-    once per arrival (``_direct``). A reused G_proj buffer per filtered parameter avoids
+    and fp32 gradients every filtered matrix of a step goes to one
+    meshkern.spectral.project_prepared call, with the prior prepared once per arrival
+    (``_direct``). A reused G_proj buffer per filtered parameter avoids
     re-faulting a gradient-sized tensor every step on CPU (``reuse_proj_buffer``).
     Measured ratios: docs/benchmarks.md ("SpectralAdamW: cost of a step" and "the fast
     node's optimizer with the factored transport").
