@@ -85,7 +85,7 @@ class TrainConfig:
     beta2: float = _f(0.95, "AdamW beta2")
     eps: float = _f(1e-8, "AdamW eps")
     clip_grad_norm: float = _f(1.0, "clip the replica's global gradient norm to this (0: off)")
-    max_bad_steps: int = _f(5, "divergence guard: this many consecutive bad steps (non-finite loss or gradient in any replica, or a loss spike) stop the run with DivergenceError, exit code 3, without saving (0: never stop)")
+    max_bad_steps: int = _f(5, "divergence guard: this many consecutive bad steps (non-finite loss or gradient in any replica, a gradient norm of exactly zero, or a loss spike) stop the run with DivergenceError, exit code 3, without saving (0: never stop)")
     spike_factor: float = _f(3.0, "divergence guard: a step whose loss exceeds this factor times the median loss of the last 50 good steps counts as bad (0: only non-finite steps are bad)")
     tau: float = _f(1e-3, "spectral filter tau (SpectralAdamW)")
     alpha: float = _f(0.3, "spectral mix alpha: G_proj = alpha*G + (1-alpha)*G_filt (SpectralAdamW)")

@@ -167,7 +167,8 @@ class DivergenceGuard:
     whether a step is bad and whether the run has diverged.
 
     A step is bad when its loss is non-finite, when any replica skipped its update (a
-    non-finite gradient: the record's cumulative ``skipped_steps`` grew), or when its loss
+    non-finite gradient: the record's cumulative ``skipped_steps`` grew), when its gradient
+    norm (the mean over replicas) is exactly zero, or when its loss
     exceeds ``spike_factor`` times the median loss of the last ``WINDOW`` good steps (0:
     no spike rule). ``max_bad`` consecutive bad steps trip it (0: never). Bad steps never
     enter the median. Saved in every rank's checkpoint (part "guard"), with the trainer's
@@ -194,6 +195,12 @@ class DivergenceGuard:
             reason = f"non-finite loss {loss}"
         elif new_skips > 0:
             reason = f"non-finite gradient in {new_skips} replica(s), update skipped"
+        elif rec.get("grad_norm") == 0.0:
+            # A finite loss whose gradient is exactly zero in every replica: the model no
+            # longer learns. Seen after a blow-up (--train.lr 1e3): the hidden state's square
+            # overflows in RMSNorm, the norm outputs zeros, the logits are uniform (loss
+            # ln(vocab), below the spike bound) and every gradient is 0.
+            reason = "zero gradient norm with a finite loss (saturated activations: nothing learns)"
         elif self.spike_factor and self.good:
             med = statistics.median(self.good)
             if loss > self.spike_factor * med:

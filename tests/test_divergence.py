@@ -71,3 +71,14 @@ def test_guard_rules():
     g2 = DivergenceGuard(max_bad=3, spike_factor=3.0)
     g2.load_state_dict(g.state_dict())
     assert (list(g2.good), g2.streak, g2.first_bad, g2.skipped_seen) == (list(g.good), 3, 5, 2)
+
+
+def test_a_zero_gradient_with_a_finite_loss_is_a_bad_step():
+    # After a blow-up the hidden state's square overflows in RMSNorm: uniform logits (a loss
+    # no spike rule can see) and a gradient of exactly zero. Any non-zero norm is good.
+    g = DivergenceGuard(max_bad=2, spike_factor=3.0)
+    rec = lambda step, loss, gn: {"step": step, "loss": loss, "skipped_steps": 0, "grad_norm": gn}  # noqa: E731
+    assert g.observe(rec(1, 5.7, 1.3)) == "" and g.observe(rec(2, 5.6, 1e-30)) == ""
+    assert "zero gradient norm" in g.observe(rec(3, 5.7038, 0.0)) and not g.tripped
+    assert "zero gradient norm" in g.observe(rec(4, 5.7038, 0.0)) and g.tripped and g.first_bad == 3
+    assert list(g.good) == [5.7, 5.6]  # the dead model's loss never enters the median
