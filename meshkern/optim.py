@@ -466,7 +466,7 @@ class SpectralAdamW(torch.optim.AdamW):
         factors, problem = self._as_list(factors, "factored anchor prior")
         if problem is not None:
             return self._reject("factored anchor prior", [problem])
-        problems = []
+        problems, stacks = [], []
         if not isinstance(factors, (list, tuple)) or len(factors) != len(params):
             n = len(factors) if isinstance(factors, (list, tuple)) else type(factors).__name__
             problems.append(f"got {n} factored priors for {len(params)} parameters")
@@ -489,35 +489,48 @@ class SpectralAdamW(torch.optim.AdamW):
                                     f"do not fit a [{m}, {n}] parameter")
                 else:
                     fitting.append(i)
-            if not problems and not self._factors_ok(factors, fitting, check_ortho=not bounds_checked):
+            stacks = self._stack_factors(factors, fitting) if not problems else []
+            if stacks and not self._factors_ok(stacks, check_ortho=not bounds_checked):
                 problems = self._factor_problems(factors, fitting, check_ortho=not bounds_checked)
-        if not problems and not bounds_checked:
-            problems = self._out_of_bounds([None if f is None or not self._anchor.enabled[i]
-                                            else torch.linalg.vector_norm(f[1].detach().float())
-                                            for i, f in enumerate(factors)])
+            if not problems and not bounds_checked:
+                norms: list = [None] * len(params)
+                for members, _, Ss, _ in stacks:  # one norm op and one host read per shape
+                    for i, n in zip(members, torch.linalg.vector_norm(Ss.float(), dim=1).tolist()):
+                        norms[i] = n
+                problems = self._out_of_bounds(norms)
         if problems:
             return self._reject("factored anchor prior", problems)
-        self._take_priors(factors)
+        self._take_priors(stacks)
         self._counters["factored_arrivals"] += 1
         self._counters["last_staleness"] = staleness
         self._energy_due = True
         return True
 
-    def _take_priors(self, factors) -> None:
-        """Stores accepted factors as the priors (fp32 copies on each parameter's device),
-        batched over entries of one shape, device and tau: one copy of each of U, S, V per
-        batch, and the direct projection's (U d)^T, V d and V^T prepared here for each batch
-        (``_direct`` then finds them) instead of a dozen small tensor ops per matrix at
-        the next step."""
+    def _stack_factors(self, factors, idx: list[int]) -> list[tuple[list[int], Tensor, Tensor, Tensor]]:
+        """Entries ``idx`` of ``factors`` grouped by shapes, dtypes, devices, their
+        parameter's device and tau, as (members, U, S, V stacked along a new dim 0, detached):
+        stacked once per arrival, then checked (``_factors_ok``) and taken (``_take_priors``)
+        from the same stacks."""
         groups: dict[tuple, list[int]] = {}
-        for (g, p), i, f in zip(self._flat_groups(), range(len(factors)), factors):
-            if f is not None and self._anchor.enabled[i]:
-                groups.setdefault((tuple(f[0].shape), tuple(f[2].shape), str(p.device), g["tau"]), []).append(i)
+        flat = self._flat_groups()
+        for i in idx:
+            U, S, V = factors[i]
+            g, p = flat[i]
+            groups.setdefault((tuple(U.shape), tuple(V.shape), U.dtype, S.dtype, V.dtype, U.device, S.device,
+                               V.device, p.device, g["tau"]), []).append(i)
+        return [(members, *(torch.stack([factors[i][k].detach() for i in members]) for k in range(3)))
+                for members in groups.values()]
+
+    def _take_priors(self, stacks) -> None:
+        """Stores accepted factors (``_stack_factors``'s groups) as the priors (fp32 copies on
+        each parameter's device): one copy of each of U, S, V per group, and the direct
+        projection's (U d)^T, V d and V^T prepared here for each group (``_direct`` then
+        finds them) instead of a dozen small tensor ops per matrix at the next step."""
         params = self._flat_params()
-        for (_, _, _, tau), members in groups.items():
-            dev = params[members[0]].device
-            Us, Ss, Vs = (torch.stack([factors[i][k].detach().to(dev, torch.float32) for i in members])
-                          for k in range(3))
+        flat = self._flat_groups()
+        for members, Us, Ss, Vs in stacks:
+            dev, tau = params[members[0]].device, flat[members[0]][0]["tau"]
+            Us, Ss, Vs = (t.to(dev, torch.float32) for t in (Us, Ss, Vs))
             direct = self.backend == "auto" and dev.type == "cpu"
             if direct:
                 d = spectral.gains(Ss, tau)[:, None, :]
@@ -528,20 +541,14 @@ class SpectralAdamW(torch.optim.AdamW):
                     self._prep[i] = (prior, tau, u, *next(prep))
 
     @staticmethod
-    def _factors_ok(factors, idx: list[int], check_ortho: bool) -> bool:
-        """Whether every entry ``idx`` of ``factors`` is finite, has S >= 0 and (with
-        ``check_ortho``) orthonormal U and V (FACTOR_ORTHO_TOL, all-zero columns allowed):
-        batched over entries of one shape, dtype and device, one host sync in all (the
-        per-entry checks cost ~40 tensor ops per matrix at every arrival). False sends the
-        caller to ``_factor_problems`` for the messages."""
-        groups: dict[tuple, list[int]] = {}
-        for i in idx:
-            U, S, V = factors[i]
-            groups.setdefault((tuple(U.shape), tuple(V.shape), U.dtype, S.dtype, V.dtype, U.device, S.device,
-                               V.device), []).append(i)
+    def _factors_ok(stacks, check_ortho: bool) -> bool:
+        """Whether every entry of ``stacks`` (``_stack_factors``) is finite, has S >= 0 and
+        (with ``check_ortho``) orthonormal U and V (FACTOR_ORTHO_TOL, all-zero columns
+        allowed): batched per group, one host sync in all (the per-entry checks cost ~40
+        tensor ops per matrix at every arrival). False sends the caller to
+        ``_factor_problems`` for the messages."""
         bad = []
-        for members in groups.values():
-            Us, Ss, Vs = (torch.stack([factors[i][k].detach() for i in members]) for k in range(3))
+        for _, Us, Ss, Vs in stacks:
             # Finite iff the sums are (a NaN or inf propagates; an overflowing sum of finite
             # values only sends the caller to the exact per-entry checks): three reductions
             # instead of three bool tensors of the factors' size.
