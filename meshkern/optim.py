@@ -489,9 +489,10 @@ class SpectralAdamW(torch.optim.AdamW):
                                     f"do not fit a [{m}, {n}] parameter")
                 else:
                     fitting.append(i)
-            stacks = self._stack_factors(factors, fitting) if not problems else []
-            if stacks and not self._factors_ok(stacks, check_ortho=not bounds_checked):
-                problems = self._factor_problems(factors, fitting, check_ortho=not bounds_checked)
+            if not problems:
+                stacks = self._stack_factors(factors, fitting)
+                if not self._factors_ok(stacks, check_ortho=not bounds_checked):
+                    problems = self._factor_problems(factors, fitting, check_ortho=not bounds_checked)
             if not problems and not bounds_checked:
                 norms: list = [None] * len(params)
                 for members, _, Ss, _ in stacks:  # one norm op and one host read per shape
@@ -580,7 +581,8 @@ class SpectralAdamW(torch.optim.AdamW):
 
     def _out_of_bounds(self, norms: list) -> list[str]:
         """Problems for entries whose norm exceeds max_anchor_ratio x the receiver's own
-        scale of that parameter (see the class docstring); one host sync per entry. The
+        scale of that parameter (see the class docstring). ``norms``: per parameter a float,
+        a 0-dim tensor (read with one host sync each) or None (not checked). The
         scale is at least 1, so a norm <= max_anchor_ratio passes without reading the
         parameter, its gradient or its momentum (real priors always do: the norms below
         cost two passes over every parameter at every arrival); above that the scale's
