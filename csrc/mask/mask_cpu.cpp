@@ -135,8 +135,7 @@ void move_kept(const at::Tensor& src, at::Tensor& out, const KeyWords& key, int6
 
 at::Tensor pack_cpu(const at::Tensor& h_in, int64_t k0, int64_t k1, int64_t step, int64_t tag,
                     int64_t K, double scale, bool rescale) {
-  TORCH_CHECK(h_in.dim() == 2, "h must be [N, H]");
-  TORCH_CHECK(at::isFloatingType(h_in.scalar_type()), "h must be a floating tensor, got ", h_in.scalar_type());
+  check_rows(h_in, "h", "[N, H]");
   const auto h = h_in.contiguous();
   const int64_t N = h.size(0), H = h.size(1);
   check_sizes(N, H, K);
@@ -147,8 +146,7 @@ at::Tensor pack_cpu(const at::Tensor& h_in, int64_t k0, int64_t k1, int64_t step
 
 at::Tensor unpack_cpu(const at::Tensor& v_in, int64_t k0, int64_t k1, int64_t step, int64_t tag,
                       int64_t H, double scale, bool rescale) {
-  TORCH_CHECK(v_in.dim() == 2, "v must be [N, K]");
-  TORCH_CHECK(at::isFloatingType(v_in.scalar_type()), "v must be a floating tensor, got ", v_in.scalar_type());
+  check_rows(v_in, "v", "[N, K]");
   const auto v = v_in.contiguous();
   const int64_t N = v.size(0), K = v.size(1);
   check_sizes(N, H, K);

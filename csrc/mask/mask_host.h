@@ -2,6 +2,7 @@
 // wrappers. The Python ops (meshkern/mask.py) validate first with clearer messages;
 // these keep the raw meshkern_C kernels safe when called directly.
 #pragma once
+#include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
 #include "floyd.h"
@@ -15,6 +16,12 @@ inline KeyWords key_words(int64_t k0, int64_t k1, int64_t step, int64_t tag) {
               "malformed key: every key word must be in [0, 2**32)");
   return {static_cast<uint32_t>(k0), static_cast<uint32_t>(k1), static_cast<uint32_t>(step),
           static_cast<uint32_t>(tag)};
+}
+
+// The input of pack ([N, H]) or unpack ([N, K]): 2-D and floating point.
+inline void check_rows(const at::Tensor& t, const char* name, const char* shape) {
+  TORCH_CHECK(t.dim() == 2, name, " must be ", shape);
+  TORCH_CHECK(at::isFloatingType(t.scalar_type()), name, " must be a floating tensor, got ", t.scalar_type());
 }
 
 inline void check_sizes(int64_t N, int64_t H, int64_t K) {
