@@ -217,10 +217,15 @@ class Compressor:
         self.bytes_received += r
         out = torch.empty(world * block.numel(), dtype=block.dtype, device=block.device)
         if world > 1:
-            self._wait(dist.all_gather_into_tensor(out, block, group=group, async_op=True), what)
+            self._wait(_all_gather_single(out, block, group=group, async_op=True), what)
         else:
             out.copy_(block)
         return out.view(world, block.numel())
+
+
+# torch 2.13 deprecates all_gather_into_tensor (a FutureWarning per call) for
+# all_gather_single, the same collective; older torch has only the former.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def flatten(tensors: Sequence[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
