@@ -27,7 +27,7 @@ shared machine) with torch.set_num_threads(1); each contender's windows run roun
 reported; the load average is printed at the start and the end. Shapes: rank-16 factors
 (the trainer's --train.spectral-rank default) of fp32 matrices; norms / biases get plain
 AdamW in both optimizers. Parameter sets:
-  default   the default model of orchestration.models (hidden 192, ffn 512, 6 heads, 4 layers)
+  default   the default model of orchestration.models.loading (hidden 192, ffn 512, 6 heads, 4 layers)
   smollm2   SmolLM2-135M-like layers (hidden 576, ffn 1536, 9 / 3 heads: q, o [576, 576],
             k, v [192, 576], gate, up [1536, 576], down [576, 1536], two norms), --layers of them
 """
@@ -203,15 +203,15 @@ def bench(name: str, shapes, rank: int, window: int, every: int, repeats: int) -
 
 # ------------------------------------------------------------------ the anchor node's SVD
 def real_momentum(steps: int = 10, beta: float = 0.9, seq: int = 128, batch: int = 4):
-    """M_anc of the default base model (orchestration.models, built on first use) after
+    """M_anc of the default base model (orchestration.models.loading, built on first use) after
     ``steps`` anchor gradients on corpus:python (domain B), beta_anc 0.9: per matrix
     of the layers (name, [m, n] fp32). None when the base model is not available."""
     try:
         from transformers import AutoTokenizer
 
-        from orchestration.model_paths import default_base_model
-        from orchestration.models import load_causal_lm
-        from orchestration.texts import load_texts
+        from orchestration.models.paths import default_base_model
+        from orchestration.models.loading import load_causal_lm
+        from orchestration.data.texts import load_texts
 
         path = default_base_model()
         model = load_causal_lm(path)[0]
@@ -237,7 +237,7 @@ def random_init_momentum(steps: int = 10, beta: float = 0.9):
     gradients on 4 x 64 random tokens (tests/test_optim.py's momentum)."""
     from transformers import LlamaForCausalLM
 
-    from orchestration.models import default_config
+    from orchestration.models.loading import default_config
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(default_config())

@@ -57,7 +57,7 @@ def _ours(x: torch.Tensor, B: int, T: int, H: int):
     """(label, codec, activations) for pca (budget 15, int4, sink; basis fitted to x) and
     subspace (budget 16, fp32 coordinates; x moved into E[ids] + span(U))."""
     from orchestration.codecs import PCABasis, PCACodec
-    from orchestration.subspace import make_basis
+    from orchestration.subspace.constraint import make_basis
 
     pca = PCACodec(bits=4, budget=15, sink=True, seq_len=T, bases={})
     flat = x.reshape(-1, H).float().cpu()

@@ -4,7 +4,7 @@
     python -m bench.e2e_bench --measured runs/X/metrics.jsonl   # small model: the run's compute times
     python -m bench.e2e_bench --help
 
-Rows are the trainer's presets (orchestration/presets/*.yaml, read through
+Rows are the trainer's presets (orchestration/config/presets/*.yaml, read through
 orchestration.config, so the bench models exactly what ``--preset NAME`` runs):
     dense   dense boundaries; plain gradient all-reduce every step (blocks the step)
     dp      dense boundaries; Streaming DiLoCo (every parameter synced once per H steps
@@ -17,14 +17,14 @@ and, on the 1b geometry, every boundary codec (dense, mask, topk, bottleneck, in
 int4) in the m95 row's place: the paper's baselines at their per-direction ratios.
 
 Every byte count is exact and comes from the code that sends it: boundary messages from
-``orchestration.codecs.make_codec(...).wire_bytes`` and DP payloads from the preset's
+``orchestration.codecs.codec_for(cfg.boundary).wire_bytes`` and DP payloads from the preset's
 compressor's ``payload_bytes_for`` over the stage's real parameter shapes (a meta-device
-model split by ``orchestration.stages.split_model``). The step time comes from
-``orchestration.linkmodel.model_step`` (discrete-event replay of the preset's schedule
+model split by ``orchestration.distributed.stages.split_model``). The step time comes from
+``orchestration.distributed.linkmodel.model_step`` (discrete-event replay of the preset's schedule
 over 200 Mbps access links, DP/anchor as link occupancy; assumptions in its docstring).
 
 Geometries:
-    small   the trainer's default model (orchestration.models.default_config) and mesh
+    small   the trainer's default model (orchestration.models.loading.default_config) and mesh
             (3 x 2, batch 8 x 128 tokens per replica, 4 micro-batches, fp32). Compute
             times: MEASURED here (one thread, this CPU) by timing each stage's forward
             and backward on one micro-batch, or from a training run's metrics.jsonl
@@ -53,10 +53,10 @@ import time
 import torch
 
 from orchestration.anchor import SnapshotCoder
-from orchestration.codecs import make_codec
-from orchestration.linkmodel import LinkSpec, model_step
-from orchestration.schedule import make_schedule
-from orchestration.stages import split_model
+from orchestration.codecs import codec_for
+from orchestration.distributed.linkmodel import LinkSpec, model_step
+from orchestration.distributed.schedule import make_schedule
+from orchestration.distributed.stages import split_model
 
 PAPER = {  # method.md, Llama 3.2 1B at 200 Mbps: (bytes/token, tokens/s)
     "dense": (22.9e3, 1.1e3), "dp": (6.9e3, 3.6e3), "m95": (370, 48.9e3), "m95-ap": (446, 46.5e3)}
@@ -78,7 +78,7 @@ def llama_1b_config():
 
 
 def small_config():
-    from orchestration.models import default_config
+    from orchestration.models.loading import default_config
     return default_config()
 
 
@@ -184,14 +184,14 @@ def anchor_bytes(cfg, stages, dtype) -> tuple[list[float], list[float]]:
 
 
 def model_row(name: str, geom: str, cfg, hf_config, compute, link: LinkSpec, tflops_note: str):
-    from orchestration.trainer import make_compressor
+    from orchestration.components.builders import make_compressor
     Y, X = cfg.mesh.stages, cfg.fast_rows
     dtype = getattr(torch, cfg.model.dtype)
     stages = meta_stages(hf_config, Y, cfg.mesh.layers_per_stage)
     shapes = stage_shapes(stages)
     mb = cfg.train.batch_size // cfg.train.microbatches
     shape = (mb, cfg.data.seq_len, hf_config.hidden_size)
-    codec = make_codec(cfg.boundary.codec, p=cfg.boundary.p, rescale=cfg.boundary.rescale, **cfg.boundary.options)
+    codec = codec_for(cfg.boundary)
     msg = {"F": codec.wire_bytes(shape, dtype, "fwd"), "B": codec.wire_bytes(shape, dtype, "bwd")}
     comp = make_compressor(cfg)
     dp_payload = [comp.payload_bytes_for(s, dtype) for s in shapes] if X > 1 else [0.0] * Y

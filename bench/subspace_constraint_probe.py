@@ -1,5 +1,5 @@
 """What the subspace constraint costs a pretrained model before any training: one forward
-pass over held-out sequences after ``orchestration.subspace.constrain_`` (every o_proj /
+pass over held-out sequences after ``orchestration.subspace.constraint.constrain_`` (every o_proj /
 down_proj projected onto span(U)), for a U fitted to the output projections and a seeded
 random U, at each width k.
 
@@ -11,10 +11,10 @@ import argparse
 
 import torch
 
-from orchestration import subspace as sub
+from orchestration.subspace import constraint as sub
 from orchestration.config import parse_args
-from orchestration.models import load_causal_lm
-from orchestration.scoring import eval_loss
+from orchestration.models.loading import load_causal_lm
+from orchestration.models.scoring import eval_loss
 from orchestration.train import prepare
 
 

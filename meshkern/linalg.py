@@ -50,3 +50,17 @@ def cholesky_qr2(Y: Tensor) -> Tensor:
         Q = Q.clone()
         Q[idx] = torch.linalg.qr(Y[idx]).Q
     return Q
+
+
+def orthonormality_error(Q: Tensor) -> Tensor:
+    """max |Q^T Q - D| of each matrix in Q [..., m, k], in float64 (a 0-d tensor for one
+    matrix). D is the identity except where a column's squared norm is below 1/2: there it
+    is 0, so an all-zero column (randomized_svd returns them for singular values ~0) is
+    fine, while every other column must be a unit vector orthogonal to the rest. The one
+    check of "orthonormal factors" for SpectralAdamW and for what the anchor sends."""
+    q = Q.detach().to(torch.float64)
+    gram = q.mT @ q
+    if gram.shape[-1] == 0:
+        return gram.new_zeros(gram.shape[:-2])
+    want = torch.diag_embed((gram.diagonal(dim1=-2, dim2=-1) > 0.5).to(torch.float64))
+    return (gram - want).abs().amax(dim=(-2, -1))

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from meshkern import _backend
 from meshkern._checks import as_float as _as_float, as_int as _as_int, backend_arg as _backend_arg  # noqa: F401
-from meshkern._checks import float_tensor
+from meshkern._checks import float_tensor, fraction
 from meshkern import reference_mask as _ref
 
 __all__ = ["MaskKey", "WIRE_FORMAT_VERSION", "kept_dims", "mask_indices", "pack", "unpack"]
@@ -88,12 +88,10 @@ def kept_dims(H: int, p: float) -> int:
     H < 1, or K < 1 (p too close to 1 for this H)."""
     if isinstance(H, torch.SymInt):  # under torch.compile: K is a function of H, specialize
         H = int(H)
-    Hi, pf = _as_int(H), _as_float(p)  # numpy scalars count as plain numbers
+    Hi = _as_int(H)  # numpy scalars count as plain numbers
     if Hi is None or not 1 <= Hi <= _MAX_H:
         raise ValueError(f"hidden size H must be an int in [1, {_MAX_H}], got {H!r}")
-    if pf is None or not 0.0 <= pf < 1.0:
-        raise ValueError(f"drop probability p must be a float in [0, 1), got {p!r}")
-    H, p = Hi, pf
+    H, p = Hi, fraction("drop probability p", p)
     K = round((1.0 - p) * H)
     if K < 1:
         raise ValueError(f"p={p} keeps K=round((1-p)*H)={K} < 1 of H={H} dims; lower p")

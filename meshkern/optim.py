@@ -1,6 +1,6 @@
 """Anchor-prior optimizers: SpectralAdamW (fast nodes) and AnchorMomentum (anchor node).
 
-Method (../shared/method.md, sections 2-3): per 2-D weight, an anchor momentum
+Method (arXiv 2609.14339, sections 2-3): per 2-D weight, an anchor momentum
 M_anc <- beta_anc * M_anc + (1 - beta_anc) * G_anc (zero-initialised, no bias correction)
 is updated whenever a delayed anchor gradient arrives. Its top-r SVD U S V^T filters
 the fast node's own gradient G before AdamW sees it:
@@ -29,22 +29,13 @@ from torch import Tensor
 
 from meshkern import spectral
 from meshkern._checks import as_float as _as_float, as_int as _as_int
+from meshkern.linalg import orthonormality_error
 
 Factors = tuple[Tensor, Tensor, Tensor]
 # A factored prior's U and V must be orthonormal to this tolerance (max |Q^T Q - I|): fp32
 # SVD factors are within ~1e-6, bf16-rounded ones within ~1e-2; a scaled or garbage
 # factor is far outside.
 FACTOR_ORTHO_TOL = 0.05
-
-
-def _orthonormality_error(Q: Tensor) -> float:
-    """max |Q^T Q - D| where D is 1 on the diagonal for the columns of Q that are not
-    (near) zero and 0 for those that are: randomized_svd returns zero columns for
-    singular values ~0, which carry no direction and are fine in a prior."""
-    Q = Q.detach().float()
-    gram = Q.mT @ Q
-    target = (gram.diagonal() > 0.5).float()
-    return float((gram - torch.diag(target)).abs().max())
 
 
 def _check_prob(name: str, val: float, hi_open: bool = False) -> float:
@@ -573,7 +564,7 @@ class SpectralAdamW(torch.optim.AdamW):
                 problems.append(f"entry {i}: non-finite values or negative singular values")
             elif check_ortho:
                 for name, Q in (("U", U), ("V", V)):
-                    err = _orthonormality_error(Q)
+                    err = float(orthonormality_error(Q))
                     if not err <= FACTOR_ORTHO_TOL:
                         problems.append(f"entry {i}: {name} does not have orthonormal columns (max |{name}^T "
                                         f"{name} - I| = {err:.3g} > {FACTOR_ORTHO_TOL})")

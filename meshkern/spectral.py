@@ -1,6 +1,6 @@
 """Spectral-correction ops: batched truncated SVD and the two-sided Tikhonov projection.
 
-The anchor prior (../shared/method.md, sections 2-3) filters every fast-circuit gradient
+The anchor prior (arXiv 2609.14339, sections 2-3) filters every fast-circuit gradient
 G of a weight matrix through the dominant singular subspace of the delayed anchor
 momentum M_anc = U S V^T:
 

@@ -1,4 +1,4 @@
-"""Evaluation: held-out loss/perplexity (orchestration.scoring), exact match on synthetic
+"""Evaluation: held-out loss/perplexity (orchestration.models.scoring), exact match on synthetic
 tasks by greedy generation, and robustness to magnitude pruning;
 ``python -m orchestration.evaluate``.
 
@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from orchestration.scoring import LogitsFn, _logits_of, _rows, as_logits_fn, eval_loss  # noqa: F401
+from orchestration.models.scoring import LogitsFn, _logits_of, _rows, as_logits_fn, eval_loss  # noqa: F401
 
 
 @torch.no_grad()
@@ -60,7 +60,8 @@ def greedy_generate(model_or_stages, prompt_ids: Sequence[Sequence[int]], max_ne
 def _task_prompts(tok, task, n: int, seed: int | None):
     """(examples, separator id, prompt ids): ``n`` examples of ``task`` (evaluation seed by
     default), each prompt preceded by the document separator as in packed training data."""
-    from orchestration import data, tasks
+    from orchestration.data import tokens as data
+    from orchestration.data import tasks
 
     exs = tasks.examples(task, n, seed=tasks.EVAL_SEED if seed is None else seed)
     sep = data.separator_id(tok)
@@ -71,7 +72,7 @@ def _task_prompts(tok, task, n: int, seed: int | None):
 def exact_match(model_or_stages, tokenizer, task, *, n: int = 100, seed: int | None = None,
                 max_new_tokens: int | None = None, batch_size: int = 32) -> dict:
     """Exact-match accuracy on ``n`` fresh examples of a synthetic task by greedy
-    generation (``orchestration.tasks``; evaluation seed by default).
+    generation (``orchestration.data.tasks``; evaluation seed by default).
 
     Each prompt is preceded by the tokenizer's document separator (eos, else bos),
     as every document is in packed training data. Generation stops at the eos or at
@@ -79,7 +80,8 @@ def exact_match(model_or_stages, tokenizer, task, *, n: int = 100, seed: int | N
     Returns ``{"accuracy", "n", "samples"}`` (samples: the first 5 (prompt, answer,
     prediction) triples).
     """
-    from orchestration import data, tasks
+    from orchestration.data import tokens as data
+    from orchestration.data import tasks
 
     tok = data.load_tokenizer(tokenizer)
     exs, sep, prompts = _task_prompts(tok, task, n, seed)
@@ -102,7 +104,7 @@ def answer_loss(model_or_stages, tokenizer, task, *, n: int = 100, seed: int | N
     prompt, over ``n`` fresh examples: a continuous companion to :func:`exact_match`,
     informative even where a small model's exact-match accuracy is still ~0.
     Returns ``{"loss", "tokens", "n"}``."""
-    from orchestration import data
+    from orchestration.data import tokens as data
 
     tok = data.load_tokenizer(tokenizer)
     fn = as_logits_fn(model_or_stages)
@@ -209,7 +211,7 @@ def evaluate_model(model, tokenizer, *, data_sources=("corpus:prose", "corpus:py
     ``split(eval_fraction, seed)`` held-out rows, first ``max_batches`` batches),
     exact match per task, and the pruning sweep on ``prune_source`` (default: the
     last data source)."""
-    from orchestration import data
+    from orchestration.data import tokens as data
 
     tokenizer = data.load_tokenizer(tokenizer)  # once, not per data source and task
     report: dict = {"held_out": {}, "exact_match": {}, "pruning": {}}
@@ -284,7 +286,7 @@ def _check_args(a) -> None:
         raise ValueError(f"--prune must be comma-separated fractions, e.g. 0.3,0.5, got {a.prune!r}") from None
     if not all(0 <= f < 1 for f in fracs):
         raise ValueError(f"--prune fractions must be in [0, 1), got {a.prune!r}")
-    from orchestration import tasks
+    from orchestration.data import tasks
 
     unknown = [t for t in a.tasks.split(",") if t and a.tasks != "all" and t not in tasks.TASKS]
     if unknown:
@@ -304,9 +306,12 @@ def _run(a) -> int:
 
     _check_args(a)
     torch.set_num_threads(a.threads)
-    from orchestration import checkpoint, model_paths, models, tasks
+    from orchestration.components import checkpoint
 
     # the trainer's resolution: default, built-in name (smollm2-135m), .gguf or a directory
+    from orchestration.models import paths as model_paths
+    from orchestration.models import loading as models
+    from orchestration.data import tasks
     path = model_paths.resolve_model(a.model)
     if os.path.isfile(os.path.join(path, "meta.json")):  # a trainer checkpoint: verify its files first
         checkpoint.verify(path)

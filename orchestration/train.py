@@ -13,7 +13,7 @@ Flow: ``main`` parses and validates the config (orchestration.config.validate: e
 rule on the config itself), then ``prepare`` checks it against the model, data and
 checkpoint it reads and loads them once, all BEFORE a process is spawned (bad input is a
 clear error, never a dead mesh). Without torchrun variables it spawns the local mesh
-itself (orchestration.launch); under torchrun each process is one rank. Every rank runs
+itself (orchestration.distributed.launch); under torchrun each process is one rank. Every rank runs
 ``run_rank``: join the mesh, take its stage of the model, then a fast rank runs an
 orchestration.trainer.Trainer (the step loop, DP sync, anchor hook, checkpoints,
 metrics) and an anchor rank runs orchestration.anchor.run_anchor_rank in a world of its
@@ -37,15 +37,15 @@ from dataclasses import dataclass
 
 import torch
 
-from orchestration import checkpoint as ckpt
+from orchestration.components import checkpoint as ckpt
 from orchestration.config import Config, flag_name, ineffective_settings, parse_args, to_yaml
-from orchestration.launch import MeshFailure, free_port, run_local
-from orchestration.mesh import MeshLayout, destroy_mesh, init_mesh, mesh_name
-from orchestration.trainer import (RankContext, Trainer, build_stage, data_shard,  # noqa: F401 (data_shard,
-                                   replica_sampler)  # replica_sampler: importable here for tests and tools)
+from orchestration.distributed.launch import MeshFailure, free_port, run_local
+from orchestration.distributed.mesh import MeshLayout, destroy_mesh, init_mesh, mesh_name
+from orchestration.components.builders import RankContext, build_stage
+from orchestration.trainer import Trainer
 
-DIVERGED = 3  # exit code of a run stopped by the divergence guard (trainer.DivergenceError)
-DEFAULT_DATA = "corpus:python"  # domain B of orchestration.corpora: the base model never saw it
+DIVERGED = 3  # exit code of a run stopped by the divergence guard (orchestration.components.divergence.DivergenceError)
+DEFAULT_DATA = "corpus:python"  # domain B of orchestration.data.corpora: the base model never saw it
 
 
 # ============================================================== before any process starts
@@ -68,17 +68,36 @@ class Plan:
 def prepare(cfg: Config, *, load_model: bool = True) -> Plan:
     """Checks the model, data and checkpoint inputs and loads them; ValueError/FileNotFoundError
     name the problem. Nothing here needs another process."""
-    from transformers import AutoConfig
-
-    from orchestration import data as data_mod
-    from orchestration import model_paths, models
-    from orchestration.stages import SUPPORTED_ARCHITECTURES, replica_split
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # one progress bar on screen: ours
     from meshkern import _backend
 
     _backend.load_all()  # load (or warn about) the extensions once here; forked ranks inherit it
+    path, hf_cfg, arch = _checked_model(cfg)
+    train_ds, eval_ds = _checked_data(cfg, path, hf_cfg)
+    run_dir, ckpt_dir, resume_from = _run_paths(cfg, hf_cfg)
+    for line in ineffective_settings(cfg):
+        print(f"warning: {line}", file=sys.stderr, flush=True)
+    max_pos = getattr(hf_cfg, "max_position_embeddings", None)
+    if max_pos and cfg.data.seq_len > max_pos:
+        print(f"warning: --data.seq-len {cfg.data.seq_len} exceeds the model's max_position_embeddings {max_pos}",
+              file=sys.stderr, flush=True)
+    plan = Plan(path, run_dir, ckpt_dir, train_ds.tokens, None if eval_ds is None else eval_ds.tokens,
+                resume_from, num_layers=hf_cfg.num_hidden_layers, hidden_size=hf_cfg.hidden_size, arch=arch)
+    if load_model:
+        plan.model = _load_model(cfg, path)
+        from orchestration.components.calibration import prepare_run  # pca codec: fit the basis here, forked ranks inherit it
+        prepare_run(cfg, plan)
+    return plan
+
+
+def _checked_model(cfg: Config):
+    """(path, HF config, architecture) of --model.path, checked against the mesh's split."""
+    from transformers import AutoConfig
+
+    from orchestration.distributed.stages import SUPPORTED_ARCHITECTURES, replica_split
+    from orchestration.models import paths as model_paths
 
     path = model_paths.resolve_model(cfg.model.path, progress=True)  # default, built-in name, .gguf or a directory
     if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
@@ -102,6 +121,15 @@ def prepare(cfg: Config, *, load_model: bool = True) -> Plan:
             raise ValueError(f"--mesh.{'replicas' if cfg.mesh.replicas else 'stages'} {y}: {e}") from None
     if cfg.mesh.dist_backend == "nccl" and not torch.cuda.is_available():
         raise ValueError("--mesh.dist-backend nccl needs CUDA GPUs, and torch sees none (torch.cuda.is_available() is False)")
+    return path, hf_cfg, arch
+
+
+def _checked_data(cfg: Config, path: str, hf_cfg):
+    """(train, held-out) token datasets of --data.source, tokenized by the model's tokenizer
+    (cached), checked against the batch and the model's vocabulary."""
+    from orchestration.data import tokens as data_mod
+    from orchestration.models import loading as models
+
     source = cfg.data.source or DEFAULT_DATA
     if not source.startswith(("corpus:", "task:")) and not os.path.exists(source):
         raise FileNotFoundError(f"--data.source {source!r} does not exist")
@@ -123,7 +151,12 @@ def prepare(cfg: Config, *, load_model: bool = True) -> Plan:
                          f"{cfg.train.batch_size}; use more text, a shorter --data.seq-len or a smaller batch")
     if hf_cfg.vocab_size <= int(ds.tokens.max()):
         raise ValueError(f"--data.source tokens reach id {int(ds.tokens.max())} but the model's vocab is {hf_cfg.vocab_size}")
+    return train_ds, eval_ds
 
+
+def _run_paths(cfg: Config, hf_cfg) -> tuple[str, str, str]:
+    """(run directory, checkpoint directory, checkpoint to resume from or "") of this run;
+    a checkpoint to resume is checked against this run's mesh, steps and settings."""
     # Under torchrun every rank derives the run directory: it must not depend on the clock.
     rid = os.environ.get("TORCHELASTIC_RUN_ID", "none")
     stamp = (rid if rid != "none" else "torchrun") if under_torchrun() else time.strftime("%Y%m%d-%H%M%S")
@@ -153,19 +186,7 @@ def prepare(cfg: Config, *, load_model: bool = True) -> Plan:
         if meta["step"] >= cfg.train.steps:
             raise ValueError(f"--checkpoint.resume {resume_from} is at step {meta['step']}, not before --train.steps {cfg.train.steps}")
         _check_resumable(cfg, resume_from, meta, hf_cfg)
-    for line in ineffective_settings(cfg):
-        print(f"warning: {line}", file=sys.stderr, flush=True)
-    max_pos = getattr(hf_cfg, "max_position_embeddings", None)
-    if max_pos and cfg.data.seq_len > max_pos:
-        print(f"warning: --data.seq-len {cfg.data.seq_len} exceeds the model's max_position_embeddings {max_pos}",
-              file=sys.stderr, flush=True)
-    plan = Plan(path, run_dir, ckpt_dir, train_ds.tokens, None if eval_ds is None else eval_ds.tokens,
-                resume_from, num_layers=n_layers, hidden_size=hf_cfg.hidden_size, arch=arch)
-    if load_model:
-        plan.model = _load_model(cfg, path)
-        from orchestration.calibration import prepare_run  # pca codec: fit the basis here, forked ranks inherit it
-        prepare_run(cfg, plan)
-    return plan
+    return run_dir, ckpt_dir, resume_from
 
 
 def resume_needs_a_run(out_dir: str) -> str:
@@ -189,7 +210,7 @@ def _check_resumable(cfg: Config, path: str, meta: dict, hf_cfg) -> None:
     """ValueError naming the difference if the checkpoint at ``path`` was written by a run
     whose state this one cannot load: another optimizer or anchor setting, another layer
     split, another model shape."""
-    from orchestration.stages import replica_split
+    from orchestration.distributed.stages import replica_split
 
     old = meta.get("config", {})
     n = hf_cfg.num_hidden_layers
@@ -222,7 +243,7 @@ def _check_resumable(cfg: Config, path: str, meta: dict, hf_cfg) -> None:
 
 
 def _load_model(cfg: Config, path: str):
-    from orchestration.models import load_causal_lm
+    from orchestration.models.loading import load_causal_lm
 
     model, _ = load_causal_lm(path, dtype=getattr(torch, cfg.model.dtype))
     return model
@@ -232,7 +253,7 @@ def _load_model(cfg: Config, path: str):
 def run_rank(rank: int, world_size: int, cfg: Config, plan: Plan) -> dict:
     """Runs one rank to the end of training; returns its record (rank 0: the summary).
     A fast rank is an orchestration.trainer.Trainer; an anchor rank joins a world of its
-    own (orchestration.mesh) and runs orchestration.anchor.run_anchor_rank."""
+    own (orchestration.distributed.mesh) and runs orchestration.anchor.run_anchor_rank."""
     torch.set_num_threads(cfg.mesh.threads_per_rank)
     layout = MeshLayout.of(cfg)
     if layout.is_anchor(rank):
@@ -276,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     torch.set_num_threads(cfg.mesh.threads_per_rank)
     if cfg.run.tensorboard:
-        from orchestration.metrics import tensorboard_available
+        from orchestration.components.metrics import tensorboard_available
 
         if not tensorboard_available():
             print("warning: --run.tensorboard: the tensorboard package is not installed (pip install tensorboard); "
@@ -295,54 +316,44 @@ def main(argv: list[str] | None = None) -> int:
               "--checkpoint.resume latest (same --run.name), or choose another --run.name", file=sys.stderr)
         return 2
     if under_torchrun():
-        world = int(os.environ["WORLD_SIZE"])
-        want = layout.stages if join else layout.fast_world_size
-        if world != want:
-            what = "anchor row (one process per stage)" if join else f"{layout.name} mesh"
-            extra = " plus an anchor row started with --anchor.join" if cfg.anchor.enabled and not join else ""
-            print(f"error: torchrun started {world} processes, the {what} needs {want}{extra}", file=sys.stderr)
-            return 2
-        rank = int(os.environ["RANK"])
-        if rank == 0 and cfg.anchor.enabled and not join:
-            addr = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
-            print(f"[anchor] the fast circuit's store is {addr}; start the anchor row (one process per stage) "
-                  f"with: torchrun --nproc-per-node {layout.stages} ... -m orchestration.train <this run's flags> "
-                  f"--anchor.join --anchor.store {addr}", file=sys.stderr, flush=True)
-        out = run_rank(layout.anchor_rank(rank) if join else rank, world, cfg, plan)
-        if isinstance(out, dict) and out.get("diverged"):
-            if rank == 0:
-                print(f"error: {out['diverged']}", file=sys.stderr, flush=True)
-            return DIVERGED
-        return 0
-    os.makedirs(plan.run_dir, exist_ok=True)
-    if not join:
-        print(f"run folder: {plan.run_dir}/ (config.yaml, metrics.jsonl, checkpoints/"
-              + (", tensorboard/" if cfg.run.tensorboard else "") + "; a summary at the end)", flush=True)
-    if not join:
-        cfg.run.name = os.path.basename(plan.run_dir)  # so that --config RUN_DIR/config.yaml names this run
-        with open(os.path.join(plan.run_dir, "config.yaml"), "w") as f:
-            f.write(to_yaml(cfg))
-    if join:  # fail fast, not after the store client's minutes of retries, if nothing listens there
-        from orchestration.anchor import store_address
+        return _main_torchrun(cfg, plan, layout, join)
+    return _main_local(cfg, plan, layout, join)
 
-        host, port = store_address(cfg)
-        try:
-            socket.create_connection((host, port), timeout=10).close()
-        except OSError as e:
-            print(f"error: --anchor.store {host}:{port}: cannot connect ({e.strerror or e}); is the fast circuit "
-                  "running? (its launcher prints the address)", file=sys.stderr)
-            return 2
+
+def _main_torchrun(cfg: Config, plan: Plan, layout: MeshLayout, join: bool) -> int:
+    """This process is one rank (torchrun): check the world, run the rank; the exit code."""
+    world = int(os.environ["WORLD_SIZE"])
+    want = layout.stages if join else layout.fast_world_size
+    if world != want:
+        what = "anchor row (one process per stage)" if join else f"{layout.name} mesh"
+        extra = " plus an anchor row started with --anchor.join" if cfg.anchor.enabled and not join else ""
+        print(f"error: torchrun started {world} processes, the {what} needs {want}{extra}", file=sys.stderr)
+        return 2
+    rank = int(os.environ["RANK"])
+    if rank == 0 and cfg.anchor.enabled and not join:
+        addr = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        print(f"[anchor] the fast circuit's store is {addr}; start the anchor row (one process per stage) "
+              f"with: torchrun --nproc-per-node {layout.stages} ... -m orchestration.train <this run's flags> "
+              f"--anchor.join --anchor.store {addr}", file=sys.stderr, flush=True)
+    out = run_rank(layout.anchor_rank(rank) if join else rank, world, cfg, plan)
+    if isinstance(out, dict) and out.get("diverged"):
+        if rank == 0:
+            print(f"error: {out['diverged']}", file=sys.stderr, flush=True)
+        return DIVERGED
+    return 0
+
+
+def _main_local(cfg: Config, plan: Plan, layout: MeshLayout, join: bool) -> int:
+    """Spawns the local mesh (or, with --anchor.join, just the anchor row); the exit code."""
+    os.makedirs(plan.run_dir, exist_ok=True)
+    if join:
+        return _join_anchor_row(cfg, plan, layout)
+    print(f"run folder: {plan.run_dir}/ (config.yaml, metrics.jsonl, checkpoints/"
+          + (", tensorboard/" if cfg.run.tensorboard else "") + "; a summary at the end)", flush=True)
+    cfg.run.name = os.path.basename(plan.run_dir)  # so that --config RUN_DIR/config.yaml names this run
+    with open(os.path.join(plan.run_dir, "config.yaml"), "w") as f:
+        f.write(to_yaml(cfg))
     try:
-        if join:
-            res = run_local(run_anchor_row_rank, layout.stages, (cfg, plan), start_method=cfg.mesh.start_method,
-                            threads=cfg.mesh.threads_per_rank, optional=set(range(layout.stages)),
-                            describe=lambda r: layout.describe(layout.anchor_rank(r)),
-                            restarts=cfg.anchor.restarts)
-            for r in res:
-                if r is not None:
-                    print(f"[anchor] {layout.describe(r['rank'])}, generation {r['generation']}: {r['rounds']} rounds, "
-                          f"stopped: {r['stopped']}", file=sys.stderr, flush=True)
-            return 0 if all(r is not None for r in res) else 1
         port = free_port()
         anchors = {r for r in range(cfg.world_size) if layout.is_anchor(r)}
         if anchors:
@@ -352,23 +363,53 @@ def main(argv: list[str] | None = None) -> int:
         res = run_local(run_rank, cfg.world_size, (cfg, plan), start_method=cfg.mesh.start_method,
                         threads=cfg.mesh.threads_per_rank, describe=layout.describe, optional=anchors,
                         restarts=cfg.anchor.restarts if anchors else 0, port=port)
-        if res and res[0] and res[0].get("diverged"):
-            print(f"error: {res[0]['diverged']}", file=sys.stderr, flush=True)
-            return DIVERGED
-        if res and res[0] and res[0].get("interrupted"):
-            return 130  # stopped by Ctrl-C / SIGTERM after saving: the shell's convention
     except MeshFailure as e:
-        print(f"\nerror: the mesh stopped: {e}", file=sys.stderr)
-        if e.details:
-            print(e.details, file=sys.stderr)
-        try:
-            last = ckpt.resolve("latest", plan.ckpt_dir, quiet=True)
-        except ValueError:
-            last = None  # none, or `latest` names a checkpoint that is gone
-        if last:
-            print(f"last complete checkpoint: {last} (continue with: {ckpt.continue_command(plan)})", file=sys.stderr)
-        return 1
+        return _mesh_stopped(e, plan)
+    if res and res[0] and res[0].get("diverged"):
+        print(f"error: {res[0]['diverged']}", file=sys.stderr, flush=True)
+        return DIVERGED
+    if res and res[0] and res[0].get("interrupted"):
+        return 130  # stopped by Ctrl-C / SIGTERM after saving: the shell's convention
     return 0
+
+
+def _join_anchor_row(cfg: Config, plan: Plan, layout: MeshLayout) -> int:
+    """--anchor.join: the anchor row's processes, joining the running fast circuit."""
+    from orchestration.anchor import store_address
+
+    host, port = store_address(cfg)
+    try:  # fail fast, not after the store client's minutes of retries, if nothing listens there
+        socket.create_connection((host, port), timeout=10).close()
+    except OSError as e:
+        print(f"error: --anchor.store {host}:{port}: cannot connect ({e.strerror or e}); is the fast circuit "
+              "running? (its launcher prints the address)", file=sys.stderr)
+        return 2
+    try:
+        res = run_local(run_anchor_row_rank, layout.stages, (cfg, plan), start_method=cfg.mesh.start_method,
+                        threads=cfg.mesh.threads_per_rank, optional=set(range(layout.stages)),
+                        describe=lambda r: layout.describe(layout.anchor_rank(r)),
+                        restarts=cfg.anchor.restarts)
+    except MeshFailure as e:
+        return _mesh_stopped(e, plan)
+    for r in res:
+        if r is not None:
+            print(f"[anchor] {layout.describe(r['rank'])}, generation {r['generation']}: {r['rounds']} rounds, "
+                  f"stopped: {r['stopped']}", file=sys.stderr, flush=True)
+    return 0 if all(r is not None for r in res) else 1
+
+
+def _mesh_stopped(e: MeshFailure, plan: Plan) -> int:
+    """Reports a stopped mesh and the checkpoint to continue from; exit code 1."""
+    print(f"\nerror: the mesh stopped: {e}", file=sys.stderr)
+    if e.details:
+        print(e.details, file=sys.stderr)
+    try:
+        last = ckpt.resolve("latest", plan.ckpt_dir, quiet=True)
+    except ValueError:
+        last = None  # none, or `latest` names a checkpoint that is gone
+    if last:
+        print(f"last complete checkpoint: {last} (continue with: {ckpt.continue_command(plan)})", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ assert loaded and all(loaded.values()), f"extensions not loaded: {_backend._prob
 assert _backend.resolve("mask", torch.device("cpu")) == "cpp"
 # a tiny Llama + BPE tokenizer for the trainer run below
 from transformers import LlamaConfig, LlamaForCausalLM
-from orchestration.data import train_bpe
+from orchestration.data.tokens import train_bpe
 import glob, sysconfig
 text = "\n".join(open(f).read() for f in sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "json", "*.py"))))[:60000]
 open("data.txt", "w").write(text)

@@ -10,7 +10,7 @@
 #
 # Why --base-model overlaps the two: the three extensions compile one after the other and
 # two of them spend most of their time in ONE big translation unit, so one of 2 cores
-# idles for about half the build; the base model's pretraining (orchestration.pretrain,
+# idles for about half the build; the base model's pretraining (orchestration.models.pretrain,
 # 2 threads) fills it. The first run then finds the model built (or waits for the lock).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -64,7 +64,7 @@ else
     if [ "$BASE" = 1 ]; then
         say "2/3 building the default base model in the background (log: .venv/logs/base-model.log)"
         # PASSIVE: its 2 OpenMP threads sleep instead of spinning while the compiler holds a core
-        OMP_WAIT_POLICY=PASSIVE "$PY" -c "from orchestration.model_paths import default_base_model; print(default_base_model())" \
+        OMP_WAIT_POLICY=PASSIVE "$PY" -c "from orchestration.models.paths import default_base_model; print(default_base_model())" \
             >.venv/logs/base-model.log 2>&1 &
         BG=$!
     fi
@@ -93,6 +93,6 @@ if [ "$TEST" = 1 ]; then  # by name, not as meshkern[test]: that would build mes
     ticking "pip install (test extras)" .venv/logs/pip-test.log "$PY" -m pip install $EXTRAS
 fi
 if [ "$BASE" = 1 ] && [ -z "${BG:-}" ]; then  # installed before: build the model here if missing
-    "$PY" -c "from orchestration.model_paths import default_base_model; default_base_model()"
+    "$PY" -c "from orchestration.models.paths import default_base_model; default_base_model()"
 fi
 say "done: activate with '. .venv/bin/activate'"

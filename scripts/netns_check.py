@@ -6,13 +6,13 @@ Run as root (creates and deletes its own namespaces; talks only to addresses it 
     python scripts/netns_check.py --rows 1        # one pipeline, no DP sync
     python scripts/netns_check.py --help
 
-Topology (what orchestration.linkmodel calls "node"): one namespace per rank, each
+Topology (what orchestration.distributed.linkmodel calls "node"): one namespace per rank, each
 joined to a hub namespace (IP forwarding) by a veth pair; ``tc tbf rate 200mbit`` on
 the rank side (its uplink) and on the hub side (its downlink). So every rank has a
 200 Mbit/s access link, as consumer GPUs on the internet do.
 
 Workload: a rows x stages mesh (rank = row * stages + stage). Each rank is one pipeline
-stage running the schedule of orchestration/schedule.py exactly as listed, with real
+stage running the schedule of orchestration/distributed/schedule.py exactly as listed, with real
 gloo isend/recv of the boundary messages (sizes from orchestration/codecs.py: a dense
 and a masked p=0.95 boundary of a [micro-batch, T, H] fp32 activation); then, with
 rows > 1, a blocking gloo all_reduce of --dp-bytes within each stage column (plain DP),
@@ -90,7 +90,7 @@ def worker(a) -> None:
     import torch
     import torch.distributed as dist
 
-    from orchestration.schedule import make_schedule
+    from orchestration.distributed.schedule import make_schedule
 
     torch.set_num_threads(1)
     rank, S, X = a.rank, a.stages, a.world // a.stages
@@ -216,8 +216,8 @@ def main(argv=None) -> None:
     import torch
 
     from orchestration.codecs import make_codec
-    from orchestration.linkmodel import LinkSpec, model_step
-    from orchestration.schedule import make_schedule
+    from orchestration.distributed.linkmodel import LinkSpec, model_step
+    from orchestration.distributed.schedule import make_schedule
 
     shape = tuple(int(x) for x in a.shape.split(","))
     rate_bps = float(a.rate.lower().replace("mbit", "e6").replace("kbit", "e3").replace("gbit", "e9"))

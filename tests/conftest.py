@@ -1,7 +1,7 @@
 """Test-wide settings.
 
 - One thread per process: these machines have 2 cores, and OpenMP spin-waiting with
-  another busy process made 2-thread runs 40x slower (../shared/environment.md).
+  another busy process made 2-thread runs 40x slower.
 - Without a GPU, Triton kernels run in the interpreter (TRITON_INTERPRET=1). It must be
   set before triton.jit decorates any kernel, hence here, at collection time.
 """
@@ -28,7 +28,7 @@ def build_tiny_model_dir(root, num_layers=4, text_chars=120_000):
     under ``root/model``, and ``root/data.txt`` (stdlib json sources). Deterministic."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from orchestration.data import train_bpe
+    from orchestration.data.tokens import train_bpe
 
     src = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "json", "*.py")))
     text = "\n".join(open(f).read() for f in src)[:text_chars]

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from orchestration import anchor as A
-from orchestration import checkpoint as ckpt
+from orchestration.components import checkpoint as ckpt
 from orchestration.config import parse_args, validate
-from orchestration.launch import run_local
-from orchestration.mesh import MeshLayout
-from orchestration.metrics import read_jsonl
+from orchestration.distributed.launch import run_local
+from orchestration.distributed.mesh import MeshLayout
+from orchestration.components.metrics import read_jsonl
 from orchestration.train import prepare, run_rank
 
 
@@ -184,7 +184,7 @@ def test_a_bug_in_the_link_thread_is_raised_on_the_trainers_thread(monkeypatch):
 
 # ------------------------------------------------------------------ spawned gloo meshes
 def _unsplit_grads(model_dir, batch):
-    from orchestration.models import load_causal_lm
+    from orchestration.models.loading import load_causal_lm
 
     model, _ = load_causal_lm(str(model_dir))
     model(input_ids=batch, labels=batch).loss.backward()
@@ -310,7 +310,7 @@ def test_killed_anchor_leaves_the_fast_circuit_training_and_checkpointing(tiny, 
     assert ckpt.read_meta(final)["step"] == 12
     for r in (0, 1):
         assert ckpt.load_rank_state(final, r)["step"] == 12
-    from orchestration.models import load_causal_lm
+    from orchestration.models.loading import load_causal_lm
 
     load_causal_lm(final)
     err = capfd.readouterr().err
@@ -516,7 +516,7 @@ def test_anchor_that_outlives_the_fast_circuit_says_so():
 
     import torch.distributed as dist
 
-    from orchestration.launch import free_port
+    from orchestration.distributed.launch import free_port
 
     port = free_port()
     ready = mp.get_context("fork").Event()
@@ -550,7 +550,7 @@ def test_generations_form_whatever_the_start_order():
 
     import torch.distributed as dist
 
-    from orchestration.launch import free_port
+    from orchestration.distributed.launch import free_port
 
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,

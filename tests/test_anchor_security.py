@@ -19,10 +19,10 @@ import torch
 import torch.distributed as dist
 
 from orchestration import anchor as A
-from orchestration import checkpoint as ckpt
+from orchestration.components import checkpoint as ckpt
 from orchestration.anchor import auth, wire
-from orchestration.launch import free_port
-from orchestration.mesh import listen_socket, rendezvous_store
+from orchestration.distributed.launch import free_port
+from orchestration.distributed.mesh import listen_socket, rendezvous_store
 
 KEY = b"0123456789abcdef0123456789abcdef"
 
@@ -502,7 +502,7 @@ def test_the_hook_stands_alone_without_the_optimizers_checks(tmp_path, monkeypat
     import meshkern.optim as O
 
     monkeypatch.setattr(O.SpectralAdamW, "_out_of_bounds", lambda self, norms: [])
-    monkeypatch.setattr(O, "_orthonormality_error", lambda Q: 0.0)
+    monkeypatch.setattr(O, "orthonormality_error", lambda Q: torch.tensor(0.0))
     hook, opt, params = _hook(tmp_path, monkeypatch, transport)
     value = 3e38 if transport == "dense" else 1e10
     hook.link.events.put(("update", A.Arrival(0, 0, torch.full((hook.layout.numel,), value), 0, 0)))

@@ -1,4 +1,4 @@
-"""orchestration.calibration: the pca codec's per-boundary basis, fitted from training
+"""orchestration.components.calibration: the pca codec's per-boundary basis, fitted from training
 rows, the same on both sides of a boundary, counted once on the pp link."""
 import json
 import os
@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from meshkern.mask import MaskKey
-from orchestration import calibration, codecs
+from orchestration import codecs
+from orchestration.components import calibration
 from orchestration.codecs import PCACodec, apply_codec
 
 
@@ -51,9 +52,9 @@ def test_pca_codec_trains_through_the_mesh(tiny, tmp_path, start):
     training rows with the model as loaded; PP bytes = the codec's wire bytes per
     micro-batch + the basis once per boundary link (pp_fwd)."""
     from orchestration.config import parse_args
-    from orchestration.launch import run_local
-    from orchestration.mesh import MeshLayout
-    from orchestration.models import load_causal_lm
+    from orchestration.distributed.launch import run_local
+    from orchestration.distributed.mesh import MeshLayout
+    from orchestration.models.loading import load_causal_lm
     from orchestration.train import prepare, run_rank
 
     argv = ["--model", str(tiny / "model"), "--data", str(tiny / "data.txt"), "--data.seq-len", "32",

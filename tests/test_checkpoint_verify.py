@@ -9,9 +9,9 @@ import signal
 import pytest
 import torch
 
-from orchestration import checkpoint as ckpt
+from orchestration.components import checkpoint as ckpt
 from orchestration import train
-from orchestration.launch import MeshFailure
+from orchestration.distributed.launch import MeshFailure
 
 from test_train import _args, _run
 

@@ -7,7 +7,9 @@ import sys
 
 import pytest
 
-from orchestration import evaluate, pretrain
+from orchestration import evaluate
+
+from orchestration.models import pretrain
 
 from test_checkpoint_verify import ARGS, _truncate  # noqa: F401 (the fixture below uses them)
 from test_train import _args
@@ -61,7 +63,7 @@ def test_pretrain_refuses_a_non_empty_out(tmp_path, capsys):
 @pytest.mark.slow
 def test_the_module_entry_points_exit_2_without_a_traceback(tmp_path):
     for mod, argv in (("orchestration.evaluate", ["--model", "/no/such/model"]),
-                      ("orchestration.pretrain", ["--out", str(tmp_path / "o"), "--steps", "-1"]),
+                      ("orchestration.models.pretrain", ["--out", str(tmp_path / "o"), "--steps", "-1"]),
                       ("orchestration.experiments", ["--model", "/no/such/model"])):
         p = subprocess.run([sys.executable, "-m", mod, *argv], capture_output=True, text=True, timeout=300)
         assert p.returncode == 2 and "Traceback" not in p.stderr and p.stderr.startswith("error: "), p.stderr
@@ -69,7 +71,8 @@ def test_the_module_entry_points_exit_2_without_a_traceback(tmp_path):
 
 @pytest.mark.parametrize("model", ["/no/such/model", "no-such-builtin", "rel/missing.gguf"])
 def test_experiments_checks_a_missing_model_up_front(model, tmp_path, capsys, monkeypatch):
-    from orchestration import experiments, model_paths
+    from orchestration.experiments import cli as experiments
+    from orchestration.models import paths as model_paths
 
     monkeypatch.setattr(model_paths, "default_base_model", lambda *a, **k: pytest.fail("resolved a model"))
     assert experiments.main(["--model", model, "--rows", "m95", "--seeds", "0", "--work", str(tmp_path)]) == 2

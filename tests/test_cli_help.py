@@ -9,7 +9,9 @@ import sys
 
 import pytest
 
-from orchestration import cli_help, train
+from orchestration import train
+
+from orchestration.config import cli_help
 from orchestration.config import build_parser, load_file, parse_args
 
 

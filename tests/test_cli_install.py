@@ -13,8 +13,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _readme_commands() -> list[str]:
+    """The two commands: the README's first code block, right under its title and the
+    sentence that says what the project is (within its first 10 lines)."""
     with open(os.path.join(ROOT, "README.md")) as f:
-        return f.read().split("\n")[1:3]
+        lines = f.read().split("\n")
+    fence = lines.index("```bash")
+    assert fence < 10, "the two commands must open the README"
+    return lines[fence + 1:fence + 3]
 
 
 def test_readme_lines_use_the_install_script_and_ci_runs_line_2():

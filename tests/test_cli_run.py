@@ -12,10 +12,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from orchestration import metrics
+from orchestration.components import metrics
 from orchestration.config import parse_args
-from orchestration.metrics import RunLog, read_jsonl, scalars
-from orchestration.run_summary import format_summary, summary_rows
+from orchestration.components.metrics import RunLog, read_jsonl, scalars
+from orchestration.components.run_summary import format_summary, summary_rows
 from orchestration.train import main
 
 from test_train import _args

@@ -14,7 +14,7 @@ B, T, H = 2, 6, 64
 @pytest.fixture(autouse=True)
 def _pca_basis():
     """The generic tests run every codec at boundary KEY.boundary, H: give "pca" a basis
-    there (calibrated bases come from orchestration.calibration; tests/test_codecs_pca.py)."""
+    there (calibrated bases come from orchestration.components.calibration; tests/test_codecs_pca.py)."""
     from orchestration import codecs
 
     k = codecs.pca_width(H)

@@ -191,11 +191,11 @@ def test_bad_input_errors_name_the_problem():
 def test_executor_hands_each_microbatch_its_sample_ids():
     """The plumbing: PipelineExecutor.step splits sample_ids like the batch and calls
     codec.begin_step once per step (a single-stage pipeline: no transfers needed)."""
-    from orchestration.metrics import LinkCounter
-    from orchestration.pipeline import PipelineExecutor
-    from orchestration.sampling import BatchSampler
-    from orchestration.schedule import make_schedule
-    from orchestration.stages import split_model
+    from orchestration.distributed.link_counter import LinkCounter
+    from orchestration.distributed.pipeline import PipelineExecutor
+    from orchestration.data.sampling import BatchSampler
+    from orchestration.distributed.schedule import make_schedule
+    from orchestration.distributed.stages import split_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
     model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -225,8 +225,8 @@ def mesh_run(tiny, tmp_path, codec: str, options: str, steps: int, max_sequences
     """Trains the tiny model on a 1x2 mesh (one boundary) through ``codec``; returns
     (plan, the last stage's record)."""
     from orchestration.config import parse_args
-    from orchestration.launch import run_local
-    from orchestration.mesh import MeshLayout
+    from orchestration.distributed.launch import run_local
+    from orchestration.distributed.mesh import MeshLayout
     from orchestration.train import prepare, run_rank
 
     argv = ["--model", str(tiny / "model"), "--data", str(tiny / "data.txt"), "--data.seq-len", "32",
@@ -250,7 +250,7 @@ def test_aqsgd_trains_through_the_mesh_over_several_epochs(tiny, tmp_path):
     import json
     import os
 
-    from orchestration.sampling import shard_rows
+    from orchestration.data.sampling import shard_rows
 
     cfg, plan, last = mesh_run(tiny, tmp_path, "aqsgd", '{"bits": 4, "gbits": 8}', steps=12, max_sequences=24)
     per_epoch = len(shard_rows(plan.train_rows, 0, 1)) // 4

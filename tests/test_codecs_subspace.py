@@ -1,5 +1,5 @@
 """The subspace codec (orchestration/codecs/subspace.py) and the constraint that makes it
-exact (orchestration/subspace.py), on the default small Llama with random weights: the
+exact (orchestration/subspace/constraint.py), on the default small Llama with random weights: the
 reference is the unsplit constrained model run by transformers itself."""
 import copy
 
@@ -9,9 +9,9 @@ import torch
 from meshkern import MaskKey
 from orchestration.codecs import NonFiniteWire, apply_codec, make_codec
 from orchestration.codecs.subspace import SubspaceCodec, subspace_width
-from orchestration.models import default_config
-from orchestration.stages import causal_lm_loss, split_model
-from orchestration.subspace import (constrain_, constrained_names, is_constrained, make_basis, make_projector,
+from orchestration.models.loading import default_config
+from orchestration.distributed.stages import causal_lm_loss, split_model
+from orchestration.subspace.constraint import (constrain_, constrained_names, is_constrained, make_basis, make_projector,
                                     project_tensor, violation)
 
 V, H, K = 256, 192, 12
@@ -242,10 +242,10 @@ PIPE_S, PIPE_M, PIPE_STEP = 3, 4, 7  # 3 stages: a middle one receives and sends
 
 
 def _pipe_worker(rank, world, model, ids, E, U):
-    from orchestration.mesh import MeshLayout, destroy_mesh, init_mesh
-    from orchestration.metrics import LinkCounter
-    from orchestration.pipeline import PipelineExecutor
-    from orchestration.schedule import make_schedule
+    from orchestration.distributed.mesh import MeshLayout, destroy_mesh, init_mesh
+    from orchestration.distributed.link_counter import LinkCounter
+    from orchestration.distributed.pipeline import PipelineExecutor
+    from orchestration.distributed.schedule import make_schedule
 
     mesh = init_mesh(MeshLayout(1, PIPE_S), timeout_s=30)
     stage = split_model(model, PIPE_S)[rank]
@@ -262,7 +262,7 @@ def _pipe_worker(rank, world, model, ids, E, U):
 
 @pytest.mark.slow
 def test_pipeline_executor_with_the_subspace_codec_equals_the_unsplit_model():
-    from orchestration.launch import run_local
+    from orchestration.distributed.launch import run_local
 
     model = _model()
     U = make_basis(H, K, seed=3)

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from orchestration.config import Config, build_parser, flag_name, parse_args, presets, validate
+from orchestration.config import Config, build_parser, flag_name, from_dict, parse_args, presets, validate
 
 
 def test_precedence_preset_file_flags(tmp_path):
@@ -49,7 +49,7 @@ def test_every_preset_loads_and_matches_its_row():
 
 @pytest.mark.parametrize("argv, message", [
     (["--train.batch-size", "6", "--train.microbatches", "4"], "does not split into"),
-    (["--boundary.p", "1.0"], "--boundary.p must be in [0, 1)"),
+    (["--boundary.p", "1.0"], "--boundary.p must be a float in [0, 1), got 1.0"),
     (["--mesh.rows", "1", "--anchor.enabled", "true"], "needs --mesh.rows >= 2"),
     (["--mesh.stages", "2", "--mesh.layers-per-stage", "1,1,2"], "has 3 entries for 2 stages"),
     (["--train.steps", "x"], "cannot use 'x' as int"),
@@ -97,7 +97,7 @@ def test_help_lists_every_field():
 
 def test_round_trip_through_dict():
     cfg, _ = parse_args(["--preset", "m90-ap", "--mesh.rows", "4"])
-    again = validate(Config.from_dict(cfg.to_dict()))
+    again = validate(from_dict(cfg.to_dict()))
     assert again == cfg
 
 
@@ -113,3 +113,60 @@ def test_mesh_dist_backend_is_not_a_kernel_backend_and_old_name_still_loads(tmp_
     assert "--mesh.dist-backend" in build_parser().format_help()
     with pytest.raises(ValueError, match="--mesh.dist-backend must be"):
         parse_args(["--mesh.dist-backend", "cpp"])
+
+
+# The optimizer's flags: each bad value is refused by parse_args (before any process is
+# spawned), and the optimizer constructors themselves refuse the same value: the check
+# here agrees with the reference it stands in for.
+OPTIMIZER_FLAGS = [
+    ("beta1", "--train.beta1", 1.0), ("beta2", "--train.beta2", -0.1), ("eps", "--train.eps", -1e-8),
+    ("weight_decay", "--train.weight-decay", -0.01), ("tau", "--train.tau", -1e-3),
+    ("tau", "--train.tau", float("nan")), ("alpha", "--train.alpha", 1.5), ("beta_anc", "--train.beta-anc", 1.0),
+    ("spectral_rank", "--train.spectral-rank", 0),
+]
+
+
+@pytest.mark.parametrize("field,flag,bad", OPTIMIZER_FLAGS)
+def test_optimizer_flags_are_checked_at_parse_time(field, flag, bad):
+    import torch
+
+    from orchestration.components.builders import make_optimizer
+
+    with pytest.raises(ValueError, match=flag.replace(".", r"\.")):
+        parse_args([flag, str(bad)])
+    cfg, _ = parse_args(["--train.optimizer", "spectral"])
+    setattr(cfg.train, field, bad)
+    with pytest.raises(ValueError):  # what every rank's constructor would have said, later
+        make_optimizer(cfg, torch.nn.Linear(4, 4))
+
+
+@pytest.mark.parametrize("flag,edge", [("--train.beta1", "0"), ("--train.beta2", "0.999"), ("--train.eps", "0"),
+                                       ("--train.weight-decay", "0"), ("--train.tau", "0"), ("--train.alpha", "1"),
+                                       ("--train.beta-anc", "0"), ("--train.spectral-rank", "1")])
+def test_optimizer_flags_accept_their_range_edges(flag, edge):
+    cfg, _ = parse_args([flag, edge, "--train.optimizer", "spectral"])
+    assert cfg.train.optimizer == "spectral"
+
+
+def test_a_bad_optimizer_flag_stops_the_trainer_before_anything_runs(capsys, monkeypatch):
+    from orchestration import train
+
+    monkeypatch.setattr(train, "prepare", lambda *a, **k: pytest.fail("got past the config check"))
+    assert train.main(["--train.alpha", "2"]) == 2
+    assert "--train.alpha must be in [0, 1], got 2.0" in capsys.readouterr().err
+
+
+def test_validate_checks_and_never_changes_the_config():
+    import copy
+
+    cfg, _ = parse_args(["--mesh.replicas", "1,2,2", "--boundary.codec", "aqsgd:bits=2"])
+    assert (cfg.mesh.rows, cfg.mesh.stages) == (3, 2)  # derived while parsing
+    assert (cfg.boundary.codec, cfg.boundary.options) == ("aqsgd", {"bits": 2})
+    before = copy.deepcopy(cfg)
+    assert validate(cfg) == before
+    raw = Config()
+    raw.mesh.replicas, raw.boundary.codec, raw.boundary.compress = [1, 2, 2, 2], "int4", "selective"
+    with pytest.raises(ValueError, match="makes 4 replicas of up to 2 stages, not --mesh.rows 3 x --mesh.stages 2"):
+        validate(raw)  # rows not derived: validate says so instead of fixing it
+    again = from_dict(raw.to_dict())  # a config from a dict is normalized like parsed flags
+    assert (again.mesh.rows, again.mesh.stages) == (4, 2) and validate(again) is again

@@ -3,7 +3,9 @@ import re
 
 import pytest
 
-from orchestration import corpora, data
+from orchestration.data import corpora
+
+from orchestration.data import tokens as data
 
 SMALL = 60_000
 

@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from orchestration import data, models
+from orchestration.data import tokens as data
+
+from orchestration.models import loading as models
 
 DOCS = ["The quick brown fox jumps over the lazy dog. " * 4,
         "def add(a, b):\n    return a + b\n" * 3,

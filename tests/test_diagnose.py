@@ -20,7 +20,7 @@ SEQ = 32
 
 @pytest.fixture(scope="module")
 def tiny_setup(tiny):
-    from orchestration import models
+    from orchestration.models import loading as models
 
     model, _ = models.load_causal_lm(tiny / "model")
     train, held = dg.load_data(str(tiny / "model"), str(tiny / "data.txt"), SEQ, token_cache=None)

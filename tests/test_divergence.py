@@ -8,16 +8,16 @@ import re
 import pytest
 import torch
 
-from orchestration import checkpoint as ckpt
-from orchestration.metrics import read_jsonl
+from orchestration.components import checkpoint as ckpt
+from orchestration.components.metrics import read_jsonl
 from orchestration.train import DIVERGED, main
-from orchestration.trainer import DivergenceGuard
+from orchestration.components.divergence import DivergenceGuard
 
 from test_train import _args
 
 
 def _finite_checkpoint(path):
-    from orchestration.models import load_causal_lm
+    from orchestration.models.loading import load_causal_lm
 
     ckpt.verify(path)
     model, _ = load_causal_lm(path)

@@ -6,7 +6,11 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from orchestration import data, evaluate, tasks
+from orchestration import evaluate
+
+from orchestration.data import tokens as data
+
+from orchestration.data import tasks
 
 
 @pytest.fixture(scope="module")

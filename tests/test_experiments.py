@@ -7,7 +7,8 @@ import os
 
 import pytest
 
-from orchestration import experiments
+from orchestration.experiments import cli as experiments
+from orchestration.experiments import evaluation, rows, runner
 
 
 @pytest.fixture(scope="module")
@@ -74,11 +75,11 @@ def test_incomplete_result_is_rerun_and_failures_are_recorded(tiny, tmp_path, ca
 
 
 def test_row_selection_and_bad_flags():
-    assert [r.name for r in experiments.select_rows("main")] == ["dense", "dp", "m95", "m90-ap", "m95-ap"]
-    assert {r.group for r in experiments.select_rows("baselines")} == {"baseline"}
-    assert [r.name for r in experiments.select_rows("m95-ap,dense")] == ["dense", "m95-ap"]
+    assert [r.name for r in rows.select_rows("main")] == ["dense", "dp", "m95", "m90-ap", "m95-ap"]
+    assert {r.group for r in rows.select_rows("baselines")} == {"baseline"}
+    assert [r.name for r in rows.select_rows("m95-ap,dense")] == ["dense", "m95-ap"]
     with pytest.raises(ValueError, match="unknown row"):
-        experiments.select_rows("m96")
+        rows.select_rows("m96")
     assert experiments.main(["--rows", "nope"]) == 2
     assert experiments.main(["--seeds", "", "--model", "x"]) == 2
 
@@ -86,18 +87,18 @@ def test_row_selection_and_bad_flags():
 def test_trainer_argv_adds_the_anchor_row_and_is_valid():
     from orchestration.config import parse_args
 
-    s = experiments.Settings(model="m", data="corpus:python", **experiments.DEFAULT)
-    for row in experiments.ROWS:
-        cfg, _ = parse_args(experiments.trainer_argv(row, 3, s, "/tmp/w", "n"))
+    s = rows.Settings(model="m", data="corpus:python", **rows.DEFAULT)
+    for row in rows.ROWS:
+        cfg, _ = parse_args(rows.trainer_argv(row, 3, s, "/tmp/w", "n"))
         assert cfg.fast_rows == s.fast_rows and cfg.train.seed == 3 and cfg.train.steps == s.steps
         assert cfg.anchor.enabled == row.preset.endswith("-ap")  # presets m90-ap / m95-ap carry the anchor
         assert cfg.mesh.rows == s.fast_rows + int(cfg.anchor.enabled)
-    cfg, _ = parse_args(experiments.trainer_argv(experiments.ROW_BY_NAME["delay50"], 0, s, "/tmp/w", "n"))
+    cfg, _ = parse_args(rows.trainer_argv(rows.ROW_BY_NAME["delay50"], 0, s, "/tmp/w", "n"))
     assert cfg.anchor.delay == 50 and cfg.anchor.max_staleness >= 50 and cfg.mesh.rows == s.fast_rows + 1
 
 
 def test_codec_eval_loss_dense_is_plain_loss_and_mask_is_the_hand_computation(tiny):
-    """The codec-on held-out loss (experiments.codec_eval_loss: the trainer's stage split +
+    """The codec-on held-out loss (evaluation.codec_eval_loss: the trainer's stage split +
     boundary codec, no training): with the dense codec it is the plain held-out loss; with
     the p=0.95 mask it differs, and equals zeroing the dims the Philox key drops at the one
     boundary of a 2-stage split, by hand."""
@@ -106,8 +107,8 @@ def test_codec_eval_loss_dense_is_plain_loss_and_mask_is_the_hand_computation(ti
 
     from meshkern.mask import MaskKey, mask_indices
     from orchestration.config import parse_args
-    from orchestration.models import load_causal_lm
-    from orchestration.scoring import eval_loss
+    from orchestration.models.loading import load_causal_lm
+    from orchestration.models.scoring import eval_loss
 
     model, _ = load_causal_lm(tiny / "model")
     V, H = model.config.vocab_size, model.config.hidden_size
@@ -118,16 +119,16 @@ def test_codec_eval_loss_dense_is_plain_loss_and_mask_is_the_hand_computation(ti
         return parse_args(["--preset", preset, "--model", str(tiny / "model"), "--mesh.rows", "1",
                            "--mesh.stages", "2"])[0]
 
-    dense = experiments.codec_eval_loss(model, held, cfg_of("dense"), seed=1, step=20)
+    dense = evaluation.codec_eval_loss(model, held, cfg_of("dense"), seed=1, step=20)
     assert dense["loss"] == pytest.approx(plain, rel=1e-6, abs=1e-6)
 
     cfg = cfg_of("m95")
-    masked = experiments.codec_eval_loss(model, held, cfg, seed=1, step=20)["loss"]
+    masked = evaluation.codec_eval_loss(model, held, cfg, seed=1, step=20)["loss"]
     assert abs(masked - plain) > 1e-3  # 95% of the boundary dims dropped (random init: either sign)
 
     # by hand: stage 0 = embedding + the first half of the layers, then keep the K dims
     # mask_indices names for every token (key: replica 0's seed rule, boundary 0, step 20)
-    from orchestration.stages import split_model
+    from orchestration.distributed.stages import split_model
 
     s0, s1 = split_model(model, 2, cfg.mesh.layers_per_stage or None)
     with torch.no_grad():
@@ -174,8 +175,8 @@ def test_code_version_names_only_the_checkout_the_code_is_in(tmp_path):
     git("commit", "-q", "-m", "c")
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tmp_path, capture_output=True,
                           text=True).stdout.strip()
-    assert experiments._code_version(str(tmp_path)) == head
+    assert runner._code_version(str(tmp_path)) == head
     (tmp_path / "f.txt").write_text("y")
-    assert experiments._code_version(str(tmp_path)) == head + "-dirty"
+    assert runner._code_version(str(tmp_path)) == head + "-dirty"
     (tmp_path / "copy").mkdir()
-    assert experiments._code_version(str(tmp_path / "copy")) == "unknown"
+    assert runner._code_version(str(tmp_path / "copy")) == "unknown"

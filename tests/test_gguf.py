@@ -1,4 +1,4 @@
-"""GGUF -> Hugging Face conversion (orchestration.gguf_convert) on a tiny GGUF this test
+"""GGUF -> Hugging Face conversion (orchestration.models.gguf_convert) on a tiny GGUF this test
 writes itself with the gguf package's GGUFWriter, the way llama.cpp's converter lays a
 Llama out (q/k rows permuted for its rotary layout, tied embeddings as a missing
 output.weight, some tensors Q8_0 / Q4_1). No real model here: see test_real_model.py."""
@@ -13,7 +13,11 @@ import torch
 gguf = pytest.importorskip("gguf", reason="GGUF support needs: pip install gguf accelerate")
 pytest.importorskip("accelerate", reason="GGUF support needs: pip install gguf accelerate")
 
-from orchestration import gguf_convert, model_paths, models  # noqa: E402
+from orchestration.models import gguf_convert  # noqa: E402
+
+from orchestration.models import paths as model_paths
+
+from orchestration.models import loading as models
 
 torch.set_num_threads(1)
 
@@ -30,7 +34,7 @@ def _permute(w, n_head, n_head_kv):
 
 
 def _tokenizer():
-    from orchestration.data import train_bpe
+    from orchestration.data.tokens import train_bpe
 
     src = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "json", "*.py")))
     return train_bpe(["\n".join(open(f).read() for f in src)[:40_000]], vocab_size=320)
@@ -160,7 +164,7 @@ def test_converted_checkpoint_is_the_model_transformers_loads_from_the_gguf(tiny
     assert rec["architecture"] == "LlamaForCausalLM" and rec["sha256"] == gguf_convert.file_sha256(src)
 
     # the saved tokenizer is the one transformers builds from the GGUF, through the trainer's loader
-    from orchestration.data import load_tokenizer
+    from orchestration.data.tokens import load_tokenizer
 
     tok, ref_tok = load_tokenizer(path), AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
     text = 'def f(x):\n    return {"a": x}  # <|endoftext|> é\n'
@@ -192,7 +196,7 @@ def test_concurrent_callers_convert_once(tiny_gguf, tmp_path):
 
     src, _ = tiny_gguf
     env = {**os.environ, "MESHKERN_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
-    code = ("import sys; from orchestration import gguf_convert as g; "
+    code = ("import sys; from orchestration.models import gguf_convert as g; "
             "print('PATH', g.converted_checkpoint(sys.argv[1], progress=True))")
     procs = [subprocess.Popen([sys.executable, "-c", code, str(src)], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.DEVNULL, text=True, cwd=os.path.dirname(os.path.dirname(__file__))) for _ in range(2)]

@@ -1,11 +1,11 @@
-"""python -m orchestration.hetero_experiments end to end on the tiny model: one seed, one
+"""python -m orchestration.experiments.heterogeneous end to end on the tiny model: one seed, one
 width, the three rows; exact bytes per token; records reused; the table rebuilt."""
 import json
 import os
 
 import pytest
 
-from orchestration import hetero_experiments as hx
+from orchestration.experiments import heterogeneous as hx
 
 
 @pytest.mark.slow

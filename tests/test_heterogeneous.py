@@ -3,10 +3,10 @@ by parameter name, per-replica codecs (selective compression), checkpoint and re
 import pytest
 import torch
 
-from orchestration import checkpoint as ckpt
+from orchestration.components import checkpoint as ckpt
 from orchestration.config import parse_args
-from orchestration.launch import run_local
-from orchestration.mesh import MeshLayout, SyncSegment, param_unit, stage_units
+from orchestration.distributed.launch import run_local
+from orchestration.distributed.mesh import MeshLayout, SyncSegment, param_unit, stage_units
 from orchestration.train import prepare, run_rank
 
 from test_train import _args
@@ -117,14 +117,14 @@ def _run(argv):
 
 
 def load_causal_lm_weights(root) -> dict:
-    from orchestration.models import load_causal_lm
+    from orchestration.models.loading import load_causal_lm
 
     model, _ = load_causal_lm(str(root / "model"))
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def _final_weights(plan) -> dict:
-    from orchestration.models import load_causal_lm
+    from orchestration.models.loading import load_causal_lm
 
     model, _ = load_causal_lm(ckpt.resolve("latest", plan.ckpt_dir))
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -133,7 +133,7 @@ def _final_weights(plan) -> dict:
 @pytest.fixture(scope="module")
 def tied(tiny_factory):
     """The tiny model with its input and output embeddings tied (one Parameter)."""
-    from orchestration.models import load_causal_lm
+    from orchestration.models.loading import load_causal_lm
 
     root = tiny_factory("tied")
     model, _ = load_causal_lm(str(root / "model"))
@@ -172,13 +172,13 @@ def test_uncompressed_heterogeneous_run_equals_the_homogeneous_run_on_the_same_d
         moved = (wh["lm_head.weight"] - load_causal_lm_weights(tiny)["lm_head.weight"]).abs().max()
         assert moved > 100 * tol["atol"]
     # and the weights did move: the test can fail
-    from orchestration.models import load_causal_lm
+    from orchestration.models.loading import load_causal_lm
 
     base, _ = load_causal_lm(str(tiny / "model"))
     assert not torch.allclose(base.model.layers[0].mlp.up_proj.weight, wh["model.layers.0.mlp.up_proj.weight"])
     assert not torch.allclose(base.model.embed_tokens.weight, wh["model.embed_tokens.weight"])
     if dp[1] == "allreduce":  # every replica applies the same averaged gradient: replica 1 (rebuilt) == replica 0
-        from orchestration.hetero_experiments import replica_model
+        from orchestration.experiments.heterogeneous import replica_model
 
         cfg_h = parse_args(_args(tiny, tmp_path / "het", "--mesh.replicas", "1,2,2", *common))[0]
         r1 = replica_model(ckpt.resolve("latest", plan_h.ckpt_dir), cfg_h, 1, str(tiny / "model")).state_dict()
@@ -224,8 +224,8 @@ def test_subspace_runs_keep_the_constraint_where_they_should_and_freeze_the_embe
     pipelines (<= 1e-5 after training, outer steps and the final merge included, even when
     DiLoCo itself projects nothing); under 'selective' it trains them freely. The token
     embedding, re-added by every receiver, never moves."""
-    from orchestration import subspace as sub
-    from orchestration.models import load_causal_lm
+    from orchestration.subspace import constraint as sub
+    from orchestration.models.loading import load_causal_lm
 
     argv = _args(tiny, tmp_path, "--mesh.replicas", "1,2,2", "--train.steps", "4", "--boundary.codec", "subspace",
                  "--boundary.options", '{"k": 8}', "--boundary.compress", compress, "--dp.sync-every", "2",

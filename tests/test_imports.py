@@ -86,3 +86,54 @@ def test_no_import_circles():
 
 def test_the_checker_sees_a_circle():
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]
+
+
+# orchestration/'s layout: the entry points (and the Trainer) on top, everything else in a
+# package named for what it holds (docs/architecture.md has one line per package).
+ENTRY_POINTS = {"train", "trainer", "evaluate"}
+MAX_MODULE_LINES = 450
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """orchestration's import graph one level up: a node per package or top-level module."""
+    def top(m: str) -> str | None:
+        parts = m.split(".")
+        return parts[1] if parts[0] == "orchestration" and len(parts) > 1 else None
+
+    out: dict[str, set[str]] = {}
+    for m, deps in graph.items():
+        if (p := top(m)) is not None:
+            out.setdefault(p, set()).update(q for d in deps if (q := top(d)) not in (None, p))
+    return out
+
+
+def test_no_circles_between_orchestration_packages():
+    found = circles(package_graph(import_graph()))
+    assert not found, f"package circles in orchestration/: {[sorted(c) for c in found]}"
+
+
+def test_orchestration_top_level_holds_only_entry_points():
+    top = os.path.join(ROOT, "orchestration")
+    modules = {f[:-3] for f in os.listdir(top) if f.endswith(".py") and f != "__init__.py"}
+    assert modules == ENTRY_POINTS, f"put {sorted(modules - ENTRY_POINTS)} into the package of its concern"
+    for d in os.listdir(top):
+        path = os.path.join(top, d)
+        if os.path.isdir(path) and d != "__pycache__":
+            assert os.path.isfile(os.path.join(path, "__init__.py")), f"orchestration/{d} is not a package"
+
+
+def test_no_orchestration_module_is_over_the_size_limit():
+    big = {}
+    for name, path in _modules().items():
+        if name.startswith("orchestration"):
+            with open(path) as f:
+                n = sum(1 for _ in f)
+            if n > MAX_MODULE_LINES:
+                big[name] = n
+    assert not big, f"modules over {MAX_MODULE_LINES} lines (split out the second job): {big}"
+
+
+def test_the_package_graph_lifts_module_imports():
+    g = {"orchestration.a.x": {"orchestration.b.y", "orchestration.a.z"}, "orchestration.a.z": set(),
+         "orchestration.b.y": {"meshkern.k"}, "orchestration.train": {"orchestration.a"}, "meshkern.k": set()}
+    assert package_graph(g) == {"a": {"b"}, "b": set(), "train": {"a"}}

@@ -1,9 +1,9 @@
 """Link model against timelines computed by hand for tiny schedules."""
 import pytest
 
-from orchestration.linkmodel import (LinkSpec, model_step, replay, ring_allreduce_bytes, ring_allreduce_s,
+from orchestration.distributed.linkmodel import (LinkSpec, model_step, replay, ring_allreduce_bytes, ring_allreduce_s,
                                      simulate)
-from orchestration.schedule import Action, make_schedule
+from orchestration.distributed.schedule import Action, make_schedule
 
 L = LinkSpec(200e6)  # 25e6 bytes take exactly 1 s
 ONE_S = 25e6

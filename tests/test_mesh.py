@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from orchestration.launch import MeshFailure, run_local
-from orchestration.mesh import MeshLayout, destroy_mesh, init_anchor_row, init_mesh
+from orchestration.distributed.launch import MeshFailure, run_local
+from orchestration.distributed.mesh import MeshLayout, destroy_mesh, init_anchor_row, init_mesh
 
 
 def test_layout_arithmetic():

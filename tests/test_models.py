@@ -7,7 +7,13 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from orchestration import data, model_paths, models, pretrain
+from orchestration.data import tokens as data
+
+from orchestration.models import paths as model_paths
+
+from orchestration.models import loading as models
+
+from orchestration.models import pretrain
 
 
 TINY = pretrain.PretrainConfig(steps=2, seq_len=16, batch_size=2, threads=1, vocab_size=300,

@@ -458,7 +458,7 @@ def test_anchor_svd_default_stays_randomized_krylov_is_an_option():
     default stays "randomized"; "krylov" is accepted (svd_method) and within 5e-2."""
     from transformers import LlamaForCausalLM
 
-    from orchestration.models import default_config
+    from orchestration.models.loading import default_config
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(default_config())

@@ -8,12 +8,12 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import meshkern
 from meshkern.mask import MaskKey, kept_dims
 from orchestration.codecs import make_codec
-from orchestration.launch import run_local
-from orchestration.mesh import MeshLayout, destroy_mesh, init_mesh
-from orchestration.metrics import LinkCounter
-from orchestration.pipeline import PipelineExecutor
-from orchestration.schedule import make_schedule
-from orchestration.stages import causal_lm_loss, split_model
+from orchestration.distributed.launch import run_local
+from orchestration.distributed.mesh import MeshLayout, destroy_mesh, init_mesh
+from orchestration.distributed.link_counter import LinkCounter
+from orchestration.distributed.pipeline import PipelineExecutor
+from orchestration.distributed.schedule import make_schedule
+from orchestration.distributed.stages import causal_lm_loss, split_model
 
 S, M, B, T, H = 3, 4, 8, 16, 40   # 3 stages (a middle one too), 4 micro-batches of 2
 SEED, STEP = 1234, 7

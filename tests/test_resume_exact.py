@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from orchestration import anchor as A
-from orchestration import checkpoint as ckpt
-from orchestration.launch import MeshFailure
-from orchestration.metrics import read_jsonl
+from orchestration.components import checkpoint as ckpt
+from orchestration.distributed.launch import MeshFailure
+from orchestration.components.metrics import read_jsonl
 
 from test_train import _args, _run
 

@@ -1,7 +1,7 @@
 """Pipeline schedules: valid, runnable, and 1F1B's memory bound."""
 import pytest
 
-from orchestration.schedule import Action, check_schedule, make_schedule, max_in_flight
+from orchestration.distributed.schedule import Action, check_schedule, make_schedule, max_in_flight
 
 
 def _str(acts):

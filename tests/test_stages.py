@@ -6,7 +6,7 @@ import torch
 from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
                           Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
-from orchestration.stages import (Stage, balanced_layers, causal_lm_loss, run_stages, split_model,
+from orchestration.distributed.stages import (Stage, balanced_layers, causal_lm_loss, run_stages, split_model,
                                   tied_weight_pairs)
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,

@@ -3,7 +3,7 @@ import re
 
 import pytest
 
-from orchestration import tasks
+from orchestration.data import tasks
 
 
 def test_addition_answers_are_sums():

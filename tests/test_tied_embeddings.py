@@ -8,9 +8,9 @@ import shutil
 import pytest
 import torch
 
-from orchestration import checkpoint as ckpt
+from orchestration.components import checkpoint as ckpt
 from orchestration.config import parse_args
-from orchestration.models import load_causal_lm
+from orchestration.models.loading import load_causal_lm
 
 from test_train import _args, _run
 

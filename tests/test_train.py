@@ -8,11 +8,12 @@ import time
 import pytest
 import torch
 
-from orchestration import checkpoint as ckpt
+from orchestration.components import checkpoint as ckpt
 from orchestration.config import parse_args
-from orchestration.launch import MeshFailure, run_local
-from orchestration.mesh import MeshLayout
-from orchestration.train import main, prepare, replica_sampler, run_rank
+from orchestration.distributed.launch import MeshFailure, run_local
+from orchestration.distributed.mesh import MeshLayout
+from orchestration.components.builders import replica_sampler
+from orchestration.train import main, prepare, run_rank
 
 
 def _args(tiny, tmp_path, *extra):
@@ -43,7 +44,7 @@ def test_checkpoint_then_resume_continues_with_identical_losses(tiny, tmp_path, 
     assert os.path.isdir(step2) and ckpt.read_meta(step2)["step"] == 2
 
     # The exported model is a standard (sharded) HF checkpoint with replica 0's weights.
-    from orchestration.models import load_causal_lm
+    from orchestration.models.loading import load_causal_lm
 
     final = ckpt.resolve("latest", plan.ckpt_dir)
     model, tok_path = load_causal_lm(final)
@@ -85,7 +86,7 @@ def test_killed_rank_stops_the_mesh_and_keeps_the_last_checkpoint(tiny, tmp_path
     assert ckpt.read_meta(last)["step"] == 2
     for r in range(4):
         assert ckpt.load_rank_state(last, r)["step"] == 2
-    from orchestration.models import load_causal_lm
+    from orchestration.models.loading import load_causal_lm
 
     load_causal_lm(last)
 
@@ -151,7 +152,7 @@ def test_pruning_never_deletes_the_checkpoint_just_written(tmp_path):
 def test_model_without_weights_and_join_without_fast_circuit_are_refused(tiny, tmp_path, capsys):
     import shutil
 
-    from orchestration.launch import free_port
+    from orchestration.distributed.launch import free_port
 
     bare = tmp_path / "noweights"
     bare.mkdir()
@@ -251,7 +252,7 @@ def test_other_codecs_optimizers_and_compressors_train(tiny, tmp_path, extra):
 def test_tied_embeddings_stay_tied_across_stages(tiny, tmp_path):
     """A tied checkpoint split over 2 stages: the last stage's lm_head copy gets the summed
     gradient like stage 0's embedding, so the two copies remain equal after training."""
-    from orchestration.models import load_causal_lm
+    from orchestration.models.loading import load_causal_lm
 
     model, _ = load_causal_lm(tiny / "model")
     model.config.tie_word_embeddings = True
@@ -277,7 +278,7 @@ def test_garbage_activations_from_a_peer_skip_the_step_not_corrupt_weights(tiny,
     """A peer delivers NaN activations at step 1 (forked ranks inherit the patched codec):
     every stage of the replica skips that update, the weights stay finite, training goes on."""
     from orchestration import codecs
-    from orchestration.metrics import read_jsonl
+    from orchestration.components.metrics import read_jsonl
 
     real = codecs.DenseCodec.decode_fwd
 

@@ -12,7 +12,7 @@ docs/anchor.md).
 """
 from orchestration.anchor.auth import (SECRET_ENV, AuthError, anchor_handshake, anchor_secret, ensure_secret,
                                        fast_handshake, generation_value, load_secret, parse_generation, secret_path)
-from orchestration.anchor.bounds import check_entries, orthonormality_error
+from orchestration.anchor.bounds import check_entries
 from orchestration.anchor.fastlink import Arrival, FastLink
 from orchestration.anchor.hook import FastHook
 from orchestration.anchor.links import (ANCHOR, FAST, PREFIX, FastCircuitGone, announced_generation, claim_generation, is_link_failure,
@@ -27,7 +27,7 @@ from orchestration.anchor.wire import (AUTH, F_DTYPE, F_KIND, F_LAYOUT, F_MAGIC,
 
 __all__ = ["AUTH", "SECRET_ENV", "AuthError", "anchor_handshake", "anchor_secret", "ensure_secret", "fast_handshake",
            "generation_value", "load_secret", "parse_generation", "secret_path", "check_entries",
-           "orthonormality_error", "announced_generation", "ANCHOR", "FAST", "PREFIX", "Arrival", "FastCircuitGone", "FastHook", "FastLink", "Layout",
+           "announced_generation", "ANCHOR", "FAST", "PREFIX", "Arrival", "FastCircuitGone", "FastHook", "FastLink", "Layout",
            "ProtocolError", "Rejected", "SNAPSHOT_CHUNK", "SNAP_DELTA", "SNAP_FULL", "SnapshotCoder", "TRANSPORTS",
            "F_DTYPE", "F_KIND", "F_LAYOUT", "F_MAGIC", "F_NUMEL", "F_TRANSPORT", "F_VERSION", "GRAD", "HEADER_LEN",
            "MAGIC", "REQ", "SNAP", "STOP", "claim_generation", "eligible_params", "is_link_failure",

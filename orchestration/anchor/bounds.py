@@ -18,6 +18,7 @@ import math
 
 import torch
 
+from meshkern.linalg import orthonormality_error
 from meshkern.optim import FACTOR_ORTHO_TOL
 from orchestration.anchor.wire import Rejected
 
@@ -41,15 +42,6 @@ def scale_of(p: torch.Tensor) -> float:
     return s
 
 
-def orthonormality_error(Q: torch.Tensor) -> float:
-    """max |Q^T Q - I| over Q's columns, an all-zero column counting as fine."""
-    q = Q.detach().to(torch.float64)
-    gram = q.T @ q
-    nonzero = (q.abs().amax(dim=0) > 0).to(torch.float64)
-    want = torch.diag(nonzero)
-    return float((gram - want).abs().max()) if gram.numel() else 0.0
-
-
 def _all_within(layout, entries, params, max_ratio: float, ortho_tol: float) -> bool:
     """True if every entry passes check_entries, decided with a few batched ops and one
     or two host syncs (per entry the checks are ~20 small tensor ops, at every arrival on every
@@ -67,10 +59,7 @@ def _all_within(layout, entries, params, max_ratio: float, ortho_tol: float) -> 
                 for e in entries:
                     by_shape.setdefault(tuple(e[k].shape), []).append(e[k].detach())
                 for qs in by_shape.values():
-                    q = torch.stack(qs).to(torch.float64)
-                    gram = q.mT @ q
-                    want = torch.diag_embed((q.abs().amax(dim=1) > 0).to(torch.float64))
-                    bad.append(~((gram - want).abs().amax() <= ortho_tol))
+                    bad.append(~(orthonormality_error(torch.stack(qs)).amax() <= ortho_tol))
         else:
             got = torch.stack(torch._foreach_norm([e.detach() for e in entries])).double()
             bad = []
@@ -100,7 +89,7 @@ def check_entries(layout, entries, params, max_ratio: float, ortho_tol: float = 
         if layout.transport == "factored":
             U, S, V = e
             for name, Q in (("U", U), ("V", V)):
-                err = orthonormality_error(Q)
+                err = float(orthonormality_error(Q))
                 if not err <= ortho_tol:
                     raise Rejected("ortho", f"entry {i} ({layout.names[i]}): {name} is not orthonormal "
                                             f"(max |{name}^T {name} - I| = {err:.3g} > {ortho_tol})")

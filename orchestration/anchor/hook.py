@@ -24,7 +24,8 @@ from orchestration.anchor.wire import Layout, Rejected, eligible_params
 
 
 class FastHook:
-    """The trainer's anchor hook on a fast rank (orchestration.trainer.AnchorHook contract).
+    """The trainer's anchor hook on a fast rank (the contract orchestration.components.builders.NullAnchor
+    documents, with the anchor on).
 
     ``poll(step)``: apply what arrived (the optimizer's ``observe_anchor_update``, both
     transports); ``after_step(step)``: offer a snapshot (replica 0); ``bytes_sent``

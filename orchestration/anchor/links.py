@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from orchestration.anchor.auth import AuthError, anchor_handshake, anchor_secret, generation_value, parse_generation
 from orchestration.anchor.wire import ProtocolError
-from orchestration.launch import is_peer_error
+from orchestration.distributed.launch import is_peer_error
 
 # Keys under PREFIX in the fast circuit's rendezvous store, per stage column s (anyone who
 # reaches the store can write any key: the ones the protocol trusts are authenticated or
@@ -27,7 +27,7 @@ from orchestration.launch import is_peer_error
 #   g<G>/open/s       anchor s of generation G is up and links to the fast ranks
 #   g<G>/here/s/r     fast replica r of stage s waits to link with generation G
 #   g<G>/link/s/r/    the pair link's gloo rendezvous (fast end 0, anchor end 1)
-#   g<G>/row/         generation G's anchor-row world (orchestration.mesh.init_anchor_row)
+#   g<G>/row/         generation G's anchor-row world (orchestration.distributed.mesh.init_anchor_row)
 #   run_id            a token of this fast circuit, kept with the anchor's saved state
 PREFIX = "meshkern/anchor/"
 FAST, ANCHOR = 0, 1  # the two ends of a pair link
@@ -35,7 +35,7 @@ FAST, ANCHOR = 0, 1  # the two ends of a pair link
 
 def store_address(cfg=None) -> tuple[str, int]:
     """(host, port) of the fast circuit's rendezvous store: ``--anchor.store host:port``
-    if given, else MASTER_ADDR / MASTER_PORT (what orchestration.launch or torchrun set)."""
+    if given, else MASTER_ADDR / MASTER_PORT (what orchestration.distributed.launch or torchrun set)."""
     spec = cfg.anchor.store if cfg is not None else ""
     if spec:  # checked by orchestration.config.validate
         host, _, port = spec.rpartition(":")
@@ -180,9 +180,9 @@ def claim_generation(store, stage: int, timeout_s: float, *, secret: bytes) -> i
 def join_anchor_row(layout, rank: int, cfg, secret: bytes | None = None):
     """Anchor rank ``rank``: connects to the fast circuit's store, takes the next
     generation of its stage and joins that generation's anchor-row world; returns the
-    orchestration.mesh.Mesh (``store``, ``generation`` and ``secret`` set). ``secret``:
+    orchestration.distributed.mesh.Mesh (``store``, ``generation`` and ``secret`` set). ``secret``:
     the run's (default: auth.anchor_secret(cfg))."""
-    from orchestration.mesh import init_anchor_row
+    from orchestration.distributed.mesh import init_anchor_row
 
     if secret is None:
         secret = anchor_secret(cfg)

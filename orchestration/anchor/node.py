@@ -21,10 +21,10 @@ from orchestration.anchor.wire import (CODE_DTYPES, F_DTYPE, F_KIND, F_LAYOUT, F
                                        F_VERSION, HEADER_BYTES, HEADER_LEN, MAGIC, REQ, SNAP, STOP, Layout,
                                        ProtocolError, eligible_params, header, recv, send)
 from orchestration.codecs import make_codec
-from orchestration.sampling import BatchSampler
-from orchestration.launch import is_peer_error
-from orchestration.pipeline import PipelineExecutor
-from orchestration.schedule import make_schedule
+from orchestration.data.sampling import BatchSampler
+from orchestration.distributed.launch import is_peer_error
+from orchestration.distributed.pipeline import PipelineExecutor
+from orchestration.distributed.schedule import make_schedule
 
 
 FAULT_KINDS = ("nan", "shape", "stall", "die", "huge", "ortho")
@@ -150,7 +150,7 @@ def run_anchor_rank(ctx) -> dict:
         path = state_path(plan, mesh.stage)
         exact = bool(plan.resume_from) and a.delay > 0 and mesh.generation == 1
         if exact:  # delay mode: continue exactly where the checkpoint's fast circuit was
-            from orchestration import checkpoint as ckpt
+            from orchestration.components import checkpoint as ckpt
 
             k = exact_resume_round(cfg, int(ckpt.read_meta(plan.resume_from)["step"]))
             if k == 0:

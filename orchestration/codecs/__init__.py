@@ -32,21 +32,22 @@ Backward semantics (what gradient comes back), per codec:
                 (key.seed, key.boundary) and the same at every step: h_hat = h P P^T,
                 gradient = autograd (grad P P^T): r values per token each way.
     pca         a calibrated per-boundary basis (mean [H], U [H, k], sd [k], gsd [k]; see
-                orchestration.calibration): forward the k coordinates (h - mean) U / sd,
+                orchestration.components.calibration): forward the k coordinates (h - mean) U / sd,
                 int4 (or int8) per token with an fp32 absmax scale; receiver rebuilds
                 mean + U (sd * codes). Backward: the exact adjoint of the projection
                 (straight-through for the quantizer), U^T g / gsd quantized the same way,
                 rebuilt as U (gsd * codes). ``sink``: position 0 of every row (the
                 attention sink) travels as int8 over all H dims instead, both ways.
     subspace    subspace-projected boundaries (Protocol Models): for a model whose
-                o_proj/down_proj stay in span(U) (orchestration.subspace), the k
+                o_proj/down_proj stay in span(U) (orchestration.subspace.constraint), the k
                 coordinates (h - E[ids]) U forward, U^T g back; the receiver re-adds the
                 frozen token embedding E[ids] from the ids it holds (``bind_inputs``).
                 Lossless on a constrained model; needs ``attach(E, U)``
-                (orchestration.subspace_train does it in the trainer).
+                (orchestration.subspace.training does it in the trainer).
 
 ``make_codec(name, p=0.95, rescale=False, **options)`` builds one by name or spec
-(``parse_spec``: ``name:key=value,...``); ``apply_codec``
+(``parse_spec``: ``name:key=value,...``); ``codec_for(cfg.boundary)`` builds a run's codec
+from its --boundary.* settings (the one rule every caller uses); ``apply_codec``
 runs a round trip inside one process as an autograd function (the in-process reference
 of a compressed pipeline).
 
@@ -60,11 +61,11 @@ from orchestration.codecs.base import (DIRECTIONS, BoundaryCodec, DenseCodec, No
 from orchestration.codecs.bottleneck import BottleneckCodec
 from orchestration.codecs.pca import PCA_BASES, PCABasis, PCACodec, pca_width
 from orchestration.codecs.quant import QuantCodec
-from orchestration.codecs.registry import CODECS, make_codec, parse_spec
+from orchestration.codecs.registry import CODECS, codec_for, make_codec, parse_spec
 from orchestration.codecs.sparse import MaskCodec, TopKCodec
 from orchestration.codecs.subspace import SubspaceCodec
 from orchestration.codecs.tahquant import TAHQuantCodec
 
 __all__ = ["AQSGDCodec", "TAHQuantCodec", "CODECS", "DIRECTIONS", "PCA_BASES", "BottleneckCodec", "BoundaryCodec", "DenseCodec", "MaskCodec",
            "NonFiniteWire", "PCABasis", "PCACodec", "QuantCodec", "Spec", "SubspaceCodec", "TopKCodec", "apply_codec", "kept_count",
-           "make_codec", "parse_spec", "pca_width", "validate_wire"]
+           "codec_for", "make_codec", "parse_spec", "pca_width", "validate_wire"]

@@ -14,7 +14,7 @@ First visit: the store starts at zero, so delta = h and the first visit is plain
 ``bits``-bit quantization of h (the paper sends full precision in a warm-up epoch; our
 wire shape must not depend on the step, receivers preallocate it). Samples are keyed by
 the ids the pipeline executor hands ``begin_step`` (the replica's row index in its data
-shard, orchestration.sampling.BatchSampler.indices); every stage holds the batch, so both
+shard, orchestration.data.sampling.BatchSampler.indices); every stage holds the batch, so both
 sides know them without communication. With no ids bound for a key (a one-off round trip:
 apply_codec in orchestration.diagnose or the held-out scoring) every row is a first visit
 and nothing is stored.

@@ -37,12 +37,15 @@ def optional_width(what: str, value) -> int | None:
     return None if value is None else int(value)
 
 
-def width(what: str, explicit: int | None, p: float, H: int) -> int:
-    """Values per token: ``explicit`` if given, else K = round((1-p)H); at most H."""
-    k = explicit if explicit is not None else kept_count(H, p)
-    if k > H:
-        raise ValueError(f"{what}={k} exceeds the hidden size H={H}")
-    return k
+def width(what: str, explicit: int | None, H: int, default) -> int:
+    """Values per token of a codec: ``explicit`` (its k / rank option) if given, else
+    ``default()`` (the codec's rule: K = round((1-p)H), or what fits a byte budget); an
+    explicit width over H is a ValueError naming ``what``. Every codec's ``width`` is this."""
+    if explicit is None:
+        return default()
+    if explicit > H:
+        raise ValueError(f"{what}={explicit} exceeds the hidden size H={H}")
+    return explicit
 
 
 class NonFiniteWire(ValueError):

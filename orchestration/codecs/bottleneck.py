@@ -7,7 +7,8 @@ from functools import lru_cache
 import torch
 
 from meshkern._checks import boundary_shape
-from orchestration.codecs.base import BoundaryCodec, check_direction, check_p, optional_width, validate_wire, width
+from orchestration.codecs.base import (BoundaryCodec, check_direction, check_p, kept_count, optional_width, validate_wire,
+                                       width)
 
 
 @lru_cache(maxsize=64)
@@ -27,7 +28,7 @@ class BottleneckCodec(BoundaryCodec):
         self.p, self.rank = check_p(p), optional_width("bottleneck: rank", rank)
 
     def _r(self, H: int) -> int:
-        return width("bottleneck: rank", self.rank, self.p, H)
+        return width("bottleneck: rank", self.rank, H, lambda: kept_count(H, self.p))
 
     def basis(self, key, H: int, dtype: torch.dtype, device) -> torch.Tensor:
         """The boundary's fixed basis P [H, r] (orthonormal columns) in ``dtype``."""

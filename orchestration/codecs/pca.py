@@ -1,4 +1,4 @@
-"""``pca``: a calibrated per-boundary PCA basis (orchestration.calibration fits it) with
+"""``pca``: a calibrated per-boundary PCA basis (orchestration.components.calibration fits it) with
 per-token int4/int8 coordinates; ``PCA_BASES`` is the process-wide basis table."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from meshkern._checks import boundary_shape
-from orchestration.codecs.base import BoundaryCodec, check_direction, optional_width, validate_wire
+from orchestration.codecs.base import BoundaryCodec, check_direction, optional_width, validate_wire, width
 from orchestration.codecs.quant import QuantCodec
 
 
@@ -79,7 +79,7 @@ class PCACodec(BoundaryCodec):
 
     ``k`` coordinates per token, explicit or from ``budget`` (``pca_width``; default 1/15
     of dense fp32 bytes). The basis of boundary b is ``bases[b]`` (default: the module's
-    PCA_BASES, which orchestration.calibration fills); ``k`` must equal its width.
+    PCA_BASES, which orchestration.components.calibration fills); ``k`` must equal its width.
     ``calib_rows`` / ``grad_rows``: how many training rows calibration fits the basis on
     (and of those, how many give the gradient std gsd).
     Wire per direction, for a boundary tensor [..., T, H]:
@@ -106,7 +106,7 @@ class PCACodec(BoundaryCodec):
         self.sink, self.seq_len = bool(sink), int(seq_len)
         if int(calib_rows) < 1 or int(grad_rows) < 0:
             raise ValueError(f"pca: calib_rows must be >= 1 and grad_rows >= 0, got {calib_rows}, {grad_rows}")
-        self.calib_rows, self.grad_rows = int(calib_rows), int(grad_rows)  # orchestration.calibration's
+        self.calib_rows, self.grad_rows = int(calib_rows), int(grad_rows)  # orchestration.components.calibration's
         self.bases = PCA_BASES if bases is None else bases
         self._q, self._q8 = QuantCodec(self.bits), QuantCodec(8)
         self._dev: dict = {}
@@ -116,17 +116,13 @@ class PCACodec(BoundaryCodec):
                 f"seq_len={self.seq_len}, boundaries={sorted(self.bases)})")
 
     def width(self, H: int) -> int:
-        if self.k is not None:
-            if self.k > H:
-                raise ValueError(f"pca: k={self.k} exceeds the hidden size H={H}")
-            return self.k
-        return pca_width(H, self.bits, self.budget, self.sink, self.seq_len)
+        return width("pca: k", self.k, H, lambda: pca_width(H, self.bits, self.budget, self.sink, self.seq_len))
 
     def basis(self, boundary: int, H: int, device) -> PCABasis:
         b = self.bases.get(int(boundary))
         if b is None:
             raise ValueError(f"pca: no basis for boundary {boundary} (calibrate first: "
-                             f"orchestration.calibration); have {sorted(self.bases)}")
+                             f"orchestration.components.calibration); have {sorted(self.bases)}")
         if (b.hidden_size, b.k) != (H, self.width(H)):
             raise ValueError(f"pca: boundary {boundary}'s basis is [{b.hidden_size}, {b.k}], "
                              f"this codec needs [{H}, {self.width(H)}]")

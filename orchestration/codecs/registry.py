@@ -1,4 +1,5 @@
-"""The codec list, ``make_codec`` (build one by name) and ``parse_spec`` (the
+"""The codec list, ``make_codec`` (build one by name), ``codec_for`` (the one rule that
+builds a run's codec from its --boundary.* settings) and ``parse_spec`` (the
 ``name:key=value,...`` spec syntax of ``--boundary.codec`` and diagnose's ``--codecs``)."""
 from __future__ import annotations
 
@@ -74,3 +75,15 @@ def make_codec(name: str, p: float = 0.95, rescale: bool = False, **options) -> 
         return builders[name]()
     except TypeError as e:
         raise TypeError(f"codec {name!r} does not take options {sorted(options)}: {e}") from None
+
+
+def codec_for(boundary, name: str | None = None) -> BoundaryCodec:
+    """The codec a run's --boundary.* settings describe (``boundary``: a config's
+    BoundaryConfig): ``name`` (default --boundary.codec; a replica's own codec, e.g. dense
+    for a full replica under --boundary.compress selective) with --boundary.p and
+    --boundary.rescale, and --boundary.options only when ``name`` is --boundary.codec
+    itself (the options belong to that codec). Every part of the trainer, its tools and
+    benches builds a run's codec here."""
+    name = boundary.codec if name is None else name
+    options = boundary.options if name == boundary.codec else {}
+    return make_codec(name, p=boundary.p, rescale=boundary.rescale, **options)

@@ -59,7 +59,7 @@ class TopKCodec(BoundaryCodec):
         self.p, self.k = check_p(p), optional_width("topk: k", k)
 
     def _k(self, H: int) -> int:
-        return width("topk: k", self.k, self.p, H)
+        return width("topk: k", self.k, H, lambda: kept_count(H, self.p))
 
     @staticmethod
     def index_dtype(H: int) -> torch.dtype:

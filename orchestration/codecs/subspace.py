@@ -1,6 +1,6 @@
 """``subspace``: subspace-projected boundaries (Protocol Models, arXiv 2506.01260, as used
 by arXiv 2601.02360). For a model whose output projections are kept in span(U)
-(orchestration.subspace.constrain_), h - E[ids] lies in span(U), so the sender sends
+(orchestration.subspace.constraint.constrain_), h - E[ids] lies in span(U), so the sender sends
 c = (h - E[ids]) U (k values per token) and the receiver rebuilds h = E[ids] + c U^T
 from the token ids it already holds: lossless forward at bits=32 (up to fp32 rounding).
 Backward: the receiver sends U^T g, the sender uses U (U^T g), the exact adjoint of the
@@ -12,7 +12,7 @@ import torch
 
 from meshkern import subspace as ops
 from meshkern._checks import boundary_shape
-from orchestration.codecs.base import BoundaryCodec, check_direction, optional_width, validate_wire
+from orchestration.codecs.base import BoundaryCodec, check_direction, optional_width, validate_wire, width
 from orchestration.codecs.lowbit import SymQuant, check_bits, packed_bytes
 
 BITS = (2, 3, 4, 5, 6, 7, 8, 16, 32)
@@ -43,7 +43,7 @@ class SubspaceCodec(BoundaryCodec):
     per-token symmetric absmax codes (lowbit.SymQuant: packed codes + one fp32 scale per
     token); ``gbits`` the same for the gradient (default: ``bits``). ``seed`` and ``basis``
     (fitted: to the base model's output projections; random: seeded) are recorded for the
-    trainer (orchestration.subspace_train makes U); the codec itself draws nothing.
+    trainer (orchestration.subspace.training makes U); the codec itself draws nothing.
     ``backend``: meshkern.subspace's kernel choice.
 
     Needs, before encode/decode: ``attach(embedding [V, H], U [H, k])`` (the frozen token
@@ -81,11 +81,7 @@ class SubspaceCodec(BoundaryCodec):
 
     # ------------------------------------------------------------------ setup
     def width(self, H: int) -> int:
-        if self.k is not None:
-            if self.k > H:
-                raise ValueError(f"subspace: k={self.k} exceeds the hidden size H={H}")
-            return self.k
-        return subspace_width(H, self.bits, self.budget)
+        return width("subspace: k", self.k, H, lambda: subspace_width(H, self.bits, self.budget))
 
     def attach(self, embedding: torch.Tensor, U: torch.Tensor) -> None:
         """The frozen token-embedding table E [V, H] and the orthonormal basis U [H, k]

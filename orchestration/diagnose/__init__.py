@@ -24,9 +24,9 @@ One job per module:
     common       the trainer's defaults, ``UsageError``, the progress log
 
 This file re-exports the names other code and the tests use (fit_pca and QuantCodec live
-in orchestration.calibration and orchestration.codecs; they stay reachable here as before).
+in orchestration.components.calibration and orchestration.codecs; they stay reachable here as before).
 """
-from orchestration.calibration import fit_pca
+from orchestration.components.calibration import fit_pca
 from orchestration.codecs import QuantCodec
 from orchestration.diagnose.anchor import anchor_diagnostics
 from orchestration.diagnose.candidates import (CANDIDATES, SCALE_BYTES, _quant, calibrate, candidate_transforms,

@@ -17,7 +17,7 @@ from orchestration.codecs import apply_codec
 from orchestration.diagnose.common import ALPHA, BETA_ANC, RANK, TAU, log
 from orchestration.diagnose.gradients import pairs_metrics
 from orchestration.diagnose.transforms import build_codec
-from orchestration.stages import causal_lm_loss, run_stages, split_model
+from orchestration.distributed.stages import causal_lm_loss, run_stages, split_model
 
 TAU_SWEEP = (1e-5, 1e-4, 1e-3, 1e-2, 1e-1)
 

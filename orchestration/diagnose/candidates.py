@@ -18,7 +18,7 @@ from typing import Sequence
 
 import torch
 
-from orchestration.calibration import PCA, fit_pca, inlier_tokens
+from orchestration.components.calibration import PCA, fit_pca, inlier_tokens
 from orchestration.codecs import QuantCodec
 from orchestration.diagnose.common import UsageError
 from orchestration.diagnose.transforms import Fn, Transform, dense_bytes

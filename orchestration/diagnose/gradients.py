@@ -16,7 +16,7 @@ import torch
 
 from orchestration.diagnose.model import LayerSplit
 from orchestration.diagnose.transforms import Fn
-from orchestration.stages import causal_lm_loss
+from orchestration.distributed.stages import causal_lm_loss
 
 
 def boundary_gradients(split: LayerSplit, h: torch.Tensor, L: int, ids: torch.Tensor, chunk: int = 4) -> torch.Tensor:

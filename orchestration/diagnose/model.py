@@ -1,6 +1,6 @@
 """The model and the rows under diagnosis, and the forward measurement.
 
-Rows are the trainer's (``orchestration.data.build_token_dataset`` and its held-out rule
+Rows are the trainer's (``orchestration.data.tokens.build_token_dataset`` and its held-out rule
 ``ds.split(eval_fraction, seed=split_seed)``); ``LayerSplit`` cuts the model after every
 decoder layer so any boundary's hidden state can be taken, changed and run on, and
 running all its stages reproduces the unsplit model's logits bit for bit.
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from orchestration.diagnose.common import EVAL_FRACTION, SPLIT_SEED, UsageError
 from orchestration.diagnose.transforms import Fn
-from orchestration.stages import causal_lm_loss, split_model
+from orchestration.distributed.stages import causal_lm_loss, split_model
 
 
 def pick_rows(rows: torch.Tensor, n: int, seed: int, skip: int = 0) -> torch.Tensor:
@@ -28,8 +28,8 @@ def pick_rows(rows: torch.Tensor, n: int, seed: int, skip: int = 0) -> torch.Ten
 def load_data(model_path: str, source: str, seq_len: int, *, eval_fraction: float = EVAL_FRACTION,
               split_seed: int = SPLIT_SEED, max_sequences: int = 0, token_cache: str | None = "auto"):
     """(train_rows, held_out_rows) exactly as ``orchestration.train.prepare`` builds them."""
-    from orchestration import data as data_mod
-    from orchestration import models
+    from orchestration.data import tokens as data_mod
+    from orchestration.models import loading as models
 
     if not source.startswith(("corpus:", "task:")) and not os.path.exists(source):
         raise UsageError(f"--data {source!r} does not exist")
@@ -44,7 +44,8 @@ def load_data(model_path: str, source: str, seq_len: int, *, eval_fraction: floa
 
 def resolve_and_load(spec: str | None):
     """(model in eval mode, fp32, checkpoint directory) for ``--model`` as the trainer reads it."""
-    from orchestration import model_paths, models
+    from orchestration.models import paths as model_paths
+    from orchestration.models import loading as models
 
     path = model_paths.resolve_model(spec or None, progress=True)
     model, tok = models.load_causal_lm(path)
@@ -59,7 +60,7 @@ class LayerSplit:
     Boundary L (1 <= L < n) is the hidden state entering decoder layer L, i.e. leaving
     stage L-1; ``prefix(ids, L)`` runs stages [0, L), ``suffix(h, L)`` stages [L, n) to
     logits. Running all stages reproduces the unsplit model's logits bit for bit
-    (orchestration/stages.py). The stages share their modules with ``model``.
+    (orchestration/distributed/stages.py). The stages share their modules with ``model``.
     """
 
     def __init__(self, model):

@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from orchestration.calibration import fit_pca
+from orchestration.components.calibration import fit_pca
 from orchestration.diagnose.anchor import anchor_diagnostics
 from orchestration.diagnose.candidates import (CANDIDATES, SCALE_BYTES, calibrate, candidate_transforms,
                                                pca_sweep_transforms)
@@ -28,7 +28,7 @@ from orchestration.diagnose.settings import Settings
 from orchestration.diagnose.stats import activation_stats, k_fractions
 from orchestration.diagnose.transforms import (Transform, build_codec, codec_transform, default_codec_specs,
                                                dense_bytes)
-from orchestration.stages import balanced_layers, causal_lm_loss
+from orchestration.distributed.stages import balanced_layers, causal_lm_loss
 
 # What a saved partial report must share with this run to be continued (--resume).
 _RESUME_KEYS = ("model", "layers", "hidden", "settings", "rows", "base_loss")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from orchestration.calibration import OUTLIER_TOKEN_RATIO, PCA, fit_pca
+from orchestration.components.calibration import OUTLIER_TOKEN_RATIO, PCA, fit_pca
 
 MASSIVE_RATIOS = (10.0, 100.0)
 

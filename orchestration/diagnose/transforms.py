@@ -93,7 +93,7 @@ def codec_transform(spec: str, H: int, L: int, seed: int, dtype=torch.float32,
     if isinstance(codec, PCACodec):
         if h_cal is None:
             raise UsageError(f"--codecs {spec!r}: the pca codec needs calibration rows")
-        from orchestration.calibration import fit_basis
+        from orchestration.components.calibration import fit_basis
 
         codec.bases = {L: fit_basis(h_cal, codec.width(H), codec.sink, g_cal)}
     key = MaskKey(seed, L, 0, 0)

@@ -8,22 +8,22 @@ a pca row the basis the run of that seed fitted and trained with (RUN_ROOT/<row>
 pca_basis.pt), so the base model is scored through the very codec the row trained with."""
 import json, os, sys, time
 import torch
-from orchestration import experiments as E
-from orchestration.models import load_causal_lm
+from orchestration.experiments import cli, evaluation, rows as experiment_rows
+from orchestration.models.loading import load_causal_lm
 torch.set_num_threads(1)
 data, out = sys.argv[1], sys.argv[2]
 rows = sys.argv[3].split(",")
 run_root = sys.argv[4] if len(sys.argv) > 4 else None
-a = E.build_parser().parse_args(["--model", "smollm2-135m", "--data", data, "--fast-rows", "1", "--stages", "2",
+a = cli.build_parser().parse_args(["--model", "smollm2-135m", "--data", data, "--fast-rows", "1", "--stages", "2",
     "--batch-size", "4", "--microbatches", "2", "--seq-len", "128", "--steps", "20", "--eval-every", "10",
     "--eval-sequences", "16", "--prune", "none", "--trainer-args", "--train.lr 2e-5 --anchor.transport dense"])
-s = E.settings_from(a)
+s = cli.settings_from(a)
 res = {"settings": s.key(), "data": data, "rows": {}}
 model = None
 for row in rows:
     for seed in (0, 1, 2):
-        argv = E.trainer_argv(E.ROW_BY_NAME[row], seed, s, "/tmp/x", "x")
-        cfg, plan = E._plan_for(argv)
+        argv = experiment_rows.trainer_argv(experiment_rows.ROW_BY_NAME[row], seed, s, "/tmp/x", "x")
+        cfg, plan = evaluation._plan_for(argv)
         held = plan.eval_rows[:s.eval_sequences]
         if model is None:
             model, _ = load_causal_lm(plan.model_path)
@@ -32,7 +32,7 @@ for row in rows:
             print(row, seed, "skipped: no", run_dir and os.path.join(run_dir, "pca_basis.pt"), flush=True)
             continue
         t = time.time()
-        r = E.codec_eval_loss(model, held, cfg, seed=seed, step=s.steps, run_dir=run_dir)
+        r = evaluation.codec_eval_loss(model, held, cfg, seed=seed, step=s.steps, run_dir=run_dir)
         res["rows"].setdefault(row, {})[str(seed)] = r["loss"]
         print(row, seed, cfg.boundary.codec, r["loss"], f"{time.time()-t:.0f}s", flush=True)
 json.dump(res, open(out, "w"), indent=1)

@@ -1,0 +1,225 @@
+"""Calibration of the ``pca`` boundary codec (orchestration.codecs.PCACodec): one fixed
+basis per pipeline boundary, identical on both sides of it.
+
+What is fitted, per boundary b (the hidden state stage b sends to stage b+1), from
+``calib_rows`` rows of the TRAINING set (never the held-out rows) with the model as
+loaded, before any training step:
+    tokens   the boundary hidden states of those rows; with ``sink`` position 0 of every
+             row is left out (it travels as int8 on its own), and so is every token whose
+             norm is >= 10x the median token norm (attention-sink-like outliers), as
+             orchestration.diagnose's sink+pca candidates do
+    mean, U  their mean and the top-k eigenvectors of their covariance (fit_pca)
+    sd       the std of each coordinate, sqrt(eigenvalue)
+    gsd      the rms of each gradient coordinate U^T g over the dense boundary gradients
+             of the first ``grad_rows`` of those rows (the loss's gradient w.r.t. h_b; with
+             ``sink`` positions >= 1 only); ones if grad_rows = 0
+The basis is fixed for the run (no refresh schedule): the codec's subspace does not
+follow the model as it trains. It is stored as RUN_DIR/pca_basis.pt; a resumed run (and
+orchestration.experiments' codec-on evaluation) loads that file instead of fitting again.
+
+How both sides get it (``attach``, called by every fast rank's Trainer): under the local
+launcher with fork, ``train.prepare`` (which loaded the model) fitted it into
+codecs.PCA_BASES and the ranks inherited it; otherwise (torchrun, spawn) fast rank 0 fits
+it (or loads RUN_DIR/pca_basis.pt) and broadcasts it to the fast ranks at start. Either
+way its bytes are counted once per boundary link on the pp_fwd axis (what stage b would
+send stage b+1 once: H + H*k + 2k fp32 values).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from orchestration import codecs
+from orchestration.codecs import PCABasis, PCACodec
+
+BASIS_FILE = "pca_basis.pt"
+OUTLIER_TOKEN_RATIO = 10.0  # a token whose norm is >= 10x the median token norm (attention sinks)
+
+
+# --------------------------------------------------------------------- PCA
+@dataclass
+class PCA:
+    mean: torch.Tensor  # [H]
+    eigvals: torch.Tensor  # [H] descending (covariance, float64)
+    eigvecs: torch.Tensor  # [H, H] columns, float32
+
+    def basis(self, k: int) -> torch.Tensor:
+        return self.eigvecs[:, :k]
+
+    def energy(self, k: int) -> float:
+        """Share of the (centered) variance the top k directions keep, in-sample."""
+        tot = float(self.eigvals.clamp_min(0).sum())
+        return float(self.eigvals[:k].clamp_min(0).sum()) / tot if tot > 0 else 1.0
+
+    def energy_on(self, x: torch.Tensor, k: int) -> float:
+        """Share of the centered variance of other tokens x [N, H] that the top k keep."""
+        xc = (x.reshape(-1, x.shape[-1]).double() - self.mean.double())
+        tot = float(xc.pow(2).sum())
+        kept = float((xc @ self.eigvecs[:, :k].double()).pow(2).sum())
+        return kept / tot if tot > 0 else 1.0
+
+
+def fit_pca(x: torch.Tensor) -> PCA:
+    """Mean and eigendecomposition of the covariance of tokens x [..., H] (float64)."""
+    x = x.reshape(-1, x.shape[-1]).double()
+    mu = x.mean(0)
+    xc = x - mu
+    w, V = torch.linalg.eigh(xc.T @ xc / max(1, x.shape[0]))
+    return PCA(mu.float(), w.flip(0), V.flip(1).float().contiguous())
+
+
+def inlier_tokens(h: torch.Tensor, sink: bool) -> torch.Tensor:
+    """The tokens of h [..., T, H] the basis is fitted on, as [N, H]: without position 0
+    (if ``sink``) and without outliers (norm >= 10x the median norm)."""
+    if sink:
+        h = h[..., 1:, :]
+    x = h.reshape(-1, h.shape[-1]).float()
+    tn = x.norm(dim=1)
+    keep = tn < OUTLIER_TOKEN_RATIO * tn.median()
+    return x if bool(keep.all()) else x[keep]
+
+
+def fit_basis(h: torch.Tensor, k: int, sink: bool = True, grads: torch.Tensor | None = None) -> PCABasis:
+    """The basis of one boundary from its calibration hidden states h [..., T, H] (and the
+    dense boundary gradients ``grads`` [..., T, H] of some of those rows, for gsd)."""
+    x = inlier_tokens(h, sink)
+    if x.shape[0] < 2:
+        raise ValueError(f"pca calibration: {x.shape[0]} calibration tokens, need more rows")
+    pca = fit_pca(x)
+    U = pca.basis(k).contiguous()
+    sd = pca.eigvals[:k].clamp_min(1e-30).sqrt().float()
+    gsd = torch.ones(k)
+    if grads is not None:
+        g = grads[..., 1:, :] if sink else grads
+        c = g.reshape(-1, g.shape[-1]).double() @ U.double()
+        rms = c.pow(2).mean(0).sqrt()
+        if float(rms.max()) > 0:
+            gsd = rms.clamp_min(float(rms.max()) * 1e-6).float()
+    return PCABasis(pca.mean, U, sd, gsd)
+
+
+# --------------------------------------------------------------------- per run
+def calibration_rows(train_rows: torch.Tensor, n: int, seed: int = 0) -> torch.Tensor:
+    """``n`` training rows, a seeded choice (the same in every process)."""
+    g = torch.Generator().manual_seed(int(seed))
+    idx = torch.randperm(train_rows.shape[0], generator=g)[:min(int(n), train_rows.shape[0])]
+    return train_rows[idx.sort().values]
+
+
+def fit_model_bases(model, rows: torch.Tensor, codec: PCACodec, num_stages: int,
+                    layers_per_stage=None, grad_rows: int = 8, chunk: int = 4) -> dict[int, PCABasis]:
+    """The basis of every boundary of ``model`` split as the trainer splits it
+    (stages.split_model): boundary b's hidden states are stage b's outputs on ``rows``;
+    their gradients are those of the unsplit model's loss (per chunk of rows)."""
+    from orchestration.distributed.stages import causal_lm_loss, split_model
+
+    stages = split_model(model, num_stages, layers_per_stage or None)
+    was_training = model.training
+    model.eval()
+    hs: list[list[torch.Tensor]] = [[] for _ in stages[:-1]]
+    gs: list[list[torch.Tensor]] = [[] for _ in stages[:-1]]
+    try:
+        for i in range(0, rows.shape[0], chunk):
+            ids = rows[i:i + chunk]
+            want_grad = i < grad_rows
+            with torch.set_grad_enabled(want_grad):
+                x, outs = ids, []
+                for st in stages:
+                    x = st(x)
+                    if not st.is_last:
+                        outs.append(x)
+                for b, o in enumerate(outs):
+                    hs[b].append(o.detach().float())
+                if want_grad:
+                    loss = causal_lm_loss(x, ids)
+                    for b, g in enumerate(torch.autograd.grad(loss, outs)):
+                        gs[b].append(g.detach().float())
+            del x, outs
+    finally:
+        model.train(was_training)
+    H = model.config.hidden_size
+    k = codec.width(H)
+    return {b: fit_basis(torch.cat(hs[b]), k, codec.sink, torch.cat(gs[b]) if gs[b] else None)
+            for b in range(len(hs))}
+
+
+def codec_of(cfg):
+    """The run's boundary codec if it is a PCACodec, else None."""
+    if cfg.boundary.codec != "pca":
+        return None
+    return codecs.codec_for(cfg.boundary)
+
+
+def bases_for_run(cfg, model, train_rows: torch.Tensor, run_dir: str | None = None) -> dict[int, PCABasis]:
+    """RUN_DIR/pca_basis.pt if it exists (a resumed run keeps its basis), else fitted on
+    ``model`` and the run's training rows."""
+    if run_dir and os.path.isfile(os.path.join(run_dir, BASIS_FILE)):
+        return load(run_dir)
+    codec = codec_of(cfg)
+    rows = calibration_rows(train_rows, codec.calib_rows, cfg.train.seed)
+    return fit_model_bases(model, rows, codec, cfg.mesh.stages, cfg.mesh.layers_per_stage,
+                           grad_rows=codec.grad_rows)
+
+
+def install(bases: dict[int, PCABasis]) -> None:
+    """Make ``bases`` what every PCACodec of this process uses by default."""
+    codecs.PCA_BASES.clear()
+    codecs.PCA_BASES.update(bases)
+
+
+def save(bases: dict[int, PCABasis], run_dir: str) -> str:
+    path = os.path.join(run_dir, BASIS_FILE)
+    os.makedirs(run_dir, exist_ok=True)
+    tmp = path + ".tmp"
+    torch.save({int(b): v.state_dict() for b, v in bases.items()}, tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def load(run_dir: str) -> dict[int, PCABasis]:
+    sd = torch.load(os.path.join(run_dir, BASIS_FILE), map_location="cpu", weights_only=True)
+    return {int(b): PCABasis(**v) for b, v in sd.items()}
+
+
+def prepare_run(cfg, plan) -> None:
+    """train.prepare (launcher process, model loaded, before the ranks fork): fit (or load)
+    the run's bases and install them, so that forked ranks inherit them. No-op for other
+    codecs or without a loaded model (torchrun / spawn: ``attach`` does it)."""
+    if codec_of(cfg) is None or getattr(plan, "model", None) is None:
+        return
+    install(bases_for_run(cfg, plan.model, plan.train_rows, plan.run_dir))
+
+
+def attach(trainer) -> None:
+    """Every fast rank, in Trainer.__init__: make sure this rank's codec holds the run's
+    bases (inherited, or fitted/loaded by fast rank 0 and broadcast), have rank 0 store them
+    in RUN_DIR, and count the basis bytes once on this stage's pp_fwd link."""
+    import torch.distributed as dist
+
+    codec, cfg, mesh = trainer.codec, trainer.cfg, trainer.mesh
+    if not isinstance(codec, PCACodec):
+        return
+    need = set(range(cfg.mesh.stages - 1))
+    if not need <= set(codec.bases):  # the same on every fast rank: all inherited, or none
+        obj = [None]
+        if trainer.rank == 0:
+            from orchestration.models.loading import load_causal_lm
+
+            plan = trainer.plan
+            if os.path.isfile(os.path.join(plan.run_dir, BASIS_FILE)):
+                bases = load(plan.run_dir)
+            else:
+                model, _ = load_causal_lm(plan.model_path, dtype=getattr(torch, cfg.model.dtype))
+                bases = bases_for_run(cfg, model, plan.train_rows)
+                del model
+            obj = [{b: v.state_dict() for b, v in bases.items()}]
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(obj, src=0)
+        install({int(b): PCABasis(**v) for b, v in obj[0].items()})
+        codec.bases = codecs.PCA_BASES
+    if trainer.rank == 0 and not os.path.isfile(os.path.join(trainer.plan.run_dir, BASIS_FILE)):
+        save({b: codec.bases[b] for b in need}, trainer.plan.run_dir)
+    if not mesh.is_last:
+        trainer.counter.add("pp_fwd", trainer.rank, mesh.next_rank, codec.bases[mesh.stage].nbytes())

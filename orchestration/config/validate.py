@@ -1,0 +1,184 @@
+"""``validate(cfg)``: the one place for every rule on the configuration itself (shapes of
+the mesh, divisibility of the batch, names of codecs/compressors, ranges, the optimizer's
+and the anchor's settings). It checks and never changes the config; every problem is a
+ValueError that names the flag. ``orchestration.train.prepare`` then checks the config
+against the model and data it reads, before any rank starts.
+"""
+from __future__ import annotations
+
+from meshkern._checks import fraction
+from orchestration.config.job_config import ANCHOR_TRANSPORTS, COMPRESSORS, SNAPSHOT_CODECS, Config, DPConfig
+
+
+def ineffective_settings(cfg: Config) -> list[str]:
+    """Settings a valid config accepts that change nothing in this mesh, one line each
+    (the trainer prints them as warnings)."""
+    out = []
+    codecs = {cfg.replica_codec(r) for r in range(cfg.fast_rows)}
+    if cfg.boundary.compress == "selective" and not cfg.mesh.replicas and cfg.mesh.stages > 1:
+        out.append("--boundary.compress selective: this mesh has no full replica, so every replica's boundaries "
+                   "are compressed, as with all")
+    if cfg.boundary.codec == "subspace" and "subspace" not in codecs:
+        out.append("--boundary.codec subspace: no replica uses it (selective keeps full replicas dense and this "
+                   "mesh has no pipeline replica)")
+    if cfg.dp.projection != DPConfig().projection and (
+            cfg.dp.mode != "diloco" or cfg.fast_rows < 2 or "subspace" not in codecs):
+        out.append(f"--dp.projection {cfg.dp.projection}: it acts on the DiLoCo sync (--dp.mode diloco, 2+ replicas) of "
+                   f"subspace-constrained replicas; this run has none, so it is ignored")
+    return out
+
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def _finite_at_least(x: float, lo: float) -> bool:
+    return x == x and x >= lo and x != float("inf")  # NaN fails every comparison
+
+
+def validate(cfg: Config) -> Config:
+    """Checks ranges and combinations; raises ValueError naming the flag. Touches no files
+    and changes nothing (parsing, orchestration.config.manager.normalize, derives what the
+    settings imply). Returns ``cfg``."""
+    _check_mesh(cfg)
+    _check_model_and_data(cfg)
+    _check_train(cfg)
+    _check_boundary(cfg)
+    _check_dp(cfg)
+    _check_anchor(cfg)
+    _check_run(cfg)
+    return cfg
+
+
+def _check_mesh(cfg: Config) -> None:
+    m, a = cfg.mesh, cfg.anchor
+    if m.replicas:
+        _need(all(isinstance(y, int) and y >= 1 for y in m.replicas),
+              f"--mesh.replicas entries are stage counts >= 1, got {m.replicas}")
+        _need(not a.enabled, "--mesh.replicas (a heterogeneous mesh) cannot run the anchor row (--anchor.enabled)")
+        _need((m.rows, m.stages) == (len(m.replicas), max(m.replicas)),
+              f"--mesh.replicas {','.join(map(str, m.replicas))} makes {len(m.replicas)} replicas of up to "
+              f"{max(m.replicas)} stages, not --mesh.rows {m.rows} x --mesh.stages {m.stages}")
+    _need(m.rows >= 1, f"--mesh.rows must be >= 1, got {m.rows}")
+    _need(m.stages >= 1, f"--mesh.stages must be >= 1, got {m.stages}")
+    _need(not a.enabled or m.rows >= 2, "--anchor.enabled needs --mesh.rows >= 2 (the last row is the anchor)")
+    if m.layers_per_stage:
+        _need(len(m.layers_per_stage) == m.stages,
+              f"--mesh.layers-per-stage has {len(m.layers_per_stage)} entries for {m.stages} stages")
+        _need(all(n >= 1 for n in m.layers_per_stage), "--mesh.layers-per-stage entries must be >= 1")
+    _need(m.dist_backend in ("auto", "gloo", "nccl"),
+          f"--mesh.dist-backend must be auto, gloo or nccl, got {m.dist_backend!r}")
+    _need(m.timeout_s > 0, f"--mesh.timeout-s must be > 0, got {m.timeout_s}")
+    _need(m.start_method in ("fork", "spawn"), f"--mesh.start-method must be fork or spawn, got {m.start_method!r}")
+    _need(m.threads_per_rank >= 1, "--mesh.threads-per-rank must be >= 1")
+
+
+def _check_model_and_data(cfg: Config) -> None:
+    _need(cfg.model.dtype in ("float32", "bfloat16"), f"--model.dtype must be float32 or bfloat16, got {cfg.model.dtype!r}")
+    _need(cfg.model.tied_embeddings in ("sync", "untie"),
+          f"--model.tied-embeddings must be sync or untie, got {cfg.model.tied_embeddings!r}")
+    _need(cfg.data.seq_len >= 2, f"--data.seq-len must be >= 2, got {cfg.data.seq_len}")
+    _need(0.0 <= cfg.data.eval_fraction < 1.0, "--data.eval-fraction must be in [0, 1)")
+    _need(cfg.data.on_decode_error in ("auto", "raise", "skip"),
+          f"--data.on-decode-error must be auto, raise or skip, got {cfg.data.on_decode_error!r}")
+
+
+def _check_train(cfg: Config) -> None:
+    t = cfg.train
+    _need(t.steps >= 1, f"--train.steps must be >= 1, got {t.steps}")
+    _need(t.batch_size >= 1 and t.microbatches >= 1, "--train.batch-size and --train.microbatches must be >= 1")
+    _need(t.batch_size % t.microbatches == 0,
+          f"--train.batch-size {t.batch_size} does not split into --train.microbatches {t.microbatches} "
+          f"equal micro-batches")
+    _need(t.schedule in ("1f1b", "gpipe"), f"--train.schedule must be 1f1b or gpipe, got {t.schedule!r}")
+    _need(t.optimizer in ("adamw", "spectral"), f"--train.optimizer must be adamw or spectral, got {t.optimizer!r}")
+    _need(t.lr > 0 and 0 <= t.min_lr_ratio <= 1 and t.warmup_steps >= 0, "--train.lr/min_lr_ratio/warmup_steps out of range")
+    _need(t.clip_grad_norm >= 0, "--train.clip-grad-norm must be >= 0")
+    _need(t.max_bad_steps >= 0, f"--train.max-bad-steps must be >= 0, got {t.max_bad_steps}")
+    _need(t.spike_factor == 0 or t.spike_factor > 1, f"--train.spike-factor must be 0 (off) or > 1, got {t.spike_factor}")
+    # The optimizer's own arguments, checked here so that a bad value stops the run before
+    # spawn with the flag's name (the constructors on every rank check them again).
+    for flag, v in (("--train.beta1", t.beta1), ("--train.beta2", t.beta2), ("--train.beta-anc", t.beta_anc)):
+        _need(0.0 <= v < 1.0, f"{flag} must be in [0, 1), got {v}")
+    _need(0.0 <= t.alpha <= 1.0, f"--train.alpha must be in [0, 1], got {t.alpha}")
+    for flag, v in (("--train.tau", t.tau), ("--train.eps", t.eps), ("--train.weight-decay", t.weight_decay)):
+        _need(_finite_at_least(v, 0.0), f"{flag} must be a finite number >= 0, got {v}")
+    _need(t.spectral_rank >= 1, f"--train.spectral-rank must be >= 1, got {t.spectral_rank}")
+
+
+def _check_boundary(cfg: Config) -> None:
+    m, b = cfg.mesh, cfg.boundary
+    from orchestration.codecs import CODECS  # the one list of boundary codecs
+
+    _need(b.codec in CODECS, f"--boundary.codec must be one of {', '.join(CODECS)}, got {b.codec!r}")
+    _need(b.compress in ("all", "selective"), f"--boundary.compress must be all or selective, got {b.compress!r}")
+    if m.replicas and len(set(m.replicas)) > 1:
+        _need(b.codec != "pca", "--mesh.replicas: the pca codec is not supported on a heterogeneous mesh (its calibration "
+                                "fits the bases of one homogeneous split): use --boundary.codec subspace (the paper's), "
+                                "int4, ... (docs/codecs.md)")
+        full_compressed = [r for r in range(m.rows) if m.replicas[r] == 1 and cfg.replica_codec(r) not in ("dense", "subspace")]
+        _need(not full_compressed, f"--mesh.replicas: replica {full_compressed[:1]} is a full replica (no stage boundary) "
+                                   f"and --boundary.codec {b.codec} compresses boundaries only; use --boundary.compress "
+                                   f"selective, or the subspace codec (a full replica keeps its constraint)")
+    fraction("--boundary.p", b.p)  # the codecs' own rule (meshkern.kept_dims)
+
+
+def _check_dp(cfg: Config) -> None:
+    dp = cfg.dp
+    _need(dp.mode in ("allreduce", "diloco", "none"), f"--dp.mode must be allreduce, diloco or none, got {dp.mode!r}")
+    _need(dp.compressor in COMPRESSORS, f"--dp.compressor must be one of {', '.join(COMPRESSORS)}, got {dp.compressor!r}")
+    _need(dp.sync_every >= 1 and dp.fragments >= 1, "--dp.sync-every and --dp.fragments must be >= 1")
+    _need(dp.mode != "diloco" or 0 <= dp.overlap_steps < dp.sync_every,
+          f"--dp.overlap-steps {dp.overlap_steps} must be in [0, --dp.sync-every {dp.sync_every})")
+    _need(dp.mode != "diloco" or dp.fragments <= dp.sync_every,
+          f"--dp.fragments {dp.fragments} must be <= --dp.sync-every {dp.sync_every} (one fragment starts per step)")
+    try:
+        from meshkern.diloco import parse_projection
+
+        steps = parse_projection(dp.projection)
+    except ValueError as e:
+        _need(False, f"--dp.projection: {e}")
+    subspace_used = "subspace" in {cfg.replica_codec(r) for r in range(cfg.fast_rows)}
+    _need(not (subspace_used and dp.mode == "diloco" and "error" in steps and dp.compressor != "sparseloco"),
+          f"--dp.projection {dp.projection}: the 'error' step projects SparseLoCo's error feedback; "
+          f"--dp.compressor {dp.compressor} has none (use outer or reproject, or --dp.compressor sparseloco)")
+    _need(dp.outer_momentum == -1 or 0 <= dp.outer_momentum < 1,
+          f"--dp.outer-momentum must be -1 (auto) or in [0, 1), got {dp.outer_momentum}")
+
+
+def _check_anchor(cfg: Config) -> None:
+    a, t = cfg.anchor, cfg.train
+    _need(a.transport in ANCHOR_TRANSPORTS,
+          f"--anchor.transport must be {' or '.join(ANCHOR_TRANSPORTS)}, got {a.transport!r}")
+    _need(a.snapshot_codec in SNAPSHOT_CODECS,
+          f"--anchor.snapshot-codec must be {' or '.join(SNAPSHOT_CODECS)}, got {a.snapshot_codec!r}")
+    if a.enabled:
+        _need(t.optimizer == "spectral", "--anchor.enabled needs --train.optimizer spectral (SpectralAdamW consumes "
+                                         f"the anchor updates), got {t.optimizer!r}")
+        _need(a.snapshot_every >= 1 and a.microbatches >= 1,
+              "--anchor.snapshot-every and --anchor.microbatches must be >= 1")
+        _need(a.max_staleness >= 0 and a.delay >= 0, "--anchor.max-staleness and --anchor.delay must be >= 0")
+        _need("subspace" not in {cfg.replica_codec(r) for r in range(cfg.fast_rows)},
+              "--anchor.enabled with --boundary.codec subspace is not supported: the anchor row would need the "
+              "constraint and the frozen embedding too")
+        _need(a.delay <= a.max_staleness, f"--anchor.delay {a.delay} exceeds --anchor.max-staleness "
+                                          f"{a.max_staleness}: every update would be rejected")
+    _need(a.state_every >= 0 and a.restarts >= 0, "--anchor.state-every and --anchor.restarts must be >= 0")
+    _need(not a.join or a.enabled, "--anchor.join needs --anchor.enabled (the config of the running fast circuit)")
+    _need(not a.join or bool(a.store), "--anchor.join needs --anchor.store host:port (printed by the fast circuit's launcher)")
+    _need(a.join or not a.store, "--anchor.store is for --anchor.join (a local run's anchor row uses its own launcher's store)")
+    if a.store:
+        host, _, port = a.store.rpartition(":")
+        _need(bool(host) and port.isdigit() and 0 < int(port) < 65536, f"--anchor.store must be host:port, got {a.store!r}")
+
+
+def _check_run(cfg: Config) -> None:
+    _need(cfg.checkpoint.every >= 0 and cfg.checkpoint.keep >= 1, "--checkpoint.every must be >= 0 and --checkpoint.keep >= 1")
+    _need(cfg.run.eval_sequences >= 0, "--run.eval-sequences must be >= 0")
+    _need(cfg.run.log_every >= 1, "--run.log-every must be >= 1")
+    _need(cfg.run.progress_every_s > 0, f"--run.progress-every-s must be > 0, got {cfg.run.progress_every_s}")
+    _need(cfg.run.bandwidth_bps > 0 and cfg.run.latency_s >= 0, "--run.bandwidth-bps must be > 0, --run.latency-s >= 0")
+    _need(cfg.run.fail_rank < cfg.world_size, f"--run.fail-rank {cfg.run.fail_rank} is not a rank of a {cfg.world_size}-rank mesh")
+
+

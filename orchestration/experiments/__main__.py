@@ -1,0 +1,6 @@
+"""``python -m orchestration.experiments``: see orchestration.experiments.cli."""
+import sys
+
+from orchestration.experiments.cli import main
+
+sys.exit(main())

@@ -1,0 +1,7 @@
+"""Models: loading local Hugging Face / GGUF checkpoints, the built-in and default base models, scoring.
+
+Modules: loading (load_causal_lm, configs, the cache root), paths (resolve_model: what
+--model names), gguf_convert (GGUF -> HF safetensors, the built-in models), pretrain
+(the default base model, built once) and scoring (held-out loss of a model or a chain
+of stages).
+"""

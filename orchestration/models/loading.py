@@ -1,0 +1,94 @@
+"""Models: the default small Llama and loading any local HF checkpoint.
+
+- :func:`default_config` is the small Llama the embedded default uses. Sizes were
+  chosen by timing forward+backward+AdamW on 2 CPU cores (see ``pretrain.py``): hidden
+  192 / 4 layers / 6 heads / vocab 2048 runs ~6-8k tokens/s, so the default pretraining
+  (0.82M tokens, ~205 CPU-seconds) takes about 2 minutes and a 3x2 mesh of one-thread
+  processes still trains in minutes (hidden 256 was ~2-3x slower per token). Embeddings are untied so the first and last pipeline stages own
+  disjoint parameters.
+- :func:`load_causal_lm` loads a local checkpoint (never the hub).
+- What ``--model`` means (the cached default base model, built-in names, ``.gguf``
+  files) is orchestration.models.paths (``default_base_model``, ``resolve_model``).
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local checkpoints only, never the hub
+
+# Bump when the default model, tokenizer or pretraining recipe changes: the cache keeps
+# one directory per version, so an old base model is never silently reused.
+BASE_MODEL_VERSION = "base-v1"
+CACHE_ENV = "MESHKERN_CACHE"
+METADATA_FILE = "meshkern_pretrain.json"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def default_config(vocab_size: int = 2048, **overrides):
+    """The default small ``LlamaConfig`` (about 2.6M parameters at vocab 2048)."""
+    from transformers import LlamaConfig
+
+    kw = dict(vocab_size=vocab_size, hidden_size=192, intermediate_size=512,
+              num_hidden_layers=4, num_attention_heads=6, num_key_value_heads=6,
+              max_position_embeddings=1024, rms_norm_eps=1e-5, tie_word_embeddings=False,
+              bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    kw.update(overrides)
+    return LlamaConfig(**kw)
+
+
+def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
+    """``cache_dir``, else ``$MESHKERN_CACHE``, else ``~/.cache/meshkern``."""
+    if cache_dir is not None:
+        return Path(cache_dir)
+    env = os.environ.get(CACHE_ENV)
+    return Path(env) if env else Path.home() / ".cache" / "meshkern"
+
+
+def is_complete_checkpoint(path: str | os.PathLike) -> bool:
+    """True if ``path`` holds a config, safetensors weights and a tokenizer."""
+    p = Path(path)
+    return ((p / "config.json").is_file() and any(p.glob("*.safetensors"))
+            and (p / "tokenizer.json").is_file())
+
+
+def load_causal_lm(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32):
+    """Load a local Hugging Face causal LM: returns ``(model, tokenizer_path)``.
+
+    ``model`` is in eval mode on CPU in ``dtype``. ``tokenizer_path`` is ``str(path)``
+    if the directory holds tokenizer files, else None (then pass a tokenizer yourself).
+    Raises FileNotFoundError for a missing path or config.json, ValueError for an
+    architecture transformers cannot build as a causal LM. Only local files are read.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"model path {str(p)!r} does not exist")
+    if not p.is_dir() or not (p / "config.json").is_file():
+        raise FileNotFoundError(f"{str(p)!r} is not a Hugging Face checkpoint directory "
+                                "(no config.json)")
+    try:
+        config = AutoConfig.from_pretrained(str(p), local_files_only=True)
+    except (ValueError, KeyError) as e:
+        raise ValueError(f"{p}: unknown model architecture in config.json ({e})") from None
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(p), config=config, dtype=dtype,
+                                                     local_files_only=True)
+    except ValueError as e:
+        raise ValueError(f"{p}: model type {getattr(config, 'model_type', '?')!r} is not "
+                         f"a causal LM transformers can build ({e})") from None
+    except OSError as e:  # e.g. config.json but no *.safetensors / *.bin weights
+        raise FileNotFoundError(f"{p}: cannot load the model weights ({str(e).splitlines()[0][:200]})") from None
+    model.eval()
+    has_tok = any((p / f).is_file() for f in _TOKENIZER_FILES)
+    return model, (str(p) if has_tok else None)
+
+
+def read_metadata(path: str | os.PathLike) -> dict:
+    """The pretraining record written next to a base model (empty if none)."""
+    f = Path(path) / METADATA_FILE
+    return json.loads(f.read_text()) if f.is_file() else {}
