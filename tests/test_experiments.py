@@ -180,3 +180,44 @@ def test_code_version_names_only_the_checkout_the_code_is_in(tmp_path):
     assert runner._code_version(str(tmp_path)) == head + "-dirty"
     (tmp_path / "copy").mkdir()
     assert runner._code_version(str(tmp_path / "copy")) == "unknown"
+
+
+@pytest.mark.slow
+def test_an_interrupted_row_continues_from_its_last_checkpoint(tiny, tmp_path, monkeypatch):
+    """A row whose trainer died after its step-2 checkpoint continues from there when the
+    tool runs again (issue #28: long rows over several sessions), and its record is the
+    one an uninterrupted run writes: the same training losses and held-out curve."""
+    import subprocess
+
+    assert experiments.main(_argv(tiny, tmp_path / "whole", rows="m95")) == 0
+    whole = json.loads((tmp_path / "whole" / "res" / "records" / "m95-s0.json").read_text())
+
+    real_popen, calls = subprocess.Popen, []
+
+    def dies_once(cmd, *args, **kw):  # the first trainer loses rank 1 at the start of step 3
+        calls.append(list(cmd))
+        extra = ["--run.fail-rank", "1", "--run.fail-step", "2"] if len(calls) == 1 else []
+        return real_popen(list(cmd) + extra, *args, **kw)
+
+    monkeypatch.setattr(runner.subprocess, "Popen", dies_once)
+    out = tmp_path / "cut"
+    assert experiments.main(_argv(tiny, out, rows="m95")) == 1
+    rec = json.loads((out / "res" / "records" / "m95-s0.json").read_text())
+    assert rec["complete"] is False and rec["status"].startswith("trainer exit")
+    assert runner.resume_point(str(out / "work" / "m95-s0"), calls[0][3:])[1] == 2
+
+    assert experiments.main(_argv(tiny, out, rows="m95")) == 0
+    assert calls[1][-2:] == ["--checkpoint.resume", "latest"] and calls[1][:-2] == calls[0]
+    rec = json.loads((out / "res" / "records" / "m95-s0.json").read_text())
+    assert rec["complete"] and rec["resumed_from_step"] == 2
+    assert rec["train_loss"] == whole["train_loss"]
+    assert [p["loss"] for p in rec["curve"]] == [p["loss"] for p in whole["curve"]]
+
+
+def test_a_row_started_with_other_flags_does_not_resume(tmp_path):
+    run_dir = tmp_path / "m95-s0"
+    run_dir.mkdir()
+    assert runner.resume_point(str(run_dir), ["--steps", "4"]) is None  # never started: no row.json
+    rows._write_json(str(run_dir / runner.ROW_FILE), {"trainer_argv": ["--steps", "8"]})
+    assert runner.resume_point(str(run_dir), ["--steps", "4"]) is None  # other flags
+    assert runner.resume_point(str(run_dir), ["--steps", "8"]) is None  # same flags, no checkpoint yet

@@ -1,5 +1,8 @@
 """One (row, seed) of the experiment tool: the trainer as a subprocess, then its evaluation,
-recorded atomically (a finished row is never run again)."""
+recorded atomically (a finished row is never run again). An interrupted row (killed, timed
+out, the machine stopped) continues from its last checkpoint when it runs again with the
+same trainer flags (the trainer's exact resume), so a long row can be trained over several
+invocations."""
 from __future__ import annotations
 
 import os
@@ -11,6 +14,24 @@ import time
 
 from orchestration.experiments.evaluation import evaluate_run
 from orchestration.experiments.rows import Row, Settings, _write_json, load_result, result_path, trainer_argv
+
+ROW_FILE = "row.json"  # in a row's run directory: the trainer flags it was started with
+
+
+def resume_point(run_dir: str, argv: list[str]) -> tuple[str, int] | None:
+    """(checkpoint, step) an interrupted row continues from: the run directory's latest
+    complete checkpoint, if the run was started with exactly these trainer flags (its
+    ROW_FILE); None when there is nothing to continue (start over)."""
+    from orchestration.components import checkpoint as ckpt
+
+    started = load_result(os.path.join(run_dir, ROW_FILE))
+    if not started or started.get("trainer_argv") != argv:
+        return None
+    try:
+        path = ckpt.resolve("latest", os.path.join(run_dir, "checkpoints"), quiet=True)
+    except ValueError:  # no checkpoint yet, or `latest` names one that is gone
+        return None
+    return (path, int(ckpt.read_meta(path)["step"])) if path else None
 
 
 def _code_version(root: str | None = None) -> str:
@@ -45,26 +66,15 @@ def run_row(row: Row, seed: int, s: Settings, a, idx: str) -> str:
             return "skipped"
     name = f"{row.name}-s{seed}"
     run_dir = os.path.join(a.work, name)
-    if os.path.exists(run_dir):  # a partial run from an interrupted invocation: start over
-        shutil.rmtree(run_dir)
-    os.makedirs(run_dir)
     argv = trainer_argv(row, seed, s, a.work, name)
-    cmd = [sys.executable, "-m", "orchestration.train", *argv]
-    print(f"[{idx}] {row.name} seed {seed}: training ({s.steps} steps) ...", flush=True)
+    resume = resume_point(run_dir, argv)
+    if resume is None and os.path.exists(run_dir):  # started with other flags, or no checkpoint: start over
+        shutil.rmtree(run_dir)
+    os.makedirs(run_dir, exist_ok=True)
+    _write_json(os.path.join(run_dir, ROW_FILE), {"trainer_argv": argv})
     t0 = time.time()
     log_path = os.path.join(a.work, f"{name}.log")
-    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false")
-    with open(log_path, "w") as log:
-        # Own session: on timeout or when we are stopped, the trainer and its ranks go too.
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=a.row_timeout)
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+    rc = _train(row, seed, s, a, idx, argv, resume, log_path)
     train_s = time.time() - t0
     if rc != 0:
         with open(log_path) as f:
@@ -83,7 +93,7 @@ def run_row(row: Row, seed: int, s: Settings, a, idx: str) -> str:
                            "settings": s.key()})
         print(f"[{idx}] {row.name} seed {seed}: FAILED in evaluation: {e!r}", flush=True)
         return "failed"
-    rec.update(train_wall_s=train_s, eval_wall_s=time.time() - t1, finished_utc=time.strftime(
+    rec.update(train_wall_s=train_s, resumed_from_step=resume[1] if resume else 0, eval_wall_s=time.time() - t1, finished_utc=time.strftime(
         "%Y-%m-%dT%H:%M:%SZ", time.gmtime()), code_version=_code_version(), complete=True)
     _write_json(path, rec)
     if not a.keep_checkpoints:
@@ -94,3 +104,29 @@ def run_row(row: Row, seed: int, s: Settings, a, idx: str) -> str:
           f"modeled {rec['modeled_tokens_per_s']:.0f} tok/s @ {a.bandwidth_mbps:g} Mbps "
           f"({time.time() - t0:.0f} s)", flush=True)
     return "done"
+
+
+def _train(row: Row, seed: int, s: Settings, a, idx: str, argv: list[str], resume, log_path: str):
+    """Runs (or continues, from ``resume``) the row's trainer; its exit code, or "timeout"."""
+    if resume is not None and resume[1] >= s.steps:  # trained to the end, interrupted in evaluation
+        print(f"[{idx}] {row.name} seed {seed}: already trained ({resume[0]}), evaluating", flush=True)
+        return 0
+    cmd = [sys.executable, "-m", "orchestration.train", *argv]
+    if resume is not None:
+        cmd += ["--checkpoint.resume", "latest"]
+        print(f"[{idx}] {row.name} seed {seed}: continuing from step {resume[1]} of {s.steps} ({resume[0]}) ...",
+              flush=True)
+    else:
+        print(f"[{idx}] {row.name} seed {seed}: training ({s.steps} steps) ...", flush=True)
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false")
+    with open(log_path, "a" if resume is not None else "w") as log:
+        # Own session: on timeout or when we are stopped, the trainer and its ranks go too.
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            return proc.wait(timeout=a.row_timeout)
+        except subprocess.TimeoutExpired:
+            return "timeout"
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
