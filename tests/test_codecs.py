@@ -115,6 +115,39 @@ def test_dense_is_identity():
     assert torch.equal(h_hat, h) and torch.equal(grad_h, g)
 
 
+@pytest.mark.parametrize("wire,elem", [("bfloat16", 2), ("float16", 2), ("float32", 4)])
+def test_dense_in_a_wire_dtype_sends_that_dtype_and_casts_back(wire, elem):
+    """dense:dtype=bfloat16 is what a bf16 GPU pipeline sends: each way, the values cast to
+    the wire dtype (torch's cast is the reference), 2 bytes each, back in the activation dtype."""
+    codec = make_codec(f"dense:dtype={wire}")
+    h, g = _h(), _h(seed=1)
+    h_hat, grad_h, w, wb = _roundtrip(codec, h, g)
+    wd = getattr(torch, wire)
+    assert w[0].dtype == wb[0].dtype == wd and h_hat.dtype == grad_h.dtype == torch.float32
+    assert torch.equal(h_hat, h.to(wd).float()) and torch.equal(grad_h, g.to(wd).float())
+    assert codec.wire_bytes((B, T, H), torch.float32, "fwd") == B * T * H * elem
+    hl = h.clone().requires_grad_(True)
+    out = apply_codec(codec, hl, KEY)
+    out.backward(g)
+    assert torch.equal(out.detach(), h.to(wd).float()) and torch.equal(hl.grad, g.to(wd).float())
+    with pytest.raises(ValueError, match="dense: dtype must be one of float32, bfloat16, float16"):
+        make_codec("dense:dtype=int8")
+
+
+def test_pp_ratios_count_against_dense_fp32_and_bf16():
+    from orchestration.codecs import dense_pp_bytes_per_token, pp_ratios
+
+    # 2 stages, H=576: one boundary, 576 values each way: 4608 B in fp32, 2304 in bf16
+    assert dense_pp_bytes_per_token(576, [2], "float32") == 4608
+    assert dense_pp_bytes_per_token(576, [2, 2], "bfloat16") == 2304
+    # replicas 1,2,2: 2/3 of a boundary per replica on average; 3 stages: two boundaries
+    assert dense_pp_bytes_per_token(192, [1, 2, 2], "float32") == pytest.approx(8 * 192 * 2 / 3)
+    assert dense_pp_bytes_per_token(192, [3], "bfloat16") == 2 * 2 * 192 * 2
+    r = pp_ratios(4608 / 15, 576, [2])
+    assert r["float32"] == pytest.approx(15) and r["bfloat16"] == pytest.approx(7.5)
+    assert pp_ratios(0.0, 576, [1]) == {"float32": None, "bfloat16": None}
+
+
 def test_topk_keeps_largest_and_backward_is_autograd_with_fixed_indices():
     codec = make_codec("topk", p=0.75)
     K = kept_dims(H, 0.75)

@@ -17,7 +17,8 @@ ValueError on anything else, or on non-finite values (a peer's garbage never rea
 the model).
 
 Backward semantics (what gradient comes back), per codec:
-    dense       identity both ways; H elements per token per direction.
+    dense       identity both ways; H elements per token per direction (``dtype``: in that
+                dtype on the wire, e.g. dense:dtype=bfloat16, what a bf16 pipeline sends).
     mask        ours: h_hat = unpack(pack(h)) with the Philox mask of ``key``
                 (meshkern.pack/unpack); gradient = exact autograd of that, i.e. the same
                 K dims per token travel back. K = round((1-p)H) values per token each way,
@@ -56,8 +57,8 @@ Modules: base (protocol, validation, dense, apply_codec), sparse (mask, topk), q
 quantizers), registry (CODECS, make_codec, parse_spec).
 """
 from orchestration.codecs.aqsgd import AQSGDCodec
-from orchestration.codecs.base import (DIRECTIONS, BoundaryCodec, DenseCodec, NonFiniteWire, Spec, apply_codec,
-                                       kept_count, validate_wire)
+from orchestration.codecs.base import (DIRECTIONS, WIRE_DTYPES, BoundaryCodec, DenseCodec, NonFiniteWire, Spec,
+                                       apply_codec, dense_pp_bytes_per_token, kept_count, pp_ratios, validate_wire)
 from orchestration.codecs.bottleneck import BottleneckCodec
 from orchestration.codecs.pca import PCA_BASES, PCABasis, PCACodec, pca_width
 from orchestration.codecs.quant import QuantCodec
@@ -68,4 +69,4 @@ from orchestration.codecs.tahquant import TAHQuantCodec
 
 __all__ = ["AQSGDCodec", "TAHQuantCodec", "CODECS", "DIRECTIONS", "PCA_BASES", "BottleneckCodec", "BoundaryCodec", "DenseCodec", "MaskCodec",
            "NonFiniteWire", "PCABasis", "PCACodec", "QuantCodec", "Spec", "SubspaceCodec", "TopKCodec", "apply_codec", "kept_count",
-           "codec_for", "make_codec", "parse_spec", "pca_width", "validate_wire"]
+           "codec_for", "dense_pp_bytes_per_token", "pp_ratios", "WIRE_DTYPES", "make_codec", "parse_spec", "pca_width", "validate_wire"]

@@ -111,29 +111,67 @@ class BoundaryCodec:
         return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in vars(self).items())})"
 
 
+WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 class DenseCodec(BoundaryCodec):
-    """The uncompressed baseline: h forward, grad back, in the activation dtype."""
+    """The uncompressed baseline: h forward, grad back, in the activation dtype, or with
+    ``dtype`` (float32, bfloat16, float16) in that dtype on the wire: ``dtype="bfloat16"``
+    is what a GPU pipeline in bf16 sends (2 bytes per value), the baseline a compression
+    ratio is honestly counted against. The receiver casts back to the activation dtype;
+    the gradient of the cast is straight-through, cast the same way for the trip back."""
 
     name = "dense"
 
+    def __init__(self, dtype: str | None = None):
+        if dtype is not None and dtype not in WIRE_DTYPES:
+            raise ValueError(f"dense: dtype must be one of {', '.join(WIRE_DTYPES)} (or unset: the activation "
+                             f"dtype), got {dtype!r}")
+        self.dtype = dtype
+        self._wire = None if dtype is None else WIRE_DTYPES[dtype]
+
+    def __repr__(self) -> str:
+        return f"DenseCodec(dtype={self.dtype})"
+
     def wire_specs(self, shape, dtype, direction):
         check_direction(direction)
-        return [(boundary_shape(shape, dtype), dtype)]
+        return [(boundary_shape(shape, dtype), self._wire or dtype)]
+
+    def _send(self, t):
+        return t.detach().to(self._wire or t.dtype).contiguous()
 
     def encode_fwd(self, h, key):
-        return [h.detach().contiguous()], (tuple(h.shape), h.dtype)
+        return [self._send(h)], (tuple(h.shape), h.dtype)
 
     def decode_fwd(self, wire, key, shape, dtype):
         validate_wire(wire, self.wire_specs(shape, dtype, "fwd"), "dense decode_fwd")
-        return wire[0]
+        return wire[0].to(dtype)
 
     def encode_bwd(self, grad, key, meta):
-        return [grad.detach().contiguous()]
+        return [self._send(grad)]
 
     def decode_bwd(self, wire, key, ctx):
         shape, dtype = ctx
         validate_wire(wire, self.wire_specs(shape, dtype, "bwd"), "dense decode_bwd")
-        return wire[0]
+        return wire[0].to(dtype)
+
+
+def dense_pp_bytes_per_token(hidden_size: int, replica_stages, dtype: str) -> float:
+    """Bytes per trained token that a dense pipeline in ``dtype`` (float32 or bfloat16)
+    sends on the two PP axes: H values each way at every stage boundary, averaged over the
+    fast replicas (a replica of y stages has y - 1 boundaries; every replica trains the same
+    tokens). What every compression ratio in summaries and tables is counted against."""
+    stages = [int(y) for y in replica_stages]
+    boundaries = sum(y - 1 for y in stages) / len(stages)
+    return 2 * hidden_size * boundaries * WIRE_DTYPES[dtype].itemsize
+
+
+def pp_ratios(pp_bytes_per_token: float, hidden_size: int, replica_stages) -> dict[str, float | None]:
+    """{"float32": x, "bfloat16": y}: how many times fewer PP bytes than a dense fp32 / bf16
+    pipeline (one-off bytes such as a pca basis are in ``pp_bytes_per_token``, so they are
+    amortized over the run's tokens); None without pipeline traffic."""
+    return {d: (dense_pp_bytes_per_token(hidden_size, replica_stages, d) / pp_bytes_per_token
+                if pp_bytes_per_token > 0 else None) for d in ("float32", "bfloat16")}
 
 
 class _RoundTrip(torch.autograd.Function):

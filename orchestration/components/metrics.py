@@ -14,6 +14,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from orchestration.codecs import pp_ratios
 from orchestration.distributed.link_counter import AXES, LinkCounter
 
 class JsonlWriter:
@@ -118,6 +119,7 @@ def summarize(cfg, plan, history: list[dict], elapsed: float, steps_done: int, l
                  + (" + anchor" if cfg.anchor.enabled else "") + f" x {cfg.mesh.stages} stages)"),
         "model": f"{plan.arch} ({plan.num_layers} layers, H={plan.hidden_size}) from {plan.model_path}",
         "codec": cfg.boundary.codec + (f" p={cfg.boundary.p}" if cfg.boundary.codec in ("mask", "topk", "bottleneck") else "")
+                 + (f" {json.dumps(cfg.boundary.options, sort_keys=True)}" if cfg.boundary.options else "")
                  + (" (pipeline replicas only: selective)"
                     if cfg.boundary.compress == "selective" and 1 in cfg.replica_stages else ""),
         "dp": cfg.dp.mode + ("" if cfg.dp.mode == "none" else f" + {cfg.dp.compressor}"),
@@ -125,6 +127,7 @@ def summarize(cfg, plan, history: list[dict], elapsed: float, steps_done: int, l
         "loss_first": history[0]["loss"], "loss_last": last["loss"],
         "tokens_per_s": tokens_run / max(elapsed, 1e-9),
         "bytes_per_token": bpt, "bytes_per_token_pp": bpt["pp_fwd"] + bpt["pp_bwd"],
+        "pp_ratio": pp_ratios(bpt["pp_fwd"] + bpt["pp_bwd"], plan.hidden_size, cfg.replica_stages),
         "bytes_per_token_total": sum(bpt.values()),
         "bandwidth_bps": cfg.run.bandwidth_bps,
         "modeled_tokens_per_s": None if model is None else model.tokens_per_s,

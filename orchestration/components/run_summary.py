@@ -34,7 +34,7 @@ def summary_rows(s: dict) -> list[tuple[str, str, str]]:
                                             "checkpoints/" + (", tensorboard/" if s.get("tensorboard") else "")),
         ("mesh", s["mesh"], "rows = data-parallel replicas, columns = pipeline stages; one process per cell"),
         ("model", s["model"], "the model adapted: its architecture, decoder layers and hidden size H"),
-        ("boundary codec", s["codec"], "what crosses a stage boundary; mask p=0.95 sends 5% of each token's H dims"),
+        ("boundary codec", s["codec"], "what crosses a stage boundary, both ways (docs/codecs.md; --boundary.codec)"),
         ("DP sync", s["dp"], "how replicas agree: sync mode + the compressor of what they exchange"),
         (f"steps{whole}", f"{s['steps']}  ({s['tokens']:,} tokens)",
          "optimizer steps; tokens = steps x replicas x batch size x sequence length"),
@@ -70,7 +70,13 @@ def summary_rows(s: dict) -> list[tuple[str, str, str]]:
             continue  # untied model, or one stage: no such traffic
         rows.append((f"bytes/token {a}{whole}", f"{s['bytes_per_token'][a]:.1f}", AXIS_TEXT[a]))
     rows.append(("bytes/token PP (fwd+bwd)", f"{s['bytes_per_token_pp']:.1f}",
-                 "both pipeline directions, what masking shrinks (dense fp32 sends 8 x H bytes)"))
+                 "both pipeline directions, what the boundary codec shrinks (a dense pipeline sends 2 x H values "
+                 "per boundary: 8 x H bytes in fp32, 4 x H in bf16)"))
+    ratio = s.get("pp_ratio") or {}
+    if ratio.get("float32") is not None:
+        rows.append(("PP compression", f"{ratio['float32']:.1f}x vs dense fp32, {ratio['bfloat16']:.1f}x vs dense bf16",
+                     "dense pipeline bytes / these bytes, one-off bytes (a pca basis) included; GPUs send bf16, "
+                     "so the bf16 figure is the one that counts there"))
     rows.append(("bytes/token total", f"{s['bytes_per_token_total']:.1f}", "every axis: all bytes on the wire / tokens"))
     if s.get("anchor"):
         a = s["anchor"]

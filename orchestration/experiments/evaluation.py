@@ -6,6 +6,7 @@ import glob
 import os
 import shlex
 
+from orchestration.codecs import pp_ratios
 from orchestration.components.metrics import read_jsonl
 from orchestration.experiments.rows import Row, Settings
 
@@ -114,7 +115,7 @@ def evaluate_run(row: Row, seed: int, s: Settings, argv: list[str], run_dir: str
     # Their final model scored WITH that codec at every stage boundary (no training) shows
     # how much of the deployed model's loss is train/test mismatch.
     codec_on = None
-    if cfg.boundary.codec != "dense":
+    if cfg.boundary.codec != "dense" or cfg.boundary.options:  # dense:dtype=bfloat16 rounds at the boundaries
         codec_on = codec_eval_loss(final_model, held, cfg, seed=seed, step=s.steps, run_dir=run_dir)["loss"]
 
     rec: dict = {
@@ -136,6 +137,8 @@ def evaluate_run(row: Row, seed: int, s: Settings, argv: list[str], run_dir: str
         "train_loss": [h["loss"] for h in history],
         "bytes_per_token": history[-1]["bytes_per_token"],
         "bytes_per_token_total": sum(history[-1]["bytes_per_token"].values()),
+        "pp_ratio": pp_ratios(history[-1]["bytes_per_token"]["pp_fwd"] + history[-1]["bytes_per_token"]["pp_bwd"],
+                              plan.hidden_size, cfg.replica_stages),
         "modeled_step_s": model_step.step_s, "modeled_tokens_per_s": model_step.tokens_per_s,
         "modeled_limit": model_step.limiting,
         "network_bound_tokens_per_s": net_step.tokens_per_s, "network_limit": net_step.limiting,

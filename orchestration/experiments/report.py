@@ -10,6 +10,7 @@ import math
 import os
 import statistics
 
+from orchestration.codecs import pp_ratios
 from orchestration.experiments.rows import GROUPS, RECORDS, ROW_BY_NAME, ROWS, Settings, load_result
 
 
@@ -51,7 +52,7 @@ def make_table(by_row: dict[str, list[dict]], s: Settings) -> str:
     has_em = any("exact_match" in r for rs in by_row.values() for r in rs)
     has_codec = any(r.get("codec_on_loss") is not None for rs in by_row.values() for r in rs)
     head = ["row", "seeds", "held-out loss", "Δ vs base", "Δ vs Dense (paired)", "ppl",
-            "B/tok PP fwd", "B/tok PP bwd", "B/tok DP", "B/tok anchor", "B/tok tied", "B/tok total",
+            "B/tok PP fwd", "B/tok PP bwd", "PP x less than dense fp32 / bf16", "B/tok DP", "B/tok anchor", "B/tok tied", "B/tok total",
             "modeled tok/s @200Mbps", "network-only tok/s"]
     if s.prune:
         head.append("prune " + "/".join(f"{float(f):.0%}" for f in s.prune) + " (loss +%)")
@@ -70,7 +71,7 @@ def make_table(by_row: dict[str, list[dict]], s: Settings) -> str:
                  _fmt([r["final_loss"] for r in rs]), _fmt([r["final_loss"] - r["base_loss"] for r in rs]),
                  _fmt(paired) if name != "dense" else "0",
                  _fmt([r["final_perplexity"] for r in rs], 1),
-                 _fmt(bpt("pp_fwd"), 1), _fmt(bpt("pp_bwd"), 1), _fmt(bpt("dp"), 1), _fmt(bpt("anchor"), 1),
+                 _fmt(bpt("pp_fwd"), 1), _fmt(bpt("pp_bwd"), 1), _ratio_cell(rs, s), _fmt(bpt("dp"), 1), _fmt(bpt("anchor"), 1),
                  _tied_cell(rs), _fmt([r["bytes_per_token_total"] for r in rs], 1),
                  _fmt([r["modeled_tokens_per_s"] for r in rs], 0),
                  _fmt([r["network_bound_tokens_per_s"] for r in rs], 0)]
@@ -85,6 +86,17 @@ def make_table(by_row: dict[str, list[dict]], s: Settings) -> str:
                                    for t in (rs[0].get("exact_match") or {})) or "-")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _ratio_cell(rs: list[dict], s: Settings) -> str:
+    """How many times fewer PP bytes than a dense fp32 / bf16 pipeline (codecs.pp_ratios,
+    from each record's own H and the settings' stages: records from before the ratio
+    was recorded get it too)."""
+    rat = [pp_ratios(r["bytes_per_token"]["pp_fwd"] + r["bytes_per_token"]["pp_bwd"], r["hidden_size"],
+                     [s.stages] * s.fast_rows) for r in rs]
+    if any(x["float32"] is None for x in rat):
+        return "-"
+    return f"{_fmt([x['float32'] for x in rat], 1)} / {_fmt([x['bfloat16'] for x in rat], 1)}"
 
 
 def _tied_cell(rs: list[dict]) -> str:

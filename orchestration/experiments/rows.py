@@ -26,6 +26,9 @@ class Row:
 ROWS: tuple[Row, ...] = (
     Row("dense", "main", "dense", label="Dense (dense PP, full DP all-reduce)",
         paper="MedQA 0.280 / HumanEval 0.177; 22.9k B/tok"),
+    # What a bf16 pipeline sends (2 bytes per value each way): the baseline that counts on GPUs.
+    Row("dense-bf16", "baseline", "dense", ("--boundary.codec", "dense:dtype=bfloat16"),
+        label="Dense with bf16 boundaries (a GPU pipeline's wire)", paper="(not in the paper)"),
     Row("dp", "main", "dp", label="+DP (dense PP, DiLoCo+PowerSGD)",
         paper="0.275 / 0.171; 6.9k B/tok"),
     Row("m95", "main", "m95", label="M95 (mask p=0.95, no anchor)",
