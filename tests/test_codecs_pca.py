@@ -168,3 +168,80 @@ def test_bf16_activations_and_default_registry():
         assert h.grad.dtype == torch.bfloat16 and torch.isfinite(h.grad).all()
     finally:
         codecs.PCA_BASES.pop(7, None)
+
+
+def _ref_fwd_adapt(h, b, bits, sink):
+    """adapt=True by hand: the micro-batch's mean and std per coordinate, then as _ref_fwd."""
+    body = h[..., 1:, :] if sink else h
+    c = (body - b.mean) @ b.U / b.sd
+    flat = c.reshape(-1, c.shape[-1])
+    mu, sd = flat.mean(0), flat.std(0, correction=0)
+    out = b.mean + ((_q((c - mu) / sd, bits) * sd + mu) * b.sd) @ b.U.T
+    if sink:
+        out = torch.cat([_q(h[..., :1, :], 8), out], dim=-2)
+    return out
+
+
+@pytest.mark.parametrize("sink", [True, False])
+def test_adapt_round_trip_matches_reference_and_sends_the_stats(sink):
+    H, B, T, k = 24, 3, 7, 6
+    b = _basis(H, k)
+    codec = make_codec("pca:adapt=true", bits=4, k=k, sink=sink, bases={2: b})
+    key = MaskKey(1, 2, 5, 0)
+    h = torch.randn(B, T, H) * 2 + 1
+    wire, ctx = codec.encode_fwd(h, key)
+    assert (tuple(wire[-1].shape), wire[-1].dtype) == ((2, k), torch.float32)
+    plain = make_codec("pca", bits=4, k=k, sink=sink, bases={2: b})
+    shape = (B, T, H)
+    assert codec.wire_bytes(shape, torch.float32, "fwd") == plain.wire_bytes(shape, torch.float32, "fwd") + 2 * k * 4
+    assert codec.wire_bytes(shape, torch.float32, "bwd") == plain.wire_bytes(shape, torch.float32, "bwd")
+    torch.testing.assert_close(codec.decode_fwd(wire, key, shape, torch.float32), _ref_fwd_adapt(h, b, 4, sink),
+                               rtol=1e-5, atol=1e-4)
+    g = torch.randn(B, T, H)  # the backward is the plain codec's
+    torch.testing.assert_close(codec.decode_bwd(codec.encode_bwd(g, key, wire), key, ctx),
+                               plain.decode_bwd(plain.encode_bwd(g, key, wire[:-1]), key, ctx))
+
+
+def test_adapt_follows_a_model_whose_coordinates_moved_away_from_the_calibration():
+    """The failure adapt fixes (orchestration.diagnose.drift): the activations' coordinates in
+    the calibrated basis shifted by many sd and grew unevenly (as measured on the default
+    model after 60 steps). With the stale mean and sd the per-token int4 scale is set by the
+    coordinate that grew and the others drown; adapt's error stays what it was before the
+    shift (the same codes up to rounding: it is invariant to a per-coordinate affine change)."""
+    H, B, T, k = 48, 4, 33, 16
+    b = _basis(H, k, gsd=False)
+    g = torch.Generator().manual_seed(1)
+    c = torch.randn(B, T, k, generator=g)
+    h = b.mean + (c * b.sd) @ b.U.T
+    growth = torch.full((k,), 2.4)  # measured: stds grew 2.4x (median), means moved by up to 28 sd
+    growth[3] = 4.0
+    shift = torch.zeros(k)
+    shift[[0, 5, 9]] = torch.tensor([28.0, -24.0, 17.0])
+    moved = b.mean + ((c * growth + shift) * b.sd) @ b.U.T
+
+    def rel_err(codec, x):  # against the tokens' variation (the information), not their common offset
+        out = apply_codec(codec, x, MaskKey(0, 0, 0, 0))
+        body = x[:, 1:]
+        return float((out - x)[:, 1:].pow(2).sum() / (body - body.reshape(-1, H).mean(0)).pow(2).sum())
+
+    stale = make_codec("pca", bits=4, k=k, bases={0: b})
+    adapt = make_codec("pca:adapt=true", bits=4, k=k, bases={0: b})
+    before = rel_err(adapt, h)
+    assert rel_err(stale, moved) > 10 * rel_err(stale, h)  # the stale normalization breaks down
+    assert rel_err(adapt, moved) < 2 * before  # adapt does not
+
+
+def test_adapt_rejects_garbage_stats():
+    H, k = 24, 6
+    codec = make_codec("pca:adapt=true", bits=4, k=k, bases={0: _basis(H, k)})
+    key, shape = MaskKey(0, 0, 0, 0), (2, 5, H)
+    wire, _ = codec.encode_fwd(torch.randn(shape), key)
+    bad = [t.clone() for t in wire]
+    bad[-1][1, 2] = 0.0  # a std of zero
+    with pytest.raises(NonFiniteWire, match="stds must be > 0"):
+        codec.decode_fwd(bad, key, shape, torch.float32)
+    bad[-1][1, 2] = float("nan")
+    with pytest.raises(NonFiniteWire):
+        codec.decode_fwd(bad, key, shape, torch.float32)
+    with pytest.raises(ValueError, match="adapt must be true or false"):
+        make_codec("pca:adapt=yes")

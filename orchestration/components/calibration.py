@@ -108,11 +108,12 @@ def calibration_rows(train_rows: torch.Tensor, n: int, seed: int = 0) -> torch.T
     return train_rows[idx.sort().values]
 
 
-def fit_model_bases(model, rows: torch.Tensor, codec: PCACodec, num_stages: int,
-                    layers_per_stage=None, grad_rows: int = 8, chunk: int = 4) -> dict[int, PCABasis]:
-    """The basis of every boundary of ``model`` split as the trainer splits it
-    (stages.split_model): boundary b's hidden states are stage b's outputs on ``rows``;
-    their gradients are those of the unsplit model's loss (per chunk of rows)."""
+def boundary_states(model, rows: torch.Tensor, num_stages: int, layers_per_stage=None, grad_rows: int = 8,
+                    chunk: int = 4) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    """(hs, gs): boundary b's hidden states (stage b's outputs, [N, T, H] fp32) on ``rows``
+    of ``model`` split as the trainer splits it (stages.split_model), and the dense
+    boundary gradients of the unsplit model's loss on the first ``grad_rows`` rows (None
+    when 0). What a basis is fitted on, and what orchestration.diagnose.drift measures."""
     from orchestration.distributed.stages import causal_lm_loss, split_model
 
     stages = split_model(model, num_stages, layers_per_stage or None)
@@ -139,10 +140,16 @@ def fit_model_bases(model, rows: torch.Tensor, codec: PCACodec, num_stages: int,
             del x, outs
     finally:
         model.train(was_training)
-    H = model.config.hidden_size
-    k = codec.width(H)
-    return {b: fit_basis(torch.cat(hs[b]), k, codec.sink, torch.cat(gs[b]) if gs[b] else None)
-            for b in range(len(hs))}
+    return [torch.cat(h) for h in hs], [torch.cat(g) if g else None for g in gs]
+
+
+def fit_model_bases(model, rows: torch.Tensor, codec: PCACodec, num_stages: int,
+                    layers_per_stage=None, grad_rows: int = 8, chunk: int = 4) -> dict[int, PCABasis]:
+    """The basis of every boundary of ``model`` split as the trainer splits it, fitted on
+    ``rows`` (``boundary_states``)."""
+    hs, gs = boundary_states(model, rows, num_stages, layers_per_stage, grad_rows, chunk)
+    k = codec.width(model.config.hidden_size)
+    return {b: fit_basis(h, k, codec.sink, g) for b, (h, g) in enumerate(zip(hs, gs))}
 
 
 def codec_of(cfg):

@@ -51,6 +51,10 @@ ROWS: tuple[Row, ...] = (
     # Calibrated PCA codec at 1/15 of dense fp32 per direction (k int4 coordinates + position 0 as int8).
     Row("pca4", "baseline", "pca4", label="PCA-int4 + sink, 1/15 of dense (no anchor)",
         paper="(not in the paper; diagnose: sink+pca-int4)"),
+    # pca4 whose coordinates are re-centred and re-scaled per micro-batch (issue #28: the
+    # calibrated mean and sd go stale as the model trains; 2k fp32 more per micro-batch).
+    Row("pca4-adapt", "baseline", "pca4", ("--boundary.codec", "pca:adapt=true"),
+        label="PCA-int4 + sink + per-micro-batch normalization", paper="(not in the paper)"),
     # The anchor circuit and spectral correction on top of pca4 (issue #12): M95+AP's anchor
     # settings (factored transport, SpectralAdamW) with pca4's boundaries.
     Row("pca4-ap", "baseline", "m95-ap", ("--boundary.codec", "pca", "--boundary.options",

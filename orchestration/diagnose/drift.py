@@ -1,0 +1,170 @@
+"""How far a trained model has moved away from the pca codec's calibrated basis (issue #28).
+
+    python -m orchestration.diagnose.drift RUN_DIR [--rows 16] [--basis FILE] [--codec SPEC] [--out FILE]
+
+For the base model (step 0) and every complete checkpoint of a trainer run, per stage
+boundary, on held-out rows the run never trained on (its own split):
+
+    act_kept      share of the centered activation energy, ||h - mean||^2 over positions
+                  >= 1 (position 0 travels as int8 with ``sink``), that the basis's span keeps
+    grad_outside  share of the boundary gradient's energy outside that span: what the
+                  projected backward pass drops
+    fwd_err       ||h_hat - h||^2 / ||h - mean||^2 of the codec's forward round trip (all
+                  positions); fwd_err = (1 - act_kept) + quantization error, as the two
+                  errors are orthogonal (in the span vs. outside it), so ``fwd_quant`` is
+                  their difference
+    bwd_err       ||g_hat - g||^2 / ||g||^2 of the backward round trip
+
+each for two bases: ``run`` (the one the run trained with, RUN_DIR/pca_basis.pt, or for a
+run of another codec the basis fitted on its base model by the run's own calibration rule:
+the same rows, so the same basis a pca run of the same seed starts from) and ``refit``
+(the same rule applied to the checkpoint itself: what a refreshed basis would give). The
+difference between the two columns is what a basis that follows the model can win back.
+Writes one JSON object per (step, boundary) to ``--out`` (default RUN_DIR/drift.jsonl)
+and prints the table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+from meshkern.mask import MaskKey
+from orchestration import codecs
+from orchestration.components import calibration
+from orchestration.components.calibration import boundary_states
+
+
+def _share(num: torch.Tensor, den: torch.Tensor) -> float:
+    d = float(den)
+    return float(num) / d if d > 0 else 0.0
+
+
+def boundary_drift(codec, basis, h: torch.Tensor, g: torch.Tensor, boundary: int) -> dict[str, float]:
+    """The four measures of the module doc for one boundary: ``h`` [N, T, H] hidden
+    states, ``g`` their dense gradients, ``basis`` a PCABasis, ``codec`` a PCACodec."""
+    body = h[:, 1:] if codec.sink else h
+    gbody = g[:, 1:] if codec.sink else g
+    U = basis.U.double()
+    xc = body.double() - basis.mean.double()
+    inside = (xc @ U) @ U.T
+    gd = gbody.double()
+    gin = (gd @ U) @ U.T
+    codec.bases = {boundary: basis}
+    key = MaskKey(0, boundary, 0, 0)
+    wire, ctx = codec.encode_fwd(h, key)
+    h_hat = codec.decode_fwd(wire, key, tuple(h.shape), h.dtype)
+    g_hat = codec.decode_bwd(codec.encode_bwd(g, key, wire), key, ctx)
+    centered = (h.double() - basis.mean.double()).pow(2).sum()
+    out = {"act_kept": _share(inside.pow(2).sum(), xc.pow(2).sum()),
+           "grad_outside": _share((gd - gin).pow(2).sum(), gd.pow(2).sum()),
+           "fwd_err": _share((h_hat.double() - h.double()).pow(2).sum(), centered),
+           "bwd_err": _share((g_hat.double() - g.double()).pow(2).sum(), g.double().pow(2).sum())}
+    out["fwd_quant"] = max(0.0, out["fwd_err"] - (1.0 - out["act_kept"]))
+    return out
+
+
+def _checkpoints(run_dir: str) -> list[tuple[int, str]]:
+    root = os.path.join(run_dir, "checkpoints")
+    out = []
+    for d in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        meta = os.path.join(root, d, "meta.json")
+        if d.startswith("step_") and not d.endswith(".tmp") and os.path.isfile(meta):
+            with open(meta) as f:
+                out.append((int(json.load(f)["step"]), os.path.join(root, d)))
+    return sorted(out)
+
+
+def measure_run(run_dir: str, rows: int = 16, basis_file: str | None = None, codec_spec: str | None = None,
+                progress=print) -> list[dict]:
+    """The module doc's measures for the base model and every checkpoint of ``run_dir``."""
+    from orchestration import train
+    from orchestration.config import parse_args
+    from orchestration.models.loading import load_causal_lm
+
+    cfg, _ = parse_args(["--config", os.path.join(run_dir, "config.yaml"), "--checkpoint.resume", ""])
+    plan = train.prepare(cfg, load_model=False)  # the run's own held-out split
+    if codec_spec:
+        codec = codecs.make_codec(codec_spec)
+    elif cfg.boundary.codec == "pca":
+        codec = codecs.codec_for(cfg.boundary)
+    else:
+        codec = codecs.make_codec("pca")
+    if not isinstance(codec, codecs.PCACodec):
+        raise ValueError(f"--codec {codec_spec!r}: drift is measured for a pca codec")
+    held = plan.eval_rows[:rows]
+    calib = calibration.calibration_rows(plan.train_rows, codec.calib_rows, cfg.train.seed)
+    split = (cfg.mesh.stages, cfg.mesh.layers_per_stage)
+
+    def fitted(model):
+        return calibration.fit_model_bases(model, calib, codec, *split, grad_rows=codec.grad_rows)
+
+    dtype = getattr(torch, cfg.model.dtype)
+    base, _ = load_causal_lm(plan.model_path, dtype=dtype)
+    if basis_file:
+        sd = torch.load(basis_file, map_location="cpu", weights_only=True)
+        run_bases = {int(b): codecs.PCABasis(**v) for b, v in sd.items()}
+    elif os.path.isfile(os.path.join(run_dir, calibration.BASIS_FILE)):
+        run_bases = calibration.load(run_dir)
+    else:
+        run_bases = fitted(base)
+    records = []
+    for step, path in [(0, plan.model_path)] + _checkpoints(run_dir):
+        model = base if step == 0 else load_causal_lm(path, dtype=dtype)[0]
+        hs, gs = boundary_states(model, held, *split, grad_rows=held.shape[0])
+        refit = fitted(model)
+        for b, (h, g) in enumerate(zip(hs, gs)):
+            rec = {"step": step, "boundary": b, "checkpoint": path}
+            for name, bases in (("run", run_bases), ("refit", refit)):
+                rec.update({f"{name}_{k}": v for k, v in boundary_drift(codec, bases[b], h, g, b).items()})
+            records.append(rec)
+            progress(format_row(rec))
+        del model
+    return records
+
+
+COLUMNS = ("act_kept", "grad_outside", "fwd_err", "fwd_quant", "bwd_err")
+
+
+def format_row(rec: dict) -> str:
+    cells = " | ".join(f"{rec[f'run_{c}']:.4f} / {rec[f'refit_{c}']:.4f}" for c in COLUMNS)
+    return f"| {rec['step']} | {rec['boundary']} | {cells} |"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m orchestration.diagnose.drift",
+                                 description="How far a trained run's model moved from the pca basis it started "
+                                             "with: per checkpoint and boundary, run basis vs a refitted one.")
+    ap.add_argument("run_dir", help="a trainer run directory (config.yaml, checkpoints/)")
+    ap.add_argument("--rows", type=int, default=16, help="held-out rows measured (default 16)")
+    ap.add_argument("--basis", default=None, help="a pca_basis.pt to measure instead of the run's own")
+    ap.add_argument("--codec", default=None, help="pca codec spec (default: the run's, or pca for another codec)")
+    ap.add_argument("--out", default=None, help="JSONL output (default RUN_DIR/drift.jsonl)")
+    a = ap.parse_args(argv)
+    if not os.path.isfile(os.path.join(a.run_dir, "config.yaml")):
+        print(f"error: {a.run_dir} has no config.yaml: not a trainer run directory", file=sys.stderr)
+        return 2
+    if a.rows < 1:
+        print(f"error: --rows must be >= 1, got {a.rows}", file=sys.stderr)
+        return 2
+    torch.set_num_threads(1)
+    print("| step | boundary | " + " | ".join(f"{c} run / refit" for c in COLUMNS) + " |", flush=True)
+    print("|---|---|" + "---|" * len(COLUMNS), flush=True)
+    try:
+        records = measure_run(a.run_dir, a.rows, a.basis, a.codec, progress=lambda s: print(s, flush=True))
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    out = a.out or os.path.join(a.run_dir, "drift.jsonl")
+    with open(out, "w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+    print(f"wrote {out}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
