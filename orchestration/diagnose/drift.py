@@ -9,11 +9,13 @@ boundary, on held-out rows the run never trained on (its own split):
                   >= 1 (position 0 travels as int8 with ``sink``), that the basis's span keeps
     grad_outside  share of the boundary gradient's energy outside that span: what the
                   projected backward pass drops
-    fwd_err       ||h_hat - h||^2 / ||h - mean||^2 of the codec's forward round trip (all
-                  positions); fwd_err = (1 - act_kept) + quantization error, as the two
-                  errors are orthogonal (in the span vs. outside it), so ``fwd_quant`` is
-                  their difference
-    bwd_err       ||g_hat - g||^2 / ||g||^2 of the backward round trip
+    fwd_err       ||h_hat - h||^2 / ||h - mean||^2 of the codec's forward round trip over
+                  the same positions; fwd_err = (1 - act_kept) + quantization error, as the
+                  two errors are orthogonal (in the span vs. outside it), so ``fwd_quant``
+                  is their difference
+    bwd_err       ||g_hat - g||^2 / ||g||^2 of the backward round trip, same positions
+    sink_err      the forward error of position 0 (int8 over all H dims), relative to its
+                  own energy (0 without ``sink``)
 
 each for two bases: ``run`` (the one the run trained with, RUN_DIR/pca_basis.pt, or for a
 run of another codec the basis fitted on its base model by the run's own calibration rule:
@@ -58,11 +60,16 @@ def boundary_drift(codec, basis, h: torch.Tensor, g: torch.Tensor, boundary: int
     wire, ctx = codec.encode_fwd(h, key)
     h_hat = codec.decode_fwd(wire, key, tuple(h.shape), h.dtype)
     g_hat = codec.decode_bwd(codec.encode_bwd(g, key, wire), key, ctx)
-    centered = (h.double() - basis.mean.double()).pow(2).sum()
+    # Position 0 with sink is an attention sink of huge norm, sent as int8: measured apart,
+    # or its energy would hide every error of the other positions.
+    start = 1 if codec.sink else 0
+    fwd = (h_hat[:, start:].double() - body.double()).pow(2).sum()
+    bwd = (g_hat[:, start:].double() - gd).pow(2).sum()
+    sink = _share((h_hat[:, 0].double() - h[:, 0].double()).pow(2).sum(), h[:, 0].double().pow(2).sum())
     out = {"act_kept": _share(inside.pow(2).sum(), xc.pow(2).sum()),
            "grad_outside": _share((gd - gin).pow(2).sum(), gd.pow(2).sum()),
-           "fwd_err": _share((h_hat.double() - h.double()).pow(2).sum(), centered),
-           "bwd_err": _share((g_hat.double() - g.double()).pow(2).sum(), g.double().pow(2).sum())}
+           "fwd_err": _share(fwd, xc.pow(2).sum()), "bwd_err": _share(bwd, gd.pow(2).sum()),
+           "sink_err": sink if codec.sink else 0.0}
     out["fwd_quant"] = max(0.0, out["fwd_err"] - (1.0 - out["act_kept"]))
     return out
 
@@ -126,7 +133,7 @@ def measure_run(run_dir: str, rows: int = 16, basis_file: str | None = None, cod
     return records
 
 
-COLUMNS = ("act_kept", "grad_outside", "fwd_err", "fwd_quant", "bwd_err")
+COLUMNS = ("act_kept", "grad_outside", "fwd_err", "fwd_quant", "bwd_err", "sink_err")
 
 
 def format_row(rec: dict) -> str:
