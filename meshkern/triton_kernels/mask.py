@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from meshkern.triton_kernels._target import gpu_shapes
 from meshkern.triton_kernels.philox import philox4x32_10
 
 
@@ -141,7 +142,7 @@ def _grid(N: int, H: int, device: torch.device):
     not yet timed on a GPU: bench/gpu_check.sh reports the numbers).
     """
     hp = max(32, triton.next_power_of_2(H))
-    budget = 4096 if device.type == "cuda" else 2**17
+    budget = 4096 if gpu_shapes(device) else 2**17
     block_t = max(1, min(triton.next_power_of_2(max(N, 1)), budget // hp))
     num_warps = 1 if block_t * hp <= 4096 else 4
     return (triton.cdiv(N, block_t),), block_t, hp // 32, num_warps
