@@ -98,4 +98,4 @@ def test_capture_records_launches_without_running(monkeypatch):
     env.update(PYTHONPATH=ROOT)
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.split() == ["_move_kernel", "2", "64", "1"]  # GPU tile: 4096 elements, 1 warp
+    assert r.stdout.split() == ["_move_kernel", "1", "64", "4"]  # GPU tile: 2048 elements, 4 warps
