@@ -61,6 +61,19 @@ def test_shared_memory_table_and_aot_arch():
             pass
 
 
+def test_jacobi_launcher_refuses_what_an_arch_cannot_hold():
+    from meshkern.triton_kernels import jacobi
+
+    meta = torch.device("meta")
+    with _target.aot_arch(86):  # 99 KiB: K = 128 needs 128 KiB in fp32
+        assert jacobi.max_k(meta, torch.float32) == 64 and jacobi.max_k(meta, torch.float64) == 64
+        with pytest.raises(ValueError, match="k <= 64 on this device"):
+            jacobi.sym_eig_jacobi(torch.empty(2, 112, 112, device=meta), 10)
+    with _target.aot_arch(90):
+        assert jacobi.max_k(meta, torch.float32) == 128 and jacobi.max_k(meta, torch.float64) == 64
+    assert jacobi.max_k(torch.device("cpu"), torch.float64) == 128  # the interpreter has no limit
+
+
 def test_every_case_is_named_once_and_covers_the_hot_kernels():
     names = [n for n, _ in cc.cases()]
     assert len(names) == len(set(names))
