@@ -77,8 +77,10 @@ def test_jacobi_launcher_refuses_what_an_arch_cannot_hold():
 def test_every_case_is_named_once_and_covers_the_hot_kernels():
     names = [n for n, _ in cc.cases()]
     assert len(names) == len(set(names))
-    for group in ("mask.pack", "mask.unpack", "projection", "jacobi", "subspace"):
+    for group in ("mask.pack", "mask.unpack", "projection", "jacobi", "subspace", "pca.encode", "pca.decode"):
         assert any(n.startswith(group) for n in names), group
+    for H in cc.HIDDEN:
+        assert any(f"H={H}" in n for n in names if n.startswith("pca"))
 
 
 def _check(*args, timeout=240):
