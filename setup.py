@@ -6,6 +6,7 @@ built), so groups compile and load independently:
     csrc/mask     -> meshkern._mask_C      Philox mask + fused pack/unpack
     csrc/spectral -> meshkern._spectral_C  batched small SVD, two-sided projection
     csrc/dp       -> meshkern._dp_C        PowerSGD / SparseLoCo helpers
+    csrc/pca      -> meshkern._pca_C       the pca codec's projection + int4/int8 quantization
 
 CUDA kernels are added only when the installed torch has CUDA *and* CUDA_HOME is set
 (a CPU torch cannot build a CUDAExtension). Environment knobs:

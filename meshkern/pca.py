@@ -194,7 +194,7 @@ def _encode_impl(h, mean, U, norm, bits, sink, which) -> list[Tensor]:
     shape = tuple(h.shape)
     lead, T, H = shape[:-2], shape[-2], shape[-1]
     k = U.shape[1]
-    x = h.detach().contiguous()
+    x = h.detach().contiguous().view(-1, H)
     N, body_map, B, head_map = _rowmaps(shape, sink)
     project, quantize_rows, _ = _kernels(which)
     c = project(x, N, list(body_map), mean, U, norm)

@@ -196,3 +196,20 @@ def test_errors():
         pca.decode(bad, U, sd, shape=h.shape, dtype=torch.float32, mean=mean)
     with pytest.raises(TypeError, match="floating-point"):
         pca.decode(wire, U, sd, shape=h.shape, dtype=torch.int32, mean=mean)
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b.values[0] == "cpp"])
+def test_cpp_result_does_not_depend_on_thread_count(backend):
+    U, mean, sd = _basis(96, 40)
+    h = _h((4, 300, 96))  # several row blocks
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = pca.encode(h, U, sd, mean=mean, backend=backend)
+        d1 = pca.decode(one, U, sd, shape=h.shape, dtype=torch.float32, mean=mean, backend=backend)
+        torch.set_num_threads(2)
+        two = pca.encode(h, U, sd, mean=mean, backend=backend)
+        d2 = pca.decode(two, U, sd, shape=h.shape, dtype=torch.float32, mean=mean, backend=backend)
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(a, b) for a, b in zip(one, two)) and torch.equal(d1, d2)
