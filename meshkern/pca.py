@@ -48,6 +48,11 @@ from meshkern._checks import float_tensor
 __all__ = ["encode", "decode", "encode_reference", "decode_reference", "wire_shapes"]
 
 GROUP = "pca"
+# orchestration.codecs.pca.pca_width(H) at its defaults (int4, 1/15 of dense fp32, the sink
+# row amortized over 128 tokens) for the benchmarked models' hidden sizes (SmolLM2-135M,
+# Llama-3.2-1B, Llama-3-8B): the k the compile check and bench/pca_bench.py use.
+# tests/test_pca_ops.py checks them against the codec.
+CODEC_WIDTH = {576: 288, 2048: 1050, 4096: 2110}
 _QMAX = {4: 7, 8: 127}
 
 

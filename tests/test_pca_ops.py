@@ -54,9 +54,8 @@ def test_reference_is_the_codec(bits, sink):
 
 
 def test_codec_widths_in_the_compile_check_are_the_codecs():
-    pytest.importorskip("triton")
     from orchestration.codecs.pca import pca_width
-    from meshkern.triton_kernels.pca import CODEC_WIDTH
+    from meshkern.pca import CODEC_WIDTH
 
     assert {H: pca_width(H) for H in CODEC_WIDTH} == CODEC_WIDTH
 

@@ -199,14 +199,11 @@ def decode(q: torch.Tensor, scale: torch.Tensor, norm, U, mean, out: torch.Tenso
             CENTER=mean is not None, BM=BM, BH=BH, BK=BK, num_warps=warps)
 
 
-# orchestration.codecs.pca.pca_width(H) at its defaults (int4, 1/15 of dense fp32, sink
-# row amortized over 128 tokens); tests/test_pca_ops.py checks these against it.
-CODEC_WIDTH = {576: 288, 2048: 1050, 4096: 2110}
-
-
 def compile_cases(hidden, rows: int):
     """bench/compile_check.py's configurations: the codec's defaults (int4 body, int8 sink
     row, k = the codec's default width) at each hidden size, fp32 and bf16 boundary tensors."""
+    from meshkern.pca import CODEC_WIDTH  # noqa: PLC0415
+
     out = []
     T = 2048
     for dt in (torch.float32, torch.bfloat16):
