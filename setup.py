@@ -6,6 +6,7 @@ built), so groups compile and load independently:
     csrc/mask     -> meshkern._mask_C      Philox mask + fused pack/unpack
     csrc/spectral -> meshkern._spectral_C  batched small SVD, two-sided projection
     csrc/dp       -> meshkern._dp_C        PowerSGD / SparseLoCo helpers
+    csrc/pca      -> meshkern._pca_C       the pca codec's projection + int4/int8 quantization
 
 CUDA kernels are added only when the installed torch has CUDA *and* CUDA_HOME is set
 (a CPU torch cannot build a CUDAExtension). Environment knobs:
@@ -20,7 +21,7 @@ import os
 
 from setuptools import setup
 
-GROUPS = {"mask": "_mask_C", "spectral": "_spectral_C", "dp": "_dp_C", "subspace": "_subspace_C"}
+GROUPS = {"mask": "_mask_C", "spectral": "_spectral_C", "dp": "_dp_C", "subspace": "_subspace_C", "pca": "_pca_C"}
 # Runtime requirements (pyproject.toml: dynamic = ["dependencies"]). torch is added by
 # _torch_requirement: the exact build torch when extensions are compiled.
 RUNTIME_REQUIRES = ["transformers>=5.0", "tokenizers", "safetensors", "pyyaml", "tqdm", "numpy"]

@@ -27,7 +27,7 @@ from functools import lru_cache
 import torch
 
 BACKENDS = ("cpp", "cuda", "triton", "reference")
-GROUPS = {"mask": "_mask_C", "spectral": "_spectral_C", "dp": "_dp_C", "subspace": "_subspace_C"}
+GROUPS = {"mask": "_mask_C", "spectral": "_spectral_C", "dp": "_dp_C", "subspace": "_subspace_C", "pca": "_pca_C"}
 ENV_VAR = "MESHKERN_BACKEND"
 
 _problems: dict[str, str] = {}

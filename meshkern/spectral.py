@@ -207,20 +207,29 @@ def project_reference(G: Tensor, U: Tensor, S: Tensor, V: Tensor, tau: float, al
 
 
 # ------------------------------------------------------------------ backend dispatch
-def _jacobi_k_limit(which: str, dtype: torch.dtype) -> int:
+def _jacobi_k_limit(which: str, dtype: torch.dtype, device: torch.device) -> int:
     """Largest k the one-block / one-program kernels hold (CUDA: 2 k^2 values in 48 KiB of
-    shared memory; Triton: a [128, 128] register tile)."""
+    shared memory; Triton: 2 K^2 values in the GPU's shared memory per block, K the
+    padded size, at most MAX_JACOBI_K)."""
     if which == "cuda":
         return 78 if dtype == torch.float32 else 55
-    return MAX_JACOBI_K if which == "triton" else 1 << 62
+    if which == "triton":
+        from meshkern.triton_kernels import jacobi  # noqa: PLC0415 (triton is optional)
+
+        return min(MAX_JACOBI_K, jacobi.max_k(device, dtype))
+    return 1 << 62
+
+
+# meshkern/triton_kernels/projection.py's MAX_R (kept here: importing it imports triton).
+_TRITON_MAX_PROJECT_R = 64
 
 
 def _sym_eig_backend(A: Tensor, sweeps: int, backend: str) -> tuple[Tensor, Tensor]:
     which = _backend.resolve(GROUP, A.device, backend)
     k = A.shape[-1]
-    if k > _jacobi_k_limit(which, A.dtype):
+    if k > _jacobi_k_limit(which, A.dtype, A.device):
         if backend != "auto":
-            raise ValueError(f"the {which} Jacobi kernel holds k <= {_jacobi_k_limit(which, A.dtype)} "
+            raise ValueError(f"the {which} Jacobi kernel holds k <= {_jacobi_k_limit(which, A.dtype, A.device)} "
                              f"({A.dtype}), got k={k}; use backend='reference' (torch.linalg.eigh)")
         which = "reference"  # auto: torch.linalg.eigh (cuSOLVER / LAPACK) for big problems
     if which == "reference":
@@ -241,6 +250,11 @@ def _project_backend(G, U, S, V, tau, alpha, out, backend) -> Tensor:
     """Writes G_proj into ``out`` (contiguous, G's shape/dtype/device, not overlapping the
     inputs) and returns ||G_filt||_F^2 [B] fp32. The one path both public ops take."""
     which = _backend.resolve(GROUP, G.device, backend)
+    if which == "triton" and U.shape[2] > _TRITON_MAX_PROJECT_R:
+        if backend != "auto":
+            raise ValueError(f"the triton projection kernel holds rank r <= {_TRITON_MAX_PROJECT_R}, got "
+                             f"r={U.shape[2]}; use backend='reference'")
+        which = "reference"  # auto: torch matmuls (cuBLAS) for large ranks
     if which == "reference":
         ref, filt_sq = project_reference(G, U, S, V, tau, alpha)
         out.copy_(ref)

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from meshkern.triton_kernels import _target
+
 
 @triton.jit
 def _jacobi_kernel(A_ptr, w_ptr, W_ptr, k, SWEEPS: tl.constexpr, K: tl.constexpr, F64: tl.constexpr):
@@ -70,13 +72,41 @@ def _jacobi_kernel(A_ptr, w_ptr, W_ptr, k, SWEEPS: tl.constexpr, K: tl.constexpr
     tl.store(W_ptr + base + rows * k + cols, v.to(W_ptr.dtype.element_ty), mask=inside)
 
 
+def shared_bytes(K: int, itemsize: int) -> int:
+    """Shared memory one program asks for at padded size K: the two [K, K] operands of a
+    round's tl.dot are staged there (2 K^2 elements; what the ahead-of-time compile
+    reports on sm_80/86/89/90, e.g. 128 KiB at K = 128 in fp32, 256 KiB in fp64)."""
+    return 2 * K * K * itemsize
+
+
+def shared_estimate(kernel: str, kwargs: dict) -> int | None:
+    """The launcher's estimate for a captured launch (bench/compile_check.py checks that the
+    compiled kernel stays within it)."""
+    return shared_bytes(kwargs["K"], 8 if kwargs["F64"] else 4)
+
+
+def max_k(device: torch.device, dtype: torch.dtype) -> int:
+    """Largest k this kernel runs on ``device``: 128, or less where the GPU's shared memory
+    per block cannot hold 2 K^2 elements (sm_86 / sm_89, 99 KiB: k <= 64 in fp32 and fp64)."""
+    limit = _target.shared_memory_limit(device)
+    K = 128
+    while limit is not None and K > 16 and shared_bytes(K, dtype.itemsize) > limit:
+        K //= 2
+    return K
+
+
 def sym_eig_jacobi(A: torch.Tensor, sweeps: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(w[B,k], W[B,k,k]) unsorted, A = W diag(w) W^T, for A[B,k,k] fp32/fp64, k <= 128."""
+    """(w[B,k], W[B,k,k]) unsorted, A = W diag(w) W^T, for A[B,k,k] fp32/fp64, k <= max_k
+    (128 where the GPU's shared memory allows; ValueError beyond)."""
     if A.dim() != 3 or A.shape[1] != A.shape[2]:
         raise ValueError(f"A must be [B, k, k], got shape {tuple(A.shape)}")
     B, k, _ = A.shape
-    if k > 128:
-        raise ValueError(f"the Triton Jacobi kernel holds k x k in one program: k <= 128, got {k}")
+    limit = max_k(A.device, A.dtype)
+    if k > limit:
+        raise ValueError(f"the Triton Jacobi kernel holds k x k in one program: k <= {limit} on this device "
+                         f"({A.dtype}; {shared_bytes(triton.next_power_of_2(k), A.dtype.itemsize)} B of shared "
+                         f"memory at k={k}, the GPU allows {_target.shared_memory_limit(A.device)} B per block)"
+                         if limit < 128 else f"the Triton Jacobi kernel holds k x k in one program: k <= 128, got {k}")
     A = A.contiguous()
     K = max(16, triton.next_power_of_2(k))  # tl.dot needs >= 16
     w = torch.empty(B, k, dtype=A.dtype, device=A.device)

@@ -14,15 +14,19 @@ slot, which drives the gather (pack), the scatter (unpack) or the index store
 (indices) directly: no index tensor is written by pack/unpack.
 
 Block sizes do not change results (the mask depends only on key, row, H, K).
-GPU: BLOCK_T * HP ~ 4096 elements per program keeps the [BLOCK_T, HP] tiles in
-registers. Interpreter (TRITON_INTERPRET=1, tests): cost is per program and per op,
+GPU: BLOCK_T * HP ~ 2048 elements per program over 4 warps keeps the [BLOCK_T, HP]
+tiles in registers without spilling (GPU_TILE below). Interpreter (TRITON_INTERPRET=1, tests): cost is per program and per op,
 so BLOCK_T * HP ~ 2**17 (a few programs for test shapes).
 """
 import torch
 import triton
 import triton.language as tl
 
+from meshkern.triton_kernels._target import gpu_shapes
 from meshkern.triton_kernels.philox import philox4x32_10
+
+# On a trainer's critical path: bench/compile_check.py fails if these spill registers.
+HOT_KERNELS = ("_move_kernel",)
 
 
 @triton.jit
@@ -132,19 +136,24 @@ def _move_kernel(src_ptr, out_ptr, scale_ptr, N, H, K, k0, k1, step, tag, PACK: 
 CHUNK = 16
 
 
-def _grid(N: int, H: int, device: torch.device):
-    """(grid, BLOCK_T, NW, num_warps): see the module docstring for the sizes.
+# GPU launch shape, chosen from the ahead-of-time compile report (python -m
+# bench.compile_check --triton --only mask; no GPU timing yet: bench/gpu_check.sh): a
+# [BLOCK_T, HP] tile of ~2048 elements over 4 warps compiles with 0 spills on sm_80/86/
+# 89/90 at H = 576, 2048, 4096 (<= 64 registers at H <= 2048, ~110 at H = 4096 where one
+# row is the tile). The former shape, 4096 elements in one warp, hit the 255-register cap
+# and spilled 100-1,900 bytes per thread on every arch.
+GPU_TILE = 2048
+GPU_WARPS = 4
 
-    num_warps: Floyd's loop does two small reductions per draw; inside one warp they
-    are register shuffles, across warps they need shared memory and a barrier, so one
-    warp per program while the [BLOCK_T, HP] tile stays <= 4096 elements (reasoned,
-    not yet timed on a GPU: bench/gpu_check.sh reports the numbers).
-    """
+
+def _grid(N: int, H: int, device: torch.device):
+    """(grid, BLOCK_T, NW, num_warps): BLOCK_T rows of HP = next_pow2(H) dims per program,
+    BLOCK_T * HP ~ GPU_TILE on a GPU (see above), ~2**17 in the interpreter (its cost is
+    per program instance)."""
     hp = max(32, triton.next_power_of_2(H))
-    budget = 4096 if device.type == "cuda" else 2**17
+    budget = GPU_TILE if gpu_shapes(device) else 2**17
     block_t = max(1, min(triton.next_power_of_2(max(N, 1)), budget // hp))
-    num_warps = 1 if block_t * hp <= 4096 else 4
-    return (triton.cdiv(N, block_t),), block_t, hp // 32, num_warps
+    return (triton.cdiv(N, block_t),), block_t, hp // 32, GPU_WARPS
 
 
 def _scale_tensor(dtype: torch.dtype, scale: float | None, device) -> torch.Tensor:

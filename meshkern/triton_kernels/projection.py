@@ -10,7 +10,7 @@ Two launches, each streaming G once:
   3. _out_kernel, grid (B, m-blocks, n-blocks): out = alpha * G + (U_blk @ Xf) @ V_blk^T,
      the mix fused in the epilogue; nothing m x n is materialised besides out.
 fp32 accumulation (inputs widened on load, so bf16/fp16 G is read once at 2 bytes/elem),
-dots with input_precision="ieee". r is padded to R = max(16, next power of two).
+dots with input_precision="ieee". r is padded to R = max(16, next power of two) <= MAX_R.
 """
 from __future__ import annotations
 
@@ -18,11 +18,25 @@ import torch
 import triton
 import triton.language as tl
 
-# 64x64 tiles: with R = 32 a program holds G[64,64] + U[64,32] + V[64,32] fp32 tiles,
-# a common sweet spot for m*n*r GEMM-like kernels; the interpreter (CPU tests) uses the
-# same blocks because its cost is per program instance.
-BLOCK_M = 64
-BLOCK_N = 64
+from meshkern.triton_kernels._target import gpu_shapes
+
+# On a trainer's critical path: bench/compile_check.py fails if these spill registers.
+HOT_KERNELS = ("_x_kernel", "_out_kernel")
+# Largest padded rank R the kernels hold: U, V tiles [BLOCK, R] and X [R, R] live in
+# registers, and at R = 128 every block shape tried spilled 2-50 kB per thread.
+MAX_R = 64
+
+
+def _blocks(R: int, device: torch.device) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps). GPU, chosen from the ahead-of-time compile report
+    (python -m bench.compile_check --triton --only projection; not yet timed on a GPU):
+    32x32 tiles with 4 warps at R <= 32 and 8 warps at R = 64 compile with 0 spills on
+    sm_80/86/89/90 (fp32 and bf16 G). The former 64x64 tiles with 4 warps spilled from
+    R = 32 (12-35 kB per thread in _out_kernel). The interpreter (CPU tests) keeps 64x64:
+    its cost is per program instance and it has no registers to spill."""
+    if not gpu_shapes(device):
+        return 64, 64, 4
+    return 32, 32, 4 if R <= 32 else 8
 
 
 @triton.jit
@@ -75,9 +89,12 @@ def spectral_project(G, U, S, V, tau: float, alpha: float, out: torch.Tensor) ->
     B, m, n = G.shape
     r = U.shape[2]
     R = max(16, triton.next_power_of_2(r))
+    if R > MAX_R:
+        raise ValueError(f"the Triton projection holds rank r <= {MAX_R}, got r={r}")
+    BLOCK_M, BLOCK_N, warps = _blocks(R, G.device)
     nb_m, nb_n = triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N)
     xpart = torch.empty(B, nb_n, R, R, dtype=torch.float32, device=G.device)
-    _x_kernel[(B, nb_n)](G, U, V, xpart, m, n, r, nb_n, BM=BLOCK_M, BN=BLOCK_N, R=R)
+    _x_kernel[(B, nb_n)](G, U, V, xpart, m, n, r, nb_n, BM=BLOCK_M, BN=BLOCK_N, R=R, num_warps=warps)
     X = xpart.sum(dim=1)
     s = S.float().clamp_min(0)
     den = s + tau
@@ -90,5 +107,6 @@ def spectral_project(G, U, S, V, tau: float, alpha: float, out: torch.Tensor) ->
         out.copy_(G)
         return filt_sq
     Xf = (Xf * (1.0 - alpha)).contiguous()
-    _out_kernel[(B, nb_m, nb_n)](G, U, V, Xf, out, m, n, r, float(alpha), BM=BLOCK_M, BN=BLOCK_N, R=R)
+    _out_kernel[(B, nb_m, nb_n)](G, U, V, Xf, out, m, n, r, float(alpha), BM=BLOCK_M, BN=BLOCK_N, R=R,
+                                 num_warps=warps)
     return filt_sq

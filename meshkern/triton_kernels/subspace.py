@@ -22,6 +22,16 @@ import triton.language as tl
 
 BLOCK_M = 32
 BLOCK_H = 64
+# decode's slice of k per dot (the k loop), and encode's H tile at KP >= 256: from the
+# ahead-of-time compile report (bench/compile_check.py --only subspace). Encode's
+# [BM, BH] + [BH, KP] operands, double-buffered, asked for 144 KiB of shared memory at
+# KP = 256 with BH = 64 (sm_86 / sm_89 allow 99 KiB); BH = 32 halves it. Decode with the
+# whole [BM, KP] x [BH, KP] product in one dot spilled 10-47 kB per thread from KP = 64.
+BLOCK_K = 32
+
+
+def _encode_bh(KP: int) -> int:
+    return BLOCK_H if KP < 256 else 32
 
 
 @triton.jit
@@ -55,18 +65,20 @@ def _encode_kernel(h_ptr, ids_ptr, E_ptr, off_ptr, T_ptr, U_ptr, out_ptr, N, H, 
 
 @triton.jit
 def _decode_kernel(c_ptr, ids_ptr, E_ptr, off_ptr, U_ptr, out_ptr, N, H, k,
-                   BASE: tl.constexpr, BM: tl.constexpr, BH: tl.constexpr, KP: tl.constexpr):
+                   BASE: tl.constexpr, BM: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
     cols = tl.program_id(1).to(tl.int64) * BH + tl.arange(0, BH)
     rmask = rows < N
     cmask = cols < H
-    kk = tl.arange(0, KP)
-    kmask = kk < k
-    c = tl.load(c_ptr + rows[:, None] * k + kk[None, :], mask=rmask[:, None] & kmask[None, :],
-                other=0.0).to(tl.float32)
-    u = tl.load(U_ptr + cols[:, None] * k + kk[None, :], mask=cmask[:, None] & kmask[None, :],
-                other=0.0).to(tl.float32)
-    acc = tl.dot(c, tl.trans(u), input_precision="ieee")
+    acc = tl.zeros([BM, BH], dtype=tl.float32)
+    for k0 in range(0, k, BK):  # BK-wide slices of k: a [BM, KP] + [BH, KP] pair spilled and overflowed smem
+        kk = k0 + tl.arange(0, BK)
+        kmask = kk < k
+        c = tl.load(c_ptr + rows[:, None] * k + kk[None, :], mask=rmask[:, None] & kmask[None, :],
+                    other=0.0).to(tl.float32)
+        u = tl.load(U_ptr + cols[:, None] * k + kk[None, :], mask=cmask[:, None] & kmask[None, :],
+                    other=0.0).to(tl.float32)
+        acc += tl.dot(c, tl.trans(u), input_precision="ieee")
     m2 = rmask[:, None] & cmask[None, :]
     if BASE == 1:
         ids = tl.load(ids_ptr + rows, mask=rmask, other=0)
@@ -102,7 +114,7 @@ def encode(h: torch.Tensor, ids, E, offset, table, U: torch.Tensor) -> torch.Ten
         base, ids, E, offset = _base(h, ids, E, offset)
         table = h
     _encode_kernel[(triton.cdiv(N, BLOCK_M),)](h, ids, E, offset, table, U, out, N, H, k,
-                                               BASE=base, BM=BLOCK_M, BH=BLOCK_H, KP=_kp(k))
+                                               BASE=base, BM=BLOCK_M, BH=_encode_bh(_kp(k)), KP=_kp(k))
     return out
 
 
@@ -116,5 +128,5 @@ def decode(c: torch.Tensor, ids, E, offset, U: torch.Tensor) -> torch.Tensor:
     base, ids, E, offset = _base(c, ids, E, offset)
     _decode_kernel[(triton.cdiv(N, BLOCK_M), triton.cdiv(H, BLOCK_H))](c, ids, E, offset, U, out, N, H, k,
                                                                         BASE=base, BM=BLOCK_M, BH=BLOCK_H,
-                                                                        KP=_kp(k))
+                                                                        BK=BLOCK_K)
     return out
