@@ -128,3 +128,5 @@ def test_parse_nvcc_ptxas_log():
     assert cuda.parse_ptxas(log) == [
         {"name": "_Z6kernelPf", "arch": "sm_90", "regs": 40, "spills": 12, "smem": 1024},
         {"name": "_Z1gv", "arch": "sm_90", "regs": 8, "spills": 0, "smem": 0}]
+    assert cuda.short_name("void meshkern::mask::(anonymous namespace)::move_kernel<float, true>(float const*, "
+                           "float*, long)") == "meshkern::mask::move_kernel<float, true>"
