@@ -150,11 +150,34 @@ def cases():
 
 
 def _pca_cases():
-    try:
-        from meshkern.triton_kernels import pca  # noqa: F401
-    except ImportError:
-        return []
-    return pca.compile_cases(HIDDEN, ROWS)
+    """The pca codec's defaults (int4 body, int8 sink row, k = its default width) at each
+    hidden size, fp32 and bf16 boundary tensors of 2048-token sequences."""
+    import torch
+
+    from meshkern.pca import CODEC_WIDTH
+    from meshkern.triton_kernels import pca
+
+    T = 2048
+    B = max(1, ROWS // T)
+    N = B * (T - 1)  # body rows: position 0 of each sequence is the sink row
+    body, sinks = (T - 1, T, 1), (1, T, 0)  # row maps (meshkern/triton_kernels/pca.py)
+    f = dict(dtype=torch.float32)
+    out = []
+    for dt in (torch.float32, torch.bfloat16):
+        for H in HIDDEN:
+            k = CODEC_WIDTH[H]
+
+            def enc(dt=dt, H=H, k=k):
+                x = _meta(B * T, H, dtype=dt)
+                pca.encode(x, N, body, _meta(H, **f), _meta(H, k, **f), _meta(k, **f), 4)
+                pca.quantize_rows(x, B, H, sinks, 8)
+
+            def dec(dt=dt, H=H, k=k):
+                pca.decode(_meta(N, (k + 1) // 2, dtype=torch.uint8), _meta(N, **f), _meta(k, **f), _meta(H, k, **f),
+                           _meta(H, **f), _meta(B * T, H, dtype=dt), N, body, 4)
+            out.append((f"pca.encode {_name(dt)} H={H} k={k}", enc))
+            out.append((f"pca.decode {_name(dt)} H={H} k={k}", dec))
+    return out
 
 
 def _name(dtype) -> str:
