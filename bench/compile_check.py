@@ -274,6 +274,7 @@ def compile_all(reqs: dict, jobs: int, use_cache: bool) -> dict:
     """{key: result} for {key: request}, from the cache or compiled in ``jobs`` processes."""
     results, todo = {}, {}
     cache = _cache_dir()
+    done = {}
     for key, req in reqs.items():
         path = os.path.join(cache, key + ".json")
         if use_cache and os.path.exists(path):
@@ -281,18 +282,20 @@ def compile_all(reqs: dict, jobs: int, use_cache: bool) -> dict:
                 results[key] = json.load(f)
         else:
             todo[key] = req
-    if todo:
+    if len(todo) == 1 or (todo and jobs <= 1):  # in this process: no worker start-up (~5 s)
+        done = {key: compile_one(req) for key, req in todo.items()}
+    elif todo:
         # spawn: workers import triton afresh (fork after torch/triton init is not safe)
         ctx = multiprocessing.get_context("spawn")
         with futures.ProcessPoolExecutor(max_workers=max(1, min(jobs, len(todo))), mp_context=ctx,
                                          initializer=_worker_init) as pool:
             done = dict(zip(todo, pool.map(compile_one, todo.values())))
-        os.makedirs(cache, exist_ok=True)
-        for key, res in done.items():
-            results[key] = res
-            if "error" not in res:  # errors are recompiled next time (they may be transient)
-                with open(os.path.join(cache, key + ".json"), "w") as f:
-                    json.dump(res, f)
+    for key, res in done.items():
+        results[key] = res
+        if "error" not in res:  # errors are recompiled next time (they may be transient)
+            os.makedirs(cache, exist_ok=True)
+            with open(os.path.join(cache, key + ".json"), "w") as f:
+                json.dump(res, f)
     return results
 
 
