@@ -6,7 +6,8 @@
 #    missing (MAX_JOBS = all cores; the .cu files are the slow part, ~1-2 min);
 # 2. runs every CUDA-marked test (tests/test_mask_cuda.py: mask bit-identity vs the
 #    reference, opcheck, gradcheck, Philox known answers; tests/test_spectral_cuda.py:
-#    sym_eig, project, randomized_svd on the cuda / compiled-Triton / reference backends);
+#    sym_eig, project, randomized_svd on the cuda / compiled-Triton / reference backends;
+#    tests/test_pca_cuda.py: the compiled Triton pca kernels against the reference);
 # 3. the benches, each printing its goal lines:
 #    - mask: cuda + triton vs the reference at the default shape, then T=16384, H=4096,
 #      bf16: achieved GB/s of pack / unpack against the device's memory bandwidth (issue
@@ -49,7 +50,7 @@ if ! have_cuda_kernels; then
     python setup.py -q build_ext --inplace --build-temp build/tmp_gpu_check > "$out/build.log" 2>&1
 fi
 
-step tests 90 python -u -m pytest -q -m cuda tests/test_mask_cuda.py tests/test_spectral_cuda.py \
+step tests 90 python -u -m pytest -q -m cuda tests/test_mask_cuda.py tests/test_spectral_cuda.py tests/test_pca_cuda.py \
   --junitxml="$out/junit.xml" > "$out/tests.txt" 2>&1
 step mask_bench 35 python -u -m bench.mask_bench --device cuda --repeats 30 --json "$out/mask_bench.json" \
   > "$out/mask_bench.txt" 2>&1
