@@ -14,7 +14,7 @@ Each distinct launch is then compiled by Triton for that arch (``triton.compile`
 ``ASTSource`` at a ``GPUTarget``; PTX + cubin, ptxas -v for registers and spills). One
 line per kernel, configuration and arch:
 
-    OK      mask.pack bf16 H=2048 [_move_kernel w4] sm_86: 64 regs, 0 B spill, 0 B smem
+    OK      mask.pack bf16 H=2048 [_move_kernel w4 hot] sm_86: 48 regs, 0 B spill, 4096 B smem
     FAIL    ... (what is wrong)       ERROR ... (the compiler's message)
     REFUSED ... (the launcher refuses this configuration on this arch, with its message)
 
@@ -274,7 +274,6 @@ def compile_all(reqs: dict, jobs: int, use_cache: bool) -> dict:
     """{key: result} for {key: request}, from the cache or compiled in ``jobs`` processes."""
     results, todo = {}, {}
     cache = _cache_dir()
-    done = {}
     for key, req in reqs.items():
         path = os.path.join(cache, key + ".json")
         if use_cache and os.path.exists(path):
@@ -282,20 +281,24 @@ def compile_all(reqs: dict, jobs: int, use_cache: bool) -> dict:
                 results[key] = json.load(f)
         else:
             todo[key] = req
-    if len(todo) == 1 or (todo and jobs <= 1):  # in this process: no worker start-up (~5 s)
-        done = {key: compile_one(req) for key, req in todo.items()}
-    elif todo:
-        # spawn: workers import triton afresh (fork after torch/triton init is not safe)
-        ctx = multiprocessing.get_context("spawn")
-        with futures.ProcessPoolExecutor(max_workers=max(1, min(jobs, len(todo))), mp_context=ctx,
-                                         initializer=_worker_init) as pool:
-            done = dict(zip(todo, pool.map(compile_one, todo.values())))
-    for key, res in done.items():
+    def keep(key, res):  # cached as each compile ends: an interrupted run keeps its progress
         results[key] = res
         if "error" not in res:  # errors are recompiled next time (they may be transient)
             os.makedirs(cache, exist_ok=True)
             with open(os.path.join(cache, key + ".json"), "w") as f:
                 json.dump(res, f)
+
+    if len(todo) == 1 or (todo and jobs <= 1):  # in this process: no worker start-up (~5 s)
+        for key, req in todo.items():
+            keep(key, compile_one(req))
+    elif todo:
+        # spawn: workers import triton afresh (fork after torch/triton init is not safe)
+        ctx = multiprocessing.get_context("spawn")
+        with futures.ProcessPoolExecutor(max_workers=max(1, min(jobs, len(todo))), mp_context=ctx,
+                                         initializer=_worker_init) as pool:
+            running = {pool.submit(compile_one, req): key for key, req in todo.items()}
+            for fut in futures.as_completed(running):
+                keep(running[fut], fut.result())
     return results
 
 
