@@ -144,8 +144,8 @@ def _decode_kernel(q_ptr, scale_ptr, norm_ptr, U_ptr, mean_ptr, out_ptr, N, H, k
 
 # GPU launch shapes, from the ahead-of-time compile report (python -m bench.compile_check
 # --triton --only pca; not yet timed on a GPU): 0 spills on sm_80/86/89/90 in fp32 and
-# bf16 at H = 576, 2048, 4096 with the codec's k (<= 130 regs in _project_kernel, <= 96 in
-# _quantize_kernel, 72-80 in _decode_kernel). Decode with 64x64 tiles hit 255 registers
+# bf16 at H = 576, 2048, 4096 with the codec's k (94-168 regs in _project_kernel, <= 96 in
+# _quantize_kernel, 72-96 in _decode_kernel). Decode with 64x64 tiles hit 255 registers
 # and spilled 28-88 B on sm_80/86/89 with 4 warps, 12-16 B with 8; 32x32 tiles do not
 # spill and leave room for ~6 blocks per SM. The interpreter (CPU tests) takes 4x bigger
 # blocks: its cost is per program instance.
