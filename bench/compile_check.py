@@ -14,7 +14,7 @@ Each distinct launch is then compiled by Triton for that arch (``triton.compile`
 ``ASTSource`` at a ``GPUTarget``; PTX + cubin, ptxas -v for registers and spills). One
 line per kernel, configuration and arch:
 
-    OK      mask.pack bf16 H=2048 [_move_kernel w4] sm_86: 64 regs, 0 B spill, 0 B smem
+    OK      mask.pack bf16 H=2048 [_move_kernel w4 hot] sm_86: 48 regs, 0 B spill, 4096 B smem
     FAIL    ... (what is wrong)       ERROR ... (the compiler's message)
     REFUSED ... (the launcher refuses this configuration on this arch, with its message)
 
@@ -150,11 +150,34 @@ def cases():
 
 
 def _pca_cases():
-    try:
-        from meshkern.triton_kernels import pca  # noqa: F401
-    except ImportError:
-        return []
-    return pca.compile_cases(HIDDEN, ROWS)
+    """The pca codec's defaults (int4 body, int8 sink row, k = its default width) at each
+    hidden size, fp32 and bf16 boundary tensors of 2048-token sequences."""
+    import torch
+
+    from meshkern.pca import CODEC_WIDTH
+    from meshkern.triton_kernels import pca
+
+    T = 2048
+    B = max(1, ROWS // T)
+    N = B * (T - 1)  # body rows: position 0 of each sequence is the sink row
+    body, sinks = (T - 1, T, 1), (1, T, 0)  # row maps (meshkern/triton_kernels/pca.py)
+    f = dict(dtype=torch.float32)
+    out = []
+    for dt in (torch.float32, torch.bfloat16):
+        for H in HIDDEN:
+            k = CODEC_WIDTH[H]
+
+            def enc(dt=dt, H=H, k=k):
+                x = _meta(B * T, H, dtype=dt)
+                pca.encode(x, N, body, _meta(H, **f), _meta(H, k, **f), _meta(k, **f), 4)
+                pca.quantize_rows(x, B, H, sinks, 8)
+
+            def dec(dt=dt, H=H, k=k):
+                pca.decode(_meta(N, (k + 1) // 2, dtype=torch.uint8), _meta(N, **f), _meta(k, **f), _meta(H, k, **f),
+                           _meta(H, **f), _meta(B * T, H, dtype=dt), N, body, 4)
+            out.append((f"pca.encode {_name(dt)} H={H} k={k}", enc))
+            out.append((f"pca.decode {_name(dt)} H={H} k={k}", dec))
+    return out
 
 
 def _name(dtype) -> str:
@@ -258,18 +281,24 @@ def compile_all(reqs: dict, jobs: int, use_cache: bool) -> dict:
                 results[key] = json.load(f)
         else:
             todo[key] = req
-    if todo:
+    def keep(key, res):  # cached as each compile ends: an interrupted run keeps its progress
+        results[key] = res
+        if "error" not in res:  # errors are recompiled next time (they may be transient)
+            os.makedirs(cache, exist_ok=True)
+            with open(os.path.join(cache, key + ".json"), "w") as f:
+                json.dump(res, f)
+
+    if len(todo) == 1 or (todo and jobs <= 1):  # in this process: no worker start-up (~5 s)
+        for key, req in todo.items():
+            keep(key, compile_one(req))
+    elif todo:
         # spawn: workers import triton afresh (fork after torch/triton init is not safe)
         ctx = multiprocessing.get_context("spawn")
         with futures.ProcessPoolExecutor(max_workers=max(1, min(jobs, len(todo))), mp_context=ctx,
                                          initializer=_worker_init) as pool:
-            done = dict(zip(todo, pool.map(compile_one, todo.values())))
-        os.makedirs(cache, exist_ok=True)
-        for key, res in done.items():
-            results[key] = res
-            if "error" not in res:  # errors are recompiled next time (they may be transient)
-                with open(os.path.join(cache, key + ".json"), "w") as f:
-                    json.dump(res, f)
+            running = {pool.submit(compile_one, req): key for key, req in todo.items()}
+            for fut in futures.as_completed(running):
+                keep(running[fut], fut.result())
     return results
 
 

@@ -98,6 +98,12 @@ def _demangle(names: list[str]) -> list[str]:
     return r.stdout.splitlines() if r.returncode == 0 else names
 
 
+def short_name(demangled: str) -> str:
+    """``void ns::(anonymous namespace)::kern<float, true>(float const*, ...)`` -> ``ns::kern<float, true>``."""
+    name = demangled.replace("(anonymous namespace)::", "").removeprefix("void ")
+    return name.split("(")[0]
+
+
 def compile_one(cu: str, arch: int, inc: str) -> tuple[int, str]:
     """(nvcc's exit status, its output) for ``cu`` at sm_``arch``."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -133,7 +139,7 @@ def run(archs, torch_include, jobs) -> int:
             if k["spills"] and cu in HOT_CU:
                 problems.append("spills in a hot kernel")
             failures += bool(problems)
-            print(f"{'FAIL' if problems else 'OK':<8}{cu} {name.split('(')[0]} sm_{arch}: {k['regs']} regs, "
+            print(f"{'FAIL' if problems else 'OK':<8}{cu} {short_name(name)} sm_{arch}: {k['regs']} regs, "
                   f"{k['spills']} B spill, {k['smem']} B static smem" + (f"  <- {'; '.join(problems)}" if problems
                                                                         else ""))
     print(f"== {len(work)} nvcc compiles, {failures} failing")

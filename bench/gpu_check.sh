@@ -1,20 +1,24 @@
 #!/usr/bin/env bash
-# GPU check of meshkern's CUDA and Triton kernels, < 5 min on one GPU (the steps' caps sum
-# to 270 s, plus the build when the CUDA kernels are missing):
+# GPU check of meshkern's CUDA and Triton kernels, ~5 min on one GPU (the steps' caps sum
+# to 300 s, plus the build when the CUDA kernels are missing):
 #   bench/gpu_check.sh OUT_DIR
 # 1. builds meshkern._mask_C and meshkern._spectral_C with their CUDA kernels if they are
 #    missing (MAX_JOBS = all cores; the .cu files are the slow part, ~1-2 min);
 # 2. runs every CUDA-marked test (tests/test_mask_cuda.py: mask bit-identity vs the
 #    reference, opcheck, gradcheck, Philox known answers; tests/test_spectral_cuda.py:
-#    sym_eig, project, randomized_svd on the cuda / compiled-Triton / reference backends);
+#    sym_eig, project, randomized_svd on the cuda / compiled-Triton / reference backends;
+#    tests/test_pca_cuda.py: the compiled Triton pca kernels against the reference);
 # 3. the benches, each printing its goal lines:
 #    - mask: cuda + triton vs the reference at the default shape, then T=16384, H=4096,
 #      bf16: achieved GB/s of pack / unpack against the device's memory bandwidth (issue
 #      15 goal >= 80%) and against a clone of the same tensor;
 #    - spectral: SpectralAdamW.step vs AdamW.step (issue 15 goal <= 1.1x on a GPU) and
-#      the batched SVD vs a loop of torch.svd_lowrank (issue 15 item 2's table).
+#      the batched SVD vs a loop of torch.svd_lowrank (issue 15 item 2's table);
+#    - pca (issue 29): the Triton pca encode / decode vs the unfused torch path and vs the
+#      GEMM of the same size, at H = 576, 2048, 4096 with the codec's k.
 # Writes into OUT_DIR: env.txt, nvidia-smi.txt, build.log, tests.txt (+ junit.xml),
-# mask_bench.txt/.json, mask_bw.txt/.json, spectral_step.txt, spectral_svd.txt, and
+# mask_bench.txt/.json, mask_bw.txt/.json, spectral_step.txt, spectral_svd.txt,
+# pca_bench.txt/.json, and
 # status.txt (one line per step: name, exit code, seconds). A step that fails or times
 # out is recorded and the script goes on; summary.txt collects every goal line.
 set -uo pipefail
@@ -46,7 +50,7 @@ if ! have_cuda_kernels; then
     python setup.py -q build_ext --inplace --build-temp build/tmp_gpu_check > "$out/build.log" 2>&1
 fi
 
-step tests 90 python -u -m pytest -q -m cuda tests/test_mask_cuda.py tests/test_spectral_cuda.py \
+step tests 90 python -u -m pytest -q -m cuda tests/test_mask_cuda.py tests/test_spectral_cuda.py tests/test_pca_cuda.py \
   --junitxml="$out/junit.xml" > "$out/tests.txt" 2>&1
 step mask_bench 35 python -u -m bench.mask_bench --device cuda --repeats 30 --json "$out/mask_bench.json" \
   > "$out/mask_bench.txt" 2>&1
@@ -56,12 +60,15 @@ step spectral_step 60 python -u -m bench.spectral_bench --device cuda --only ste
   > "$out/spectral_step.txt" 2>&1
 step spectral_svd 60 python -u -m bench.spectral_bench --device cuda --only svd --repeats 5 --threads 8 \
   > "$out/spectral_svd.txt" 2>&1
+step pca_bench 30 python -u -m bench.pca_bench --device cuda --hidden 576 2048 4096 --tokens 16384 --repeats 20 \
+  --json "$out/pca_bench.json" > "$out/pca_bench.txt" 2>&1
 
 {
   echo "== goal lines (total $((SECONDS - T0)) s)"
   grep -h -E "goal|PASS|FAIL|of peak" "$out/mask_bw.txt" "$out/mask_bench.txt" 2>/dev/null
   grep -h -E "vs AdamW|SpectralAdamW|reused G_proj" "$out/spectral_step.txt" 2>/dev/null
   grep -h -E "PASS|FAIL" "$out/spectral_svd.txt" 2>/dev/null
+  grep -h -E "encode|decode" "$out/pca_bench.txt" 2>/dev/null
   tail -n 3 "$out/tests.txt" 2>/dev/null
 } > "$out/summary.txt"
 cat "$out/status.txt" "$out/summary.txt"

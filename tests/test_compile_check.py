@@ -83,21 +83,25 @@ def test_every_case_is_named_once_and_covers_the_hot_kernels():
         assert any(f"H={H}" in n for n in names if n.startswith("pca"))
 
 
-def _check(*args, timeout=240):
+def _check(*args, cache, timeout=240):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(PYTHONPATH=ROOT, OMP_WAIT_POLICY="PASSIVE")
+    env.update(PYTHONPATH=ROOT, OMP_WAIT_POLICY="PASSIVE", MESHKERN_COMPILE_CACHE=str(cache))
     return subprocess.run([sys.executable, "-m", "bench.compile_check", "--triton", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 
 def test_one_real_compile_for_sm86(tmp_path):
     """A real compile (Triton -> PTX -> ptxas) of the smallest configuration, uncached;
-    the line reports registers, spills and shared memory, and the exit status is 0."""
-    r = _check("--only", "philox ours", "--arch", "86", "--no-cache", "--jobs", "1")
+    the line reports registers, spills and shared memory, and the exit status is 0; the
+    result lands in the cache and a rerun reads it."""
+    r = _check("--only", "philox ours", "--arch", "86", "--jobs", "1", cache=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     lines = [line for line in r.stdout.splitlines() if line.startswith("OK")]
     assert len(lines) == 1 and "[_philox_kernel w4] sm_86:" in lines[0], r.stdout
     assert " regs, 0 B spill, " in lines[0] and lines[0].endswith(" B smem")
+    assert len(list(tmp_path.glob("*.json"))) == 1
+    again = _check("--only", "philox ours", "--arch", "86", "--jobs", "1", cache=tmp_path)
+    assert again.returncode == 0 and [ln for ln in again.stdout.splitlines() if ln.startswith("OK")] == lines
 
 
 def test_capture_records_launches_without_running(monkeypatch):
@@ -128,3 +132,5 @@ def test_parse_nvcc_ptxas_log():
     assert cuda.parse_ptxas(log) == [
         {"name": "_Z6kernelPf", "arch": "sm_90", "regs": 40, "spills": 12, "smem": 1024},
         {"name": "_Z1gv", "arch": "sm_90", "regs": 8, "spills": 0, "smem": 0}]
+    assert cuda.short_name("void meshkern::mask::(anonymous namespace)::move_kernel<float, true>(float const*, "
+                           "float*, long)") == "meshkern::mask::move_kernel<float, true>"

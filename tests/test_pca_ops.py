@@ -75,12 +75,13 @@ def _ties(c_over_scale, tol=1e-4):
 
 def _assert_codes_match(got, want, c_ref, bits):
     """Body codes: equal wherever the reference's coordinate is not within rounding of a
-    tie, at most one level apart there; scales within 4 ulp (the absmax coordinate itself
-    carries the GEMM's rounding)."""
+    tie, at most one level apart there; scales to fp32 rounding of the sum over H (the
+    absmax coordinate carries the GEMM's rounding: up to 6.5e-7 relative, ~5 ulp, was
+    measured for the Triton kernel at H=576 over 4096 rows; rtol 1e-5 leaves margin)."""
     (q, s), (qr, sr) = got, want
     k = c_ref.shape[-1]
     assert q.dtype == qr.dtype and q.shape == qr.shape and s.shape == sr.shape
-    torch.testing.assert_close(s, sr, rtol=4 * 2**-23, atol=0)
+    torch.testing.assert_close(s, sr, rtol=1e-5, atol=0)
     a, b = _codes(q, bits, k), _codes(qr, bits, k)
     near = _ties(c_ref / sr)
     assert torch.equal(a[~near], b[~near])
@@ -212,3 +213,14 @@ def test_cpp_result_does_not_depend_on_thread_count(backend):
     finally:
         torch.set_num_threads(before)
     assert all(torch.equal(a, b) for a, b in zip(one, two)) and torch.equal(d1, d2)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("sink", [True, False])
+def test_wire_shapes_are_the_codecs(bits, sink):
+    from orchestration.codecs.pca import PCACodec
+
+    shape = (2, 7, 48)
+    codec = PCACodec(bits=bits, k=13, sink=sink, bases={})
+    assert pca.wire_shapes(shape, 13, bits, sink) == [(tuple(s), dt) for s, dt in
+                                                      codec.wire_specs(shape, torch.float32, "fwd")]

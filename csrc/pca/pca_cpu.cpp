@@ -1,15 +1,14 @@
 // meshkern_C::pca_project / pca_quantize_rows / pca_decode on CPU tensors (the pca
 // codec's wire math; the spec is meshkern/pca.py's reference).
 //
-// project: rows go in blocks of ~256 KiB of fp32 (L2-sized): a block's x - mean is formed
+// project: rows go in blocks (block_rows): a block's x - mean is formed
 // in a per-thread buffer (widened to fp32), handed to the BLAS GEMM (at::mm_out into the
 // block's rows of c) while still in cache, and divided by norm in place. The unfused torch
 // chain writes x.float(), x - mean and x @ U (plus a slice copy of x for the sink layout).
 // quantize: per row, absmax, scale = absmax / qmax (1 for an all-zero row), q =
-// nearbyint(v / scale) (round half to even under the default rounding mode, as
-// torch.round) clamped to +-qmax, nibbles packed as they are produced. IEEE fp32 division
-// (no -ffast-math), so given the same values the codes and scales are the reference's bit
-// for bit.
+// round-half-even(v / scale) (as torch.round; quantize_one) clamped to +-qmax, nibbles
+// packed as they are produced. IEEE fp32 division (no -ffast-math), so given the same
+// values the codes and scales are the reference's bit for bit.
 // decode: per block, c = (q * scale) * norm (the reference's fp32 order) in a buffer, one
 // GEMM c @ U^T into an fp32 block, + mean, rounded once into the output rows.
 // Blocks are independent: at::parallel_for splits them across torch's intra-op threads;
@@ -29,7 +28,11 @@
 
 namespace {
 
+// Rows per block: ~256 KiB of fp32 (L2-sized), but at least 256 rows: the codec's k is
+// ~H/2 (288 at H=576, 1050 at H=2048), so the GEMM dominates and a 32-row GEMM (what 256
+// KiB gives at H=2048) ran ~1.3x slower per row than MKL on the whole matrix.
 constexpr int64_t kBlockBytes = 256 * 1024;
+constexpr int64_t kMinBlockRows = 256;
 
 struct RowMap {
   int64_t rb, rs, r0;
@@ -42,7 +45,7 @@ RowMap row_map(at::IntArrayRef m, const char* op) {
 }
 
 int64_t block_rows(int64_t width) {
-  return std::clamp<int64_t>(kBlockBytes / std::max<int64_t>(1, width * 4), 8, 1 << 20);
+  return std::clamp<int64_t>(kBlockBytes / std::max<int64_t>(1, width * 4), kMinBlockRows, 1 << 20);
 }
 
 void check_basis(const char* op, const at::Tensor& U, const at::Tensor& norm, const std::optional<at::Tensor>& mean) {
@@ -97,8 +100,15 @@ at::Tensor pca_project_cpu(const at::Tensor& x_in, int64_t N, at::IntArrayRef ro
   return c;
 }
 
+// round(v / scale) half to even, clamped: adding and subtracting 1.5 * 2^23 rounds any
+// |y| < 2^22 to an integer in the current (default: nearest-even) rounding mode, as
+// std::nearbyint and torch.round do, without a libm call per element; |v / scale| <=
+// qmax (+ rounding) here. Relies on IEEE fp32 arithmetic (no -ffast-math).
 inline float quantize_one(float v, float scale, float qmax) {
-  return std::clamp(std::nearbyint(v / scale), -qmax, qmax);
+  constexpr float kMagic = 12582912.0f;  // 1.5 * 2^23
+  const float y = v / scale;
+  const float t = y + kMagic;  // rounded here; (y + M) - M is not folded without -ffast-math
+  return std::clamp(t - kMagic, -qmax, qmax);
 }
 
 std::tuple<at::Tensor, at::Tensor> pca_quantize_rows_cpu(const at::Tensor& src_in, int64_t N, int64_t W,

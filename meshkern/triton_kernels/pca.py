@@ -144,8 +144,8 @@ def _decode_kernel(q_ptr, scale_ptr, norm_ptr, U_ptr, mean_ptr, out_ptr, N, H, k
 
 # GPU launch shapes, from the ahead-of-time compile report (python -m bench.compile_check
 # --triton --only pca; not yet timed on a GPU): 0 spills on sm_80/86/89/90 in fp32 and
-# bf16 at H = 576, 2048, 4096 with the codec's k (<= 130 regs in _project_kernel, <= 96 in
-# _quantize_kernel, 72-80 in _decode_kernel). Decode with 64x64 tiles hit 255 registers
+# bf16 at H = 576, 2048, 4096 with the codec's k (94-168 regs in _project_kernel, <= 96 in
+# _quantize_kernel, 72-96 in _decode_kernel). Decode with 64x64 tiles hit 255 registers
 # and spilled 28-88 B on sm_80/86/89 with 4 warps, 12-16 B with 8; 32x32 tiles do not
 # spill and leave room for ~6 blocks per SM. The interpreter (CPU tests) takes 4x bigger
 # blocks: its cost is per program instance.
@@ -197,34 +197,3 @@ def decode(q: torch.Tensor, scale: torch.Tensor, norm, U, mean, out: torch.Tenso
         _decode_kernel[(triton.cdiv(N, BM), triton.cdiv(H, BH))](
             q, scale, norm, U, U if mean is None else mean, out, N, H, k, *rowmap, INT4=bits == 4,
             CENTER=mean is not None, BM=BM, BH=BH, BK=BK, num_warps=warps)
-
-
-def compile_cases(hidden, rows: int):
-    """bench/compile_check.py's configurations: the codec's defaults (int4 body, int8 sink
-    row, k = the codec's default width) at each hidden size, fp32 and bf16 boundary tensors."""
-    from meshkern.pca import CODEC_WIDTH  # noqa: PLC0415
-
-    out = []
-    T = 2048
-    for dt in (torch.float32, torch.bfloat16):
-        name = "fp32" if dt == torch.float32 else "bf16"
-        for H in hidden:
-            k = CODEC_WIDTH.get(H, H // 2)
-            B = max(1, rows // T)
-            N = B * (T - 1)
-            meta = dict(device="meta")
-
-            def enc(dt=dt, H=H, k=k, B=B, N=N):
-                x = torch.empty(B * T, H, dtype=dt, **meta)
-                f = dict(dtype=torch.float32, **meta)
-                encode(x, N, (T - 1, T, 1), torch.empty(H, **f), torch.empty(H, k, **f), torch.empty(k, **f), 4)
-                quantize_rows(x, B, H, (1, T, 0), 8)  # the sink rows
-
-            def dec(dt=dt, H=H, k=k, B=B, N=N):
-                f = dict(dtype=torch.float32, **meta)
-                decode(torch.empty(N, (k + 1) // 2, dtype=torch.uint8, **meta), torch.empty(N, **f),
-                       torch.empty(k, **f), torch.empty(H, k, **f), torch.empty(H, **f),
-                       torch.empty(B * T, H, dtype=dt, **meta), N, (T - 1, T, 1), 4)
-            out.append((f"pca.encode {name} H={H} k={k}", enc))
-            out.append((f"pca.decode {name} H={H} k={k}", dec))
-    return out
