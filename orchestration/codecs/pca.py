@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from meshkern import pca as meshkern_pca
 from meshkern._checks import boundary_shape
 from orchestration.codecs.base import BoundaryCodec, NonFiniteWire, check_direction, optional_width, validate_wire, width
 from orchestration.codecs.quant import QuantCodec
@@ -157,6 +158,9 @@ class PCACodec(BoundaryCodec):
                 (lead + (T - 1, cw), cdt), (lead + (T - 1, 1), torch.float32)] + stats
 
     def _encode(self, x, basis: PCABasis, norm: torch.Tensor, center: bool) -> list[torch.Tensor]:
+        mean = basis.mean if center else None
+        if not (self.adapt and center):  # the fused op (C++ / Triton kernels; its reference is this math)
+            return meshkern_pca.encode(x.detach(), basis.U, norm, mean=mean, bits=self.bits, sink=self.sink)
         x = x.detach().float()
         if self.sink:
             head, x = x[..., 0, :], x[..., 1:, :]
@@ -174,6 +178,9 @@ class PCACodec(BoundaryCodec):
         return [t.contiguous() for t in wire + stats]
 
     def _decode(self, wire, basis: PCABasis, norm: torch.Tensor, center: bool, shape, dtype) -> torch.Tensor:
+        if not (self.adapt and center):
+            return meshkern_pca.decode(wire, basis.U, norm, shape=shape, dtype=dtype,
+                                       mean=basis.mean if center else None, bits=self.bits, sink=self.sink)
         H, k = shape[-1], basis.k
         body_shape = shape[:-2] + ((shape[-2] - 1) if self.sink else shape[-2], k)
         stats = None
