@@ -84,3 +84,33 @@ def test_the_install_script_shows_progress_and_keeps_ci_s_steps():
     assert "pip install -q" not in script and "still running" in script  # a line every 15 s, not silence
     assert '--no-build-isolation -e .' in script  # the editable install CI's pytest relies on
     assert "default_base_model" in script
+
+
+def test_every_data_file_of_the_packages_is_installed():
+    """A file inside orchestration/ or meshkern/ that is not Python (the presets) is only in a
+    non-editable install if pyproject's package-data names it: moving it into a subpackage
+    without updating the entry broke `pip install .` once (the presets under config/)."""
+    import fnmatch
+    import tomllib
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        data = tomllib.load(f)["tool"]["setuptools"]["package-data"]
+    tracked = subprocess.run(["git", "ls-files", "orchestration", "meshkern"], cwd=ROOT, capture_output=True,
+                             text=True).stdout.split()
+    if not tracked:
+        import pytest
+        pytest.skip("not a git checkout")
+    for path in tracked:
+        if path.endswith(".py"):
+            continue
+        pkg_dir = os.path.dirname(path)
+        while pkg_dir and not os.path.isfile(os.path.join(ROOT, pkg_dir, "__init__.py")):
+            pkg_dir = os.path.dirname(pkg_dir)
+        covered = False
+        d = pkg_dir
+        while d:  # an entry of this package or of one above it, with the path below it
+            globs = data.get(d.replace("/", "."), [])
+            rel = os.path.relpath(path, d)
+            covered = covered or any(fnmatch.fnmatch(rel, g) for g in globs)
+            d = os.path.dirname(d)
+        assert covered, f"{path} is not in pyproject's [tool.setuptools.package-data]: a non-editable install lacks it"
