@@ -9,7 +9,6 @@ import torch
 from meshkern import pca as meshkern_pca
 from meshkern._checks import boundary_shape
 from orchestration.codecs.base import BoundaryCodec, NonFiniteWire, check_direction, optional_width, validate_wire, width
-from orchestration.codecs.quant import QuantCodec
 
 
 @dataclass
@@ -121,7 +120,6 @@ class PCACodec(BoundaryCodec):
             raise ValueError(f"pca: adapt must be true or false, got {adapt!r}")
         self.adapt = adapt
         self.bases = PCA_BASES if bases is None else bases
-        self._q, self._q8 = QuantCodec(self.bits), QuantCodec(8)
         self._dev: dict = {}
 
     def __repr__(self) -> str:
@@ -158,48 +156,36 @@ class PCACodec(BoundaryCodec):
                 (lead + (T - 1, cw), cdt), (lead + (T - 1, 1), torch.float32)] + stats
 
     def _encode(self, x, basis: PCABasis, norm: torch.Tensor, center: bool) -> list[torch.Tensor]:
-        mean = basis.mean if center else None
-        if not (self.adapt and center):  # the fused op (C++ / Triton kernels; its reference is this math)
-            return meshkern_pca.encode(x.detach(), basis.U, norm, mean=mean, bits=self.bits, sink=self.sink)
+        if self.adapt and center:
+            return self._encode_adapted(x, basis)
+        mean = basis.mean if center else None  # the fused op (C++ / Triton kernels; its reference is this math)
+        return meshkern_pca.encode(x.detach(), basis.U, norm, mean=mean, bits=self.bits, sink=self.sink)
+
+    def _encode_adapted(self, x, basis: PCABasis) -> list[torch.Tensor]:
+        """adapt's forward: the coordinates re-centred and re-scaled by this micro-batch's own
+        mean and std per coordinate, which travel last as [2, k]; quantized as the op does."""
         x = x.detach().float()
+        head, body = (x[..., 0, :], x[..., 1:, :]) if self.sink else (None, x)
+        c = (body - basis.mean) @ basis.U / basis.sd
+        flat = c.reshape(-1, c.shape[-1])
+        mu = flat.mean(0)
+        sd = (flat - mu).pow(2).mean(0).sqrt().clamp_min(1e-20)
+        wire = meshkern_pca.quantize_reference((c - mu) / sd, self.bits)
         if self.sink:
-            head, x = x[..., 0, :], x[..., 1:, :]
-        c = ((x - basis.mean) if center else x) @ basis.U / norm
-        stats = []
-        if self.adapt and center:  # this micro-batch's own mean and std per coordinate
-            flat = c.reshape(-1, c.shape[-1])
-            mu = flat.mean(0)
-            sd = (flat - mu).pow(2).mean(0).sqrt().clamp_min(1e-20)
-            c = (c - mu) / sd
-            stats = [torch.stack([mu, sd])]
-        wire = self._q.quantize(c)
-        if self.sink:
-            wire = self._q8.quantize(head) + wire
-        return [t.contiguous() for t in wire + stats]
+            wire = meshkern_pca.quantize_reference(head, 8) + wire
+        return wire + [torch.stack([mu, sd])]
 
     def _decode(self, wire, basis: PCABasis, norm: torch.Tensor, center: bool, shape, dtype) -> torch.Tensor:
-        if not (self.adapt and center):
-            return meshkern_pca.decode(wire, basis.U, norm, shape=shape, dtype=dtype,
-                                       mean=basis.mean if center else None, bits=self.bits, sink=self.sink)
-        H, k = shape[-1], basis.k
-        body_shape = shape[:-2] + ((shape[-2] - 1) if self.sink else shape[-2], k)
-        stats = None
+        mean = basis.mean if center else None
         if self.adapt and center:
-            wire, stats = wire[:-1], wire[-1]
-        body = wire[2:] if self.sink else wire
-        c = self._q.dequantize(body, body_shape, torch.float32)
-        if stats is not None:
-            if not bool((stats[1] > 0).all()):
+            # c = (q * scale * sd_mb + mu_mb) * sd, so the op decodes with norm sd * sd_mb and
+            # the micro-batch mean folded into the mean: mean + U (sd * mu_mb).
+            wire, (mu, sd) = wire[:-1], wire[-1]
+            if not bool((sd > 0).all()):
                 raise NonFiniteWire("pca decode_fwd: the micro-batch's coordinate stds must be > 0")
-            c = c * stats[1] + stats[0]
-        c = c * norm
-        x = c @ basis.U.T
-        if center:
-            x = x + basis.mean
-        if self.sink:
-            head = self._q8.dequantize(wire[:2], shape[:-2] + (H,), torch.float32)
-            x = torch.cat([head.unsqueeze(-2), x], dim=-2)
-        return x.to(dtype)
+            norm, mean = norm * sd, mean + basis.U @ (norm * mu)
+        return meshkern_pca.decode(wire, basis.U, norm, shape=shape, dtype=dtype, mean=mean, bits=self.bits,
+                                   sink=self.sink)
 
     def encode_fwd(self, h, key):
         b = self.basis(key.boundary, h.shape[-1], h.device)
