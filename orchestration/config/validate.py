@@ -6,6 +6,8 @@ against the model and data it reads, before any rank starts.
 """
 from __future__ import annotations
 
+import math
+
 from meshkern._checks import fraction
 from orchestration.config.job_config import ANCHOR_TRANSPORTS, COMPRESSORS, SNAPSHOT_CODECS, Config, DPConfig
 
@@ -31,10 +33,6 @@ def ineffective_settings(cfg: Config) -> list[str]:
 def _need(cond: bool, msg: str) -> None:
     if not cond:
         raise ValueError(msg)
-
-
-def _finite_at_least(x: float, lo: float) -> bool:
-    return x == x and x >= lo and x != float("inf")  # NaN fails every comparison
 
 
 def validate(cfg: Config) -> Config:
@@ -100,10 +98,10 @@ def _check_train(cfg: Config) -> None:
     # The optimizer's own arguments, checked here so that a bad value stops the run before
     # spawn with the flag's name (the constructors on every rank check them again).
     for flag, v in (("--train.beta1", t.beta1), ("--train.beta2", t.beta2), ("--train.beta-anc", t.beta_anc)):
-        _need(0.0 <= v < 1.0, f"{flag} must be in [0, 1), got {v}")
+        fraction(flag, v)
     _need(0.0 <= t.alpha <= 1.0, f"--train.alpha must be in [0, 1], got {t.alpha}")
     for flag, v in (("--train.tau", t.tau), ("--train.eps", t.eps), ("--train.weight-decay", t.weight_decay)):
-        _need(_finite_at_least(v, 0.0), f"{flag} must be a finite number >= 0, got {v}")
+        _need(math.isfinite(v) and v >= 0, f"{flag} must be a finite number >= 0, got {v}")
     _need(t.spectral_rank >= 1, f"--train.spectral-rank must be >= 1, got {t.spectral_rank}")
 
 
