@@ -231,6 +231,13 @@ def _step_dirs(root: str) -> list[str]:
     return [os.path.join(root, d) for d in sorted(done, key=lambda d: -int(d[5:]))]
 
 
+def complete_checkpoints(root: str) -> list[tuple[int, str]]:
+    """(step, directory) of every published checkpoint under ``root`` (its meta.json
+    written), oldest first; not verified (``verify`` does that)."""
+    return [(int(os.path.basename(d)[5:]), d) for d in reversed(_step_dirs(root))
+            if os.path.isfile(os.path.join(d, "meta.json"))]
+
+
 def newest_valid(root: str, *, max_step: int | None = None, exclude: str = "") -> str | None:
     """The newest checkpoint under ``root`` that passes ``verify`` (and whose step is at
     most ``max_step``), or None."""

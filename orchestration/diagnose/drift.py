@@ -37,6 +37,7 @@ import torch
 from meshkern.mask import MaskKey
 from orchestration import codecs
 from orchestration.components import calibration
+from orchestration.components import checkpoint as ckpt
 from orchestration.components.calibration import boundary_states
 
 
@@ -74,17 +75,6 @@ def boundary_drift(codec, basis, h: torch.Tensor, g: torch.Tensor, boundary: int
     return out
 
 
-def _checkpoints(run_dir: str) -> list[tuple[int, str]]:
-    root = os.path.join(run_dir, "checkpoints")
-    out = []
-    for d in sorted(os.listdir(root)) if os.path.isdir(root) else []:
-        meta = os.path.join(root, d, "meta.json")
-        if d.startswith("step_") and not d.endswith(".tmp") and os.path.isfile(meta):
-            with open(meta) as f:
-                out.append((int(json.load(f)["step"]), os.path.join(root, d)))
-    return sorted(out)
-
-
 def measure_run(run_dir: str, rows: int = 16, basis_file: str | None = None, codec_spec: str | None = None,
                 progress=print) -> list[dict]:
     """The module doc's measures for the base model and every checkpoint of ``run_dir``."""
@@ -119,7 +109,7 @@ def measure_run(run_dir: str, rows: int = 16, basis_file: str | None = None, cod
     else:
         run_bases = fitted(base)
     records = []
-    for step, path in [(0, plan.model_path)] + _checkpoints(run_dir):
+    for step, path in [(0, plan.model_path)] + ckpt.complete_checkpoints(os.path.join(run_dir, "checkpoints")):
         model = base if step == 0 else load_causal_lm(path, dtype=dtype)[0]
         hs, gs = boundary_states(model, held, *split, grad_rows=held.shape[0])
         refit = fitted(model)

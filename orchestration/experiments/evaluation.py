@@ -2,11 +2,11 @@
 checkpoints, bytes per token, modeled tokens/s and the codec-on loss, as a result record."""
 from __future__ import annotations
 
-import glob
 import os
 import shlex
 
 from orchestration.codecs import pp_ratios
+from orchestration.components import checkpoint as ckpt
 from orchestration.components.metrics import read_jsonl
 from orchestration.experiments.rows import Row, Settings
 
@@ -25,15 +25,6 @@ def _plan_for(argv: list[str]):
     if key not in _PLANS:
         _PLANS[key] = train.prepare(cfg, load_model=False)
     return cfg, _PLANS[key]
-
-
-def _checkpoints(run_dir: str) -> list[tuple[int, str]]:
-    out = []
-    for d in sorted(glob.glob(os.path.join(run_dir, "checkpoints", "step_*"))):
-        if d.endswith(".tmp") or not os.path.isfile(os.path.join(d, "meta.json")):
-            continue
-        out.append((int(os.path.basename(d)[5:]), d))
-    return out
 
 
 _BASE_LOSS: dict = {}  # (base model path, held-out rows) -> eval_loss result, within one invocation
@@ -96,7 +87,7 @@ def evaluate_run(row: Row, seed: int, s: Settings, argv: list[str], run_dir: str
 
     curve = []
     final_model = None
-    for step, path in [(0, plan.model_path)] + _checkpoints(run_dir):
+    for step, path in [(0, plan.model_path)] + ckpt.complete_checkpoints(os.path.join(run_dir, "checkpoints")):
         base_key = (path, tuple(held.shape), hash(held.numpy().tobytes()))
         if step == 0 and base_key in _BASE_LOSS:  # the base model on the same held-out rows: scored once
             r = _BASE_LOSS[base_key]
