@@ -123,3 +123,14 @@ def test_a_resumed_run_keeps_its_basis(tmp_path):
             assert torch.equal(getattr(codecs.PCA_BASES[0], name), getattr(b, name))
     finally:
         codecs.PCA_BASES.clear()
+
+
+def test_a_one_stage_split_has_no_boundary_to_fit():
+    """--mesh.stages 1 with the default pca codec (full replicas syncing over DP): no
+    boundary, so no states, gradients or bases (it used to ask autograd for the gradient
+    of nothing and fail before the run started)."""
+    from test_stages import _model
+
+    rows = torch.randint(0, 128, (4, 8))
+    assert calibration.boundary_states(_model("llama"), rows, 1, grad_rows=4) == ([], [])
+    assert calibration.fit_model_bases(_model("llama"), rows, PCACodec(k=8), 1, grad_rows=4) == {}

@@ -133,7 +133,7 @@ def boundary_states(model, rows: torch.Tensor, num_stages: int, layers_per_stage
                         outs.append(x)
                 for b, o in enumerate(outs):
                     hs[b].append(o.detach().float())
-                if want_grad:
+                if want_grad and outs:  # (a one-stage split has no boundary to differentiate at)
                     loss = causal_lm_loss(x, ids)
                     for b, g in enumerate(torch.autograd.grad(loss, outs)):
                         gs[b].append(g.detach().float())
