@@ -24,7 +24,8 @@ from setuptools import setup
 GROUPS = {"mask": "_mask_C", "spectral": "_spectral_C", "dp": "_dp_C", "subspace": "_subspace_C", "pca": "_pca_C"}
 # Runtime requirements (pyproject.toml: dynamic = ["dependencies"]). torch is added by
 # _torch_requirement: the exact build torch when extensions are compiled.
-RUNTIME_REQUIRES = ["transformers>=5.0", "tokenizers", "safetensors", "pyyaml", "tqdm", "numpy"]
+# peft: LoRA adapters (--adapter lora) are built with its layers and saved in its format
+RUNTIME_REQUIRES = ["transformers>=5.0", "tokenizers", "safetensors", "pyyaml", "tqdm", "numpy", "peft>=0.21"]
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
 

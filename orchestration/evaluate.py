@@ -245,6 +245,8 @@ def main(argv=None):
     ap.add_argument("--model", default=None, help="checkpoint directory, .gguf file or built-in name "
                     "(smollm2-135m); default: the cached base model")
     ap.add_argument("--tokenizer", default=None, help="tokenizer path (default: the model's own)")
+    ap.add_argument("--base", default=None, help="--model is a PEFT adapter folder (a LoRA run's RUN_DIR/adapter or "
+                    "checkpoint): its base model (default: the one its adapter_config.json names)")
     ap.add_argument("--data", default="corpus:prose,corpus:python",
                     help="comma-separated sources: paths, corpus:<domain>, task:<name>")
     ap.add_argument("--seq-len", type=int, default=128)
@@ -296,6 +298,8 @@ def _check_args(a) -> None:
             raise FileNotFoundError(f"--data source {src!r} does not exist")
     if a.tokenizer and not os.path.exists(a.tokenizer):
         raise FileNotFoundError(f"--tokenizer {a.tokenizer!r} does not exist")
+    if a.base and not os.path.isdir(a.base):
+        raise FileNotFoundError(f"--base {a.base!r} is not a directory")
     if a.model and not os.path.exists(a.model) and (os.sep in a.model or a.model.endswith(".gguf")):
         raise FileNotFoundError(f"--model {a.model!r} does not exist")
 
@@ -315,7 +319,10 @@ def _run(a) -> int:
     path = model_paths.resolve_model(a.model)
     if os.path.isfile(os.path.join(path, "meta.json")):  # a trainer checkpoint: verify its files first
         checkpoint.verify(path)
-    model, tok_path = models.load_causal_lm(path)
+    if models.is_adapter_folder(path):  # LoRA: the base with the adapters merged in
+        model, tok_path = models.load_adapter_folder(path, base=a.base)
+    else:
+        model, tok_path = models.load_causal_lm(path)
     tokenizer = a.tokenizer or tok_path
     if tokenizer is None:
         raise ValueError(f"{path} holds no tokenizer; pass --tokenizer")

@@ -119,6 +119,10 @@ def _checked_model(cfg: Config):
             replica_split(n_layers, y, lps)
         except ValueError as e:  # more stages than layers
             raise ValueError(f"--mesh.{'replicas' if cfg.mesh.replicas else 'stages'} {y}: {e}") from None
+    if cfg.adapter.kind == "lora":
+        from orchestration.adapters import check_targets
+
+        check_targets(cfg.adapter, hf_cfg)
     if cfg.mesh.dist_backend == "nccl" and not torch.cuda.is_available():
         raise ValueError("--mesh.dist-backend nccl needs CUDA GPUs, and torch sees none (torch.cuda.is_available() is False)")
     return path, hf_cfg, arch
@@ -218,7 +222,8 @@ def _check_resumable(cfg: Config, path: str, meta: dict, hf_cfg) -> None:
     # What the ranks' saved state depends on (DiLoCo / compressor state, the subspace projector):
     # a mismatch found by one rank's load would leave the others waiting for it.
     keys = (("train", "optimizer"), ("anchor", "enabled"), ("model", "tied_embeddings"), ("mesh", "layers_per_stage"), ("dp", "mode"),
-            ("dp", "compressor"), ("dp", "projection"), ("boundary", "compress"))
+            ("dp", "compressor"), ("dp", "projection"), ("boundary", "compress"),
+            ("adapter", "kind"), ("adapter", "rank"), ("adapter", "targets"))
     was_sub = old.get("boundary", {}).get("codec") == "subspace"
     if was_sub != (cfg.boundary.codec == "subspace") and old.get("boundary"):
         raise ValueError(f"--checkpoint.resume {path} was written with --boundary.codec {old['boundary']['codec']}, this "

@@ -75,8 +75,12 @@ class Trainer:
         self.stop_requested = False
         self.skipped = 0  # this rank's replica-steps whose update was skipped (non-finite gradient)
         self.guard = DivergenceGuard(t.max_bad_steps, t.spike_factor, trainer=self)
+        lora = cfg.adapter.kind == "lora"
+        if lora:
+            from orchestration.adapters import AdapterState
         self.checkpointer = Checkpointer(cfg, plan, mesh, stage, {
-            "stage": stage, "optimizer": self.optimizer, **self.sync.parts(),
+            # LoRA: adapter-only checkpoints, each one a PEFT folder
+            "stage": AdapterState(stage, cfg.adapter, os.path.abspath(plan.model_path)) if lora else stage, "optimizer": self.optimizer, **self.sync.parts(),
             "counter": self.counter, "guard": self.guard,
             "anchor": self.hook if cfg.anchor.enabled else None})  # delay mode: what makes a resume exact
 
@@ -175,6 +179,7 @@ class Trainer:
                 break
         log.close_bar()
         self.hook.close()
+        stage_state = self._stage_state()
         elapsed = time.perf_counter() - t_start
         links_path = write_link_bytes(plan, self.mesh, self.counter)
         out = {"rank": rank, "losses": [h["loss"] for h in history], "bytes": self.counter.totals(),
@@ -183,10 +188,42 @@ class Trainer:
         if rank == 0:
             log.close()
             out["summary"] = self._summary(history, elapsed, steps_done, last_ckpt, links_path, diverged)
+            out["summary"]["stage_state"] = stage_state
+            if cfg.adapter.kind == "lora" and last_ckpt and not diverged:
+                out["summary"].update(self._export(last_ckpt))
             if interrupted:
                 print(f"interrupted: checkpoint saved at step {step + 1} in {last_ckpt}; continue with: "
                       f"{continue_command(plan)}", flush=True)
             print(format_summary(out["summary"]), flush=True)
+        return out
+
+    def _stage_state(self) -> list[dict]:
+        """Per stage of replica 0: trainable and total parameters and the optimizer state's
+        bytes (one SUM all-reduce over the fast ranks; every fast rank calls it)."""
+        y0 = self.cfg.replica_stages[0]
+        vec = torch.zeros(3 * y0, dtype=torch.float64)
+        if self.mesh.row == 0:
+            from orchestration.adapters import trainable_summary
+
+            n = trainable_summary(self.stage)
+            opt = sum(t.numel() * t.element_size() for st in self.optimizer.state.values()
+                      for t in st.values() if torch.is_tensor(t))
+            vec[3 * self.mesh.stage:3 * self.mesh.stage + 3] = torch.tensor([n["trainable"], n["total"], opt],
+                                                                            dtype=torch.float64)
+        vec = vec.to(self.mesh.device)
+        dist.all_reduce(vec, group=self.mesh.fast)
+        v = vec.cpu().tolist()
+        return [{"trainable": int(v[3 * i]), "total": int(v[3 * i + 1]), "optimizer_bytes": int(v[3 * i + 2])}
+                for i in range(y0)]
+
+    def _export(self, last_ckpt: str) -> dict:
+        """Rank 0, end of a LoRA run: RUN_DIR/adapter (and RUN_DIR/merged) from the last checkpoint."""
+        from orchestration.export import export_adapter, export_merged
+
+        out = {"adapter_dir": export_adapter(last_ckpt, os.path.join(self.plan.run_dir, "adapter"))}
+        if self.cfg.adapter.export == "merged":
+            out["merged_dir"] = export_merged(last_ckpt, os.path.join(self.plan.run_dir, "merged"),
+                                              dtype=self.cfg.model.dtype)
         return out
 
     def _record(self, step: int, stats, gnorm: float, step_s: float) -> tuple[dict, bool]:

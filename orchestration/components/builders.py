@@ -70,6 +70,11 @@ def build_stage(cfg: Config, plan, mesh):
     from orchestration.subspace import training as subspace_train
 
     plan.subspace = subspace_train.prepare_model(cfg, model) if subspace_train.uses_subspace(cfg) else None
+    if cfg.adapter.kind == "lora":  # into the unsplit model: the same adapters whatever the split (adapters.lora)
+        from orchestration.adapters import apply_lora
+
+        torch.manual_seed(cfg.train.seed)
+        apply_lora(model, cfg.adapter)
     y = mesh.layout.stages_of(mesh.row)  # a heterogeneous mesh's replicas differ in depth
     stages = split_model(model, y, replica_split(model.config.num_hidden_layers, y, cfg.mesh.layers_per_stage))
     stage = stages[mesh.stage]

@@ -16,6 +16,13 @@ Layout of one checkpoint, ``<dir>/step_00000020/``:
     meta.json                             step, mesh shape, config and the sha256 and size
                                           of every other file ("files"; written last)
 
+A LoRA run (--adapter lora) writes no model shards: each stage's rank of replica 0 writes
+its adapters under their PEFT keys, rank 0 assembles them into ``adapter_model.safetensors``
++ ``adapter_config.json``, so the checkpoint is itself a standard PEFT folder for the
+unsplit model (``PeftModel.from_pretrained(base, dir)``; models.loading.load_causal_lm
+reads it as the merged model), a few MB; rank_XXXXX.pt then holds the adapters, not the
+stage's weights.
+
 Why per-stage shards and not one merged file: each stage's weights live on a different
 process; merging would move the whole model through one rank for nothing, while HF
 already reads sharded checkpoints. The exported model is replica 0's current weights
@@ -105,6 +112,41 @@ def write_stage_shard(tmp: str, stage, num_stages: int, untied: bool = False) ->
     return {k: fname for k in sd}
 
 
+ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"  # PEFT's file names
+
+
+def adapter_shard_name(stage: int, num_stages: int) -> str:
+    return f"adapter-{stage + 1:05d}-of-{num_stages:05d}.safetensors"
+
+
+def write_adapter_shard(tmp: str, tensors: dict, stage: int, num_stages: int) -> None:
+    """Writes one stage's adapters (PEFT keys) for ``finalize`` to assemble."""
+    from safetensors.torch import save_file
+
+    path = os.path.join(tmp, adapter_shard_name(stage, num_stages))
+    save_file(tensors, path, metadata={"format": "pt"})
+    _fsync_file(path)
+
+
+def _assemble_adapters(tmp: str, num_stages: int, peft_config: dict) -> None:
+    """Rank 0: the stages' adapter shards -> one PEFT folder (weights + config); the shards go."""
+    from safetensors.torch import load_file, save_file
+
+    merged = {}
+    for s in range(num_stages):
+        path = os.path.join(tmp, adapter_shard_name(s, num_stages))
+        part = load_file(path)
+        overlap = set(part) & set(merged)
+        if overlap:  # two stages claiming one layer's adapter: a wrong split, never silently merged
+            raise CheckpointError(f"stage {s}'s adapters repeat {sorted(overlap)[:2]} from an earlier stage")
+        merged.update(part)
+    save_file(dict(sorted(merged.items())), os.path.join(tmp, ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    with open(os.path.join(tmp, ADAPTER_CONFIG), "w") as f:
+        json.dump(peft_config, f, indent=2, sort_keys=True)
+    for s in range(num_stages):
+        os.remove(os.path.join(tmp, adapter_shard_name(s, num_stages)))
+
+
 def write_rank_state(tmp: str, rank: int, state: dict) -> None:
     path = os.path.join(tmp, f"rank_{rank:05d}.pt")
     torch.save(state, path + ".part")
@@ -114,17 +156,12 @@ def write_rank_state(tmp: str, rank: int, state: dict) -> None:
 
 def finalize(root: str, tmp: str, step: int, meta: dict, model_dir: str | None, num_stages: int,
              keep: int) -> str:
-    """Rank 0, after every rank wrote its files: index, metadata, atomic rename, pruning."""
-    weight_map = {}
-    for s in range(num_stages):
-        from safetensors import safe_open
-
-        fname = shard_name(s, num_stages)
-        with safe_open(os.path.join(tmp, fname), "pt") as f:
-            weight_map.update({k: fname for k in f.keys()})
-    total = sum(os.path.getsize(os.path.join(tmp, shard_name(s, num_stages))) for s in range(num_stages))
-    with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=1)
+    """Rank 0, after every rank wrote its files: index (or, LoRA, the PEFT folder: meta
+    holds its "peft_config"), metadata, atomic rename, pruning."""
+    if meta.get("peft_config"):
+        _assemble_adapters(tmp, num_stages, meta["peft_config"])
+    else:
+        _write_index(tmp, num_stages)
     if model_dir:
         for name in _COPY:
             src = os.path.join(model_dir, name)
@@ -158,6 +195,20 @@ def finalize(root: str, tmp: str, step: int, meta: dict, model_dir: str | None, 
     set_latest(root, final)
     _prune(root, keep, protect=os.path.basename(final))
     return final
+
+
+def _write_index(tmp: str, num_stages: int) -> None:
+    """model.safetensors.index.json over the stages' model shards."""
+    from safetensors import safe_open
+
+    weight_map = {}
+    for s in range(num_stages):
+        fname = shard_name(s, num_stages)
+        with safe_open(os.path.join(tmp, fname), "pt") as f:
+            weight_map.update({k: fname for k in f.keys()})
+    total = sum(os.path.getsize(os.path.join(tmp, shard_name(s, num_stages))) for s in range(num_stages))
+    with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=1)
 
 
 def set_latest(root: str, path: str) -> None:
@@ -308,7 +359,8 @@ class Checkpointer:
     def __init__(self, cfg, plan, mesh, stage, parts: dict):
         self.cfg, self.plan, self.mesh, self.stage, self.parts = cfg, plan, mesh, stage, parts
         # a tied model split over stages and trained untied: the export keeps the head copy, untied
-        self.untied_embeddings = cfg.model.tied_embeddings == "untie" and bool(
+        # (LoRA freezes both copies: they stay equal)
+        self.untied_embeddings = cfg.model.tied_embeddings == "untie" and cfg.adapter.kind == "none" and bool(
             getattr(stage, "tied_lm_head", False) or getattr(stage, "tied_embed", False))
 
     def save(self, step: int) -> str | None:
@@ -327,8 +379,12 @@ class Checkpointer:
         os.makedirs(tmp, exist_ok=True)
         dist.barrier(group=mesh.fast)  # the directory exists before anyone writes (rank 0 may have removed an old one)
         y0 = cfg.replica_stages[0]  # replica 0's stages write the HF checkpoint
+        adapters = self.parts["stage"] if hasattr(self.parts.get("stage"), "peft_config") else None
         if mesh.row == 0:
-            write_stage_shard(tmp, self.stage, y0, untied=self.untied_embeddings)
+            if adapters is not None:
+                write_adapter_shard(tmp, adapters.tensors(), self.stage.index, y0)
+            else:
+                write_stage_shard(tmp, self.stage, y0, untied=self.untied_embeddings)
         state = {"step": step}
         state.update({k: None if v is None else v.state_dict() for k, v in self.parts.items()})
         write_rank_state(tmp, mesh.rank, state)
@@ -338,6 +394,8 @@ class Checkpointer:
             meta = {"step": step, "rows": cfg.mesh.rows, "stages": cfg.mesh.stages, "anchor": cfg.anchor.enabled,
                     "replicas": cfg.replica_stages, "model_path": plan.model_path, "config": cfg.to_dict(),
                     "untied_embeddings": self.untied_embeddings}
+            if adapters is not None:
+                meta["peft_config"] = adapters.peft_config
             finalize(root, tmp, step, meta, plan.model_path, y0, cfg.checkpoint.keep)
         dist.barrier(group=mesh.fast)
         return final

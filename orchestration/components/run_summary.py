@@ -86,8 +86,25 @@ def summary_rows(s: dict) -> list[tuple[str, str, str]]:
                      + ("no anchor ever linked" if a.get("generation") == 0 else
                         f"link {a.get('link', '?')} (anchor row generation {a.get('generation', '?')})"),
                      "anchor gradients folded into SpectralAdamW; staleness = fast steps since their snapshot"))
+    st = s.get("stage_state")
+    if st:
+        tr, tot = sum(r["trainable"] for r in st), sum(r["total"] for r in st)
+        rows.append(("trainable parameters", f"{tr:,} of {tot:,} ({100.0 * tr / max(tot, 1):.2f} %)",
+                     "parameters the optimizer updates (LoRA: the adapters; the base weights are frozen) of all "
+                     "parameters, replica 0's stages"))
+        rows.append(("optimizer state / stage", ", ".join(f"{r['optimizer_bytes'] / 2**20:.2f}" for r in st) + " MiB",
+                     "bytes of the inner optimizer's state (AdamW's two moments; SpectralAdamW's anchor state) held "
+                     "by each stage of replica 0"))
     if s.get("checkpoint"):
-        rows.append(("checkpoint", s["checkpoint"], "the final weights (Hugging Face format) and optimizer state"))
+        what = ("the final adapters (a PEFT folder: adapter_config.json, adapter_model.safetensors) and optimizer "
+                "state" if s.get("adapter_dir") else "the final weights (Hugging Face format) and optimizer state")
+        rows.append(("checkpoint", s["checkpoint"], what))
+    if s.get("adapter_dir"):
+        rows.append(("adapter", s["adapter_dir"], "the run's LoRA adapters for the unsplit model: "
+                     "PeftModel.from_pretrained(base, folder); orchestration.evaluate and --model.path read it too"))
+    if s.get("merged_dir"):
+        rows.append(("merged model", s["merged_dir"], "the base model with the adapters merged in (--adapter.export "
+                     "merged), a plain Hugging Face checkpoint"))
     rows.append(("metrics", s["metrics_path"], "every step's record; read with orchestration.components.metrics.read_jsonl"))
     if s.get("links_path"):
         rows.append(("bytes per link", s["links_path"], "bytes each rank sent on each link, per axis"))

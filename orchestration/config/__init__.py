@@ -6,14 +6,16 @@ manager (flags, YAML/JSON files, presets: parse_args, from_dict, normalize), val
 and lists) and presets/ (the published rows). The names below are the package's API.
 """
 from orchestration.config.job_config import (ALIASES, ANCHOR_TRANSPORTS, COMPRESSORS, RENAMED, SECTIONS,
-                                             SNAPSHOT_CODECS, AnchorConfig, BoundaryConfig, CheckpointConfig, Config,
+                                             SNAPSHOT_CODECS, AdapterConfig, AnchorConfig, BoundaryConfig,
+                                             CheckpointConfig, Config,
                                              DataConfig, DPConfig, MeshConfig, ModelConfig, RunConfig, TrainConfig,
                                              flag_name)
 from orchestration.config.manager import (HETEROGENEOUS_DEFAULTS, PRESET_DIR, apply_dict, build_parser, from_dict,
                                           load_file, load_preset, normalize, parse_args, presets, to_yaml)
 from orchestration.config.validate import ineffective_settings, validate
 
-__all__ = ["ALIASES", "ANCHOR_TRANSPORTS", "COMPRESSORS", "RENAMED", "SECTIONS", "SNAPSHOT_CODECS", "AnchorConfig",
+__all__ = ["ALIASES", "ANCHOR_TRANSPORTS", "COMPRESSORS", "RENAMED", "SECTIONS", "SNAPSHOT_CODECS", "AdapterConfig",
+           "AnchorConfig",
            "BoundaryConfig", "CheckpointConfig", "Config", "DataConfig", "DPConfig", "MeshConfig", "ModelConfig",
            "RunConfig", "TrainConfig", "flag_name", "HETEROGENEOUS_DEFAULTS", "PRESET_DIR", "apply_dict",
            "build_parser", "from_dict", "load_file", "load_preset", "normalize", "parse_args", "presets", "to_yaml",

@@ -30,6 +30,7 @@ SECTIONS_HELP = {
     "boundary": "what crosses a pipeline-stage boundary (the fast circuit's codec)",
     "dp": "how replicas sync (data parallelism)",
     "anchor": "the slow anchor circuit (SpectralAdamW; presets m95-ap, m90-ap)",
+    "adapter": "LoRA adapters instead of full fine-tuning (--adapter lora; docs/lora.md)",
     "checkpoint": "saving and resuming",
     "run": "run folder, logging, progress and the link model of the summary",
 }

@@ -118,6 +118,25 @@ class AnchorConfig:
 
 
 @dataclass
+class AdapterConfig:
+    kind: str = _f("none", "train adapters instead of the full model: none (full fine-tuning) or lora (LoRA built with "
+                   "peft on every stage: base weights frozen, in --model.dtype; adapters trained in fp32; adapter-only "
+                   "checkpoints, a PEFT folder RUN_DIR/adapter at the end; docs/lora.md)")
+    rank: int = _f(16, "LoRA rank r of every adapted linear layer")
+    alpha: float = _f(32.0, "LoRA alpha: the adapter's update is scaled by alpha / rank")
+    dropout: float = _f(0.0, "LoRA dropout on the adapter's input, in [0, 1)")
+    targets: str = _f("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+                      "comma-separated linear layers of every decoder layer that get an adapter (names as in the "
+                      "model, e.g. q_proj,v_proj)")
+    export: str = _f("adapter", "what a LoRA run writes at its end besides its checkpoints: adapter (RUN_DIR/adapter, a "
+                     "PEFT folder: PeftModel.from_pretrained(base, folder)) or merged (also RUN_DIR/merged, the base "
+                     "model with the adapters merged in, a plain HF checkpoint)")
+
+    def target_list(self) -> list[str]:
+        return [t for t in self.targets.replace(" ", "").split(",") if t]
+
+
+@dataclass
 class CheckpointConfig:
     every: int = _f(50, "save a checkpoint every N steps, besides the end and Ctrl-C (0: only those); 50 bounds "
                     "the work a crash loses to ~1 min of the default run, and --checkpoint.keep bounds the disk "
@@ -151,6 +170,7 @@ class Config:
     boundary: BoundaryConfig = field(default_factory=BoundaryConfig)
     dp: DPConfig = field(default_factory=DPConfig)
     anchor: AnchorConfig = field(default_factory=AnchorConfig)
+    adapter: AdapterConfig = field(default_factory=AdapterConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run: RunConfig = field(default_factory=RunConfig)
     preset: str = ""
@@ -181,6 +201,8 @@ class Config:
 
 SECTIONS = [f.name for f in dataclasses.fields(Config) if f.name != "preset"]
 COMPRESSORS = ("none", "powersgd", "sparseloco", "int8")
+ADAPTERS = ("none", "lora")
+ADAPTER_EXPORTS = ("adapter", "merged")
 ANCHOR_TRANSPORTS = ("dense", "factored")  # orchestration.anchor.wire numbers them on the wire
 SNAPSHOT_CODECS = ("full", "int8")  # orchestration.anchor.snapshot.SnapshotCoder
 RENAMED = {("mesh", "backend"): "dist_backend"}  # old field name -> its name now (old config files)
@@ -188,6 +210,7 @@ ALIASES = {  # short flag -> dotted field
     "model": "model.path", "data": "data.source", "steps": "train.steps",
     "resume": "checkpoint.resume", "rows": "mesh.rows", "stages": "mesh.stages",
     "codec": "boundary.codec", "p": "boundary.p", "name": "run.name",
+    "adapter": "adapter.kind", "export": "adapter.export",
 }
 
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import math
 
 from meshkern._checks import fraction
-from orchestration.config.job_config import ANCHOR_TRANSPORTS, COMPRESSORS, SNAPSHOT_CODECS, Config, DPConfig
+from orchestration.config.job_config import (ADAPTER_EXPORTS, ADAPTERS, ANCHOR_TRANSPORTS, COMPRESSORS, SNAPSHOT_CODECS,
+                                             AdapterConfig, Config, DPConfig)
 
 
 def ineffective_settings(cfg: Config) -> list[str]:
@@ -27,6 +28,13 @@ def ineffective_settings(cfg: Config) -> list[str]:
             cfg.dp.mode != "diloco" or cfg.fast_rows < 2 or "subspace" not in codecs):
         out.append(f"--dp.projection {cfg.dp.projection}: it acts on the DiLoCo sync (--dp.mode diloco, 2+ replicas) of "
                    f"subspace-constrained replicas; this run has none, so it is ignored")
+    a = cfg.adapter
+    if a.kind == "none":
+        changed = [f for f in ("rank", "alpha", "dropout", "targets", "export")
+                   if getattr(a, f) != getattr(AdapterConfig(), f)]
+        if changed:
+            out.append(f"--adapter.{changed[0]}: it configures LoRA adapters, and this run trains the full model "
+                       f"(add --adapter lora)")
     return out
 
 
@@ -45,6 +53,7 @@ def validate(cfg: Config) -> Config:
     _check_boundary(cfg)
     _check_dp(cfg)
     _check_anchor(cfg)
+    _check_adapter(cfg)
     _check_run(cfg)
     return cfg
 
@@ -169,6 +178,25 @@ def _check_anchor(cfg: Config) -> None:
     if a.store:
         host, _, port = a.store.rpartition(":")
         _need(bool(host) and port.isdigit() and 0 < int(port) < 65536, f"--anchor.store must be host:port, got {a.store!r}")
+
+
+def _check_adapter(cfg: Config) -> None:
+    """The adapter flags on their own; orchestration.train.prepare checks --adapter.targets
+    against the model's layers."""
+    a = cfg.adapter
+    _need(a.kind in ADAPTERS, f"--adapter must be one of {', '.join(ADAPTERS)}, got {a.kind!r}")
+    _need(a.export in ADAPTER_EXPORTS, f"--adapter.export must be one of {', '.join(ADAPTER_EXPORTS)}, got {a.export!r}")
+    if a.kind == "none":
+        return
+    _need(isinstance(a.rank, int) and a.rank >= 1, f"--adapter.rank must be an integer >= 1, got {a.rank!r}")
+    _need(math.isfinite(a.alpha) and a.alpha > 0, f"--adapter.alpha must be a finite number > 0, got {a.alpha}")
+    fraction("--adapter.dropout", a.dropout)
+    targets = a.target_list()
+    _need(bool(targets), "--adapter.targets is empty: name the linear layers to adapt, e.g. q_proj,v_proj")
+    _need(len(set(targets)) == len(targets), f"--adapter.targets names a layer twice: {a.targets}")
+    _need("subspace" not in {cfg.replica_codec(r) for r in range(cfg.fast_rows)},
+          "--adapter lora with --boundary.codec subspace is not supported: the subspace codec constrains the full "
+          "weights, which LoRA freezes")
 
 
 def _check_run(cfg: Config) -> None:

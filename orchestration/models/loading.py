@@ -62,12 +62,16 @@ def load_causal_lm(path: str | os.PathLike, *, dtype: torch.dtype = torch.float3
     if the directory holds tokenizer files, else None (then pass a tokenizer yourself).
     Raises FileNotFoundError for a missing path or config.json, ValueError for an
     architecture transformers cannot build as a causal LM. Only local files are read.
+    A PEFT adapter folder (a LoRA run's checkpoint or export) loads as its base model with
+    the adapters merged in (``load_adapter_folder``).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"model path {str(p)!r} does not exist")
+    if is_adapter_folder(p):
+        return load_adapter_folder(p, dtype=dtype)
     if not p.is_dir() or not (p / "config.json").is_file():
         raise FileNotFoundError(f"{str(p)!r} is not a Hugging Face checkpoint directory "
                                 "(no config.json)")
@@ -92,3 +96,27 @@ def read_metadata(path: str | os.PathLike) -> dict:
     """The pretraining record written next to a base model (empty if none)."""
     f = Path(path) / METADATA_FILE
     return json.loads(f.read_text()) if f.is_file() else {}
+
+
+def is_adapter_folder(path: str | os.PathLike) -> bool:
+    """True if ``path`` is a PEFT adapter folder (adapter_config.json + adapter weights)."""
+    p = Path(path)
+    return (p / "adapter_config.json").is_file() and (p / "adapter_model.safetensors").is_file()
+
+
+def load_adapter_folder(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, base: str | None = None):
+    """``(model, tokenizer_path)`` of PEFT folder ``path``: its base model (``base``, else the
+    folder's ``base_model_name_or_path``) in ``dtype`` with the adapters merged into the
+    weights (peft's ``merge_and_unload``), so the result is a plain HF model that scores,
+    generates and saves like any other. FileNotFoundError names a base that is not on disk."""
+    from peft import PeftModel
+
+    p = Path(path)
+    base = base or json.loads((p / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    if not base or not Path(base).is_dir():
+        raise FileNotFoundError(f"adapter folder {str(p)!r} names base model {base!r}, which is not a local directory; "
+                                "give the base model's path (--model.path / --base)")
+    model, tok = load_causal_lm(base, dtype=dtype)
+    model = PeftModel.from_pretrained(model, str(p), is_trainable=False).merge_and_unload()
+    model.eval()
+    return model, tok

@@ -1,0 +1,115 @@
+"""``python -m orchestration.export CHECKPOINT``: a LoRA run's checkpoint as a PEFT folder
+or as a merged Hugging Face model.
+
+    python -m orchestration.export runs/NAME/checkpoints/step_00000060 --out my-adapter
+    python -m orchestration.export runs/NAME/checkpoints/latest --merged --out my-model
+
+A LoRA checkpoint (orchestration.components.checkpoint) already holds the adapters of every
+stage assembled under the unsplit model's PEFT names; ``export_adapter`` verifies it and
+copies the PEFT files (plus the tokenizer), so ``PeftModel.from_pretrained(base, out)``
+loads them. ``export_merged`` loads the base model, merges the adapters into its weights
+(peft's ``merge_and_unload``) and saves a plain HF checkpoint. A LoRA run does the first
+at its end into RUN_DIR/adapter, and the second into RUN_DIR/merged with --adapter.export
+merged. Both write into OUT.tmp and rename it into place: an interrupted export never
+leaves a half folder.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+
+from orchestration.components import checkpoint as ckpt
+
+_TOKENIZER = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
+              "merges.txt", "generation_config.json")
+
+
+def _resolve(path: str) -> str:
+    """A verified LoRA checkpoint directory (``latest`` under a checkpoint root is followed)."""
+    if os.path.basename(os.path.normpath(path)) == ckpt.LATEST:
+        path = ckpt.resolve("latest", os.path.dirname(os.path.normpath(path)))
+    ckpt.verify(path)
+    if not os.path.isfile(os.path.join(path, ckpt.ADAPTER_CONFIG)):
+        raise ValueError(f"{path} is not a LoRA checkpoint (no {ckpt.ADAPTER_CONFIG}): a full fine-tuning "
+                         "checkpoint is already a Hugging Face model, load it as it is")
+    return path
+
+
+def _publish(tmp: str, out: str) -> str:
+    if os.path.exists(out):
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out
+
+
+def _fresh(out: str) -> str:
+    tmp = os.path.normpath(out) + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    return tmp
+
+
+def _copy_tokenizer(src: str, dst: str) -> None:
+    for name in _TOKENIZER:
+        if os.path.isfile(os.path.join(src, name)):
+            shutil.copy2(os.path.join(src, name), os.path.join(dst, name))
+
+
+def export_adapter(checkpoint: str, out: str, *, base: str | None = None) -> str:
+    """Writes the PEFT folder of LoRA checkpoint ``checkpoint`` to ``out`` (adapter_config.json,
+    adapter_model.safetensors, tokenizer files); ``base`` replaces the base model path it
+    names. Returns ``out``."""
+    src = _resolve(checkpoint)
+    tmp = _fresh(out)
+    shutil.copy2(os.path.join(src, ckpt.ADAPTER_WEIGHTS), os.path.join(tmp, ckpt.ADAPTER_WEIGHTS))
+    with open(os.path.join(src, ckpt.ADAPTER_CONFIG)) as f:
+        conf = json.load(f)
+    if base:
+        conf["base_model_name_or_path"] = os.path.abspath(base)
+    with open(os.path.join(tmp, ckpt.ADAPTER_CONFIG), "w") as f:
+        json.dump(conf, f, indent=2, sort_keys=True)
+    _copy_tokenizer(src, tmp)
+    return _publish(tmp, out)
+
+
+def export_merged(checkpoint: str, out: str, *, base: str | None = None, dtype: str = "float32") -> str:
+    """Writes the base model with LoRA checkpoint ``checkpoint``'s adapters merged in to
+    ``out`` as a plain HF checkpoint (safetensors, config, tokenizer). Returns ``out``."""
+    import torch
+
+    from orchestration.models.loading import load_adapter_folder
+
+    src = _resolve(checkpoint)
+    model, tok = load_adapter_folder(src, dtype=getattr(torch, dtype), base=base)
+    tmp = _fresh(out)
+    model.save_pretrained(tmp)
+    _copy_tokenizer(tok or src, tmp)
+    return _publish(tmp, out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m orchestration.export", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("checkpoint", help="a LoRA run's checkpoint directory (RUN_DIR/checkpoints/step_N, or .../latest)")
+    ap.add_argument("--out", required=True, help="the folder to write (replaced if it exists)")
+    ap.add_argument("--merged", action="store_true", help="write the merged HF model instead of the PEFT folder")
+    ap.add_argument("--base", default=None, help="base model directory (default: the one the adapter config names)")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="--merged: weight dtype")
+    ns = ap.parse_args(argv)
+    try:
+        if ns.merged:
+            out = export_merged(ns.checkpoint, ns.out, base=ns.base, dtype=ns.dtype)
+        else:
+            out = export_adapter(ns.checkpoint, ns.out, base=ns.base)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
