@@ -42,6 +42,7 @@ from orchestration.config import Config, flag_name, ineffective_settings, parse_
 from orchestration.distributed.launch import MeshFailure, free_port, run_local
 from orchestration.distributed.mesh import MeshLayout, destroy_mesh, init_mesh, mesh_name
 from orchestration.components.builders import RankContext, build_stage
+from orchestration.components import memory
 from orchestration.trainer import Trainer
 
 DIVERGED = 3  # exit code of a run stopped by the divergence guard (orchestration.components.divergence.DivergenceError)
@@ -63,6 +64,7 @@ class Plan:
     num_layers: int = 0
     hidden_size: int = 0
     arch: str = ""
+    memory: str = ""  # the per-stage memory table of the start banner
 
 
 def prepare(cfg: Config, *, load_model: bool = True) -> Plan:
@@ -84,7 +86,8 @@ def prepare(cfg: Config, *, load_model: bool = True) -> Plan:
         print(f"warning: --data.seq-len {cfg.data.seq_len} exceeds the model's max_position_embeddings {max_pos}",
               file=sys.stderr, flush=True)
     plan = Plan(path, run_dir, ckpt_dir, train_ds.tokens, None if eval_ds is None else eval_ds.tokens,
-                resume_from, num_layers=hf_cfg.num_hidden_layers, hidden_size=hf_cfg.hidden_size, arch=arch)
+                resume_from, num_layers=hf_cfg.num_hidden_layers, hidden_size=hf_cfg.hidden_size, arch=arch,
+                memory=memory.banner(cfg, hf_cfg))
     if load_model:
         plan.model = _load_model(cfg, path)
         from orchestration.components.calibration import prepare_run  # pca codec: fit the basis here, forked ranks inherit it
@@ -300,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     if ns.print_config:
         print(to_yaml(cfg), end="")
         return 0
+    if ns.dry_run:
+        return _dry_run(cfg)
     torch.set_num_threads(cfg.mesh.threads_per_rank)
     if cfg.run.tensorboard:
         from orchestration.components.metrics import tensorboard_available
@@ -323,6 +328,18 @@ def main(argv: list[str] | None = None) -> int:
     if under_torchrun():
         return _main_torchrun(cfg, plan, layout, join)
     return _main_local(cfg, plan, layout, join)
+
+
+def _dry_run(cfg: Config) -> int:
+    """--dry-run: the checked model and mesh, and the memory each stage needs; starts nothing."""
+    try:
+        path, hf_cfg, arch = _checked_model(cfg)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"model {arch} from {path}; mesh {mesh_name(cfg.replica_stages)}")
+    print(memory.banner(cfg, hf_cfg))
+    return 0
 
 
 def _main_torchrun(cfg: Config, plan: Plan, layout: MeshLayout, join: bool) -> int:
@@ -355,6 +372,8 @@ def _main_local(cfg: Config, plan: Plan, layout: MeshLayout, join: bool) -> int:
         return _join_anchor_row(cfg, plan, layout)
     print(f"run folder: {plan.run_dir}/ (config.yaml, metrics.jsonl, checkpoints/"
           + (", tensorboard/" if cfg.run.tensorboard else "") + "; a summary at the end)", flush=True)
+    if plan.memory:
+        print(plan.memory, flush=True)
     cfg.run.name = os.path.basename(plan.run_dir)  # so that --config RUN_DIR/config.yaml names this run
     with open(os.path.join(plan.run_dir, "config.yaml"), "w") as f:
         f.write(to_yaml(cfg))

@@ -198,22 +198,26 @@ class Trainer:
         return out
 
     def _stage_state(self) -> list[dict]:
-        """Per stage of replica 0: trainable and total parameters and the optimizer state's
-        bytes (one SUM all-reduce over the fast ranks; every fast rank calls it)."""
-        y0 = self.cfg.replica_stages[0]
-        vec = torch.zeros(3 * y0, dtype=torch.float64)
+        """Per stage of replica 0: trainable and total parameters, the optimizer state's
+        bytes and the rank's peak resident memory so far (one SUM all-reduce over the fast
+        ranks; every fast rank calls it)."""
+        import resource
+
+        y0, k = self.cfg.replica_stages[0], 4
+        vec = torch.zeros(k * y0, dtype=torch.float64)
         if self.mesh.row == 0:
             from orchestration.adapters import trainable_summary
 
             n = trainable_summary(self.stage)
             opt = sum(t.numel() * t.element_size() for st in self.optimizer.state.values()
                       for t in st.values() if torch.is_tensor(t))
-            vec[3 * self.mesh.stage:3 * self.mesh.stage + 3] = torch.tensor([n["trainable"], n["total"], opt],
+            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+            vec[k * self.mesh.stage:k * self.mesh.stage + k] = torch.tensor([n["trainable"], n["total"], opt, rss],
                                                                             dtype=torch.float64)
         vec = vec.to(self.mesh.device)
         dist.all_reduce(vec, group=self.mesh.fast)
-        v = vec.cpu().tolist()
-        return [{"trainable": int(v[3 * i]), "total": int(v[3 * i + 1]), "optimizer_bytes": int(v[3 * i + 2])}
+        v = [int(x) for x in vec.cpu().tolist()]
+        return [dict(zip(("trainable", "total", "optimizer_bytes", "peak_rss_bytes"), v[k * i:k * i + k]))
                 for i in range(y0)]
 
     def _export(self, last_ckpt: str) -> dict:

@@ -143,7 +143,8 @@ COMPOSITIONS = {  # every boundary codec family, every DP compressor, the anchor
     "sparseloco": ["--mesh.rows", "2", "--mesh.stages", "2", "--dp.compressor", "sparseloco", "--dp.sync-every", "2"],
     "int8-allreduce": ["--mesh.rows", "2", "--mesh.stages", "2", "--dp.mode", "allreduce", "--dp.compressor", "int8"],
     "m95-ap": ["--preset", "m95-ap", "--mesh.rows", "2", "--mesh.stages", "2", "--dp.mode", "none",
-               "--anchor.microbatches", "2", "--train.spectral-rank", "2", "--anchor.snapshot-every", "1"],
+               "--anchor.microbatches", "2", "--train.spectral-rank", "2", "--anchor.snapshot-every", "1",
+               "--anchor.delay", "1"],  # deterministic: each update applied one step after its snapshot, whatever the load
     "replicas-1,2": ["--mesh.replicas", "1,2", "--dp.sync-every", "2"],
 }
 

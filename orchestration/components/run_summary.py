@@ -95,6 +95,9 @@ def summary_rows(s: dict) -> list[tuple[str, str, str]]:
         rows.append(("optimizer state / stage", ", ".join(f"{r['optimizer_bytes'] / 2**20:.2f}" for r in st) + " MiB",
                      "bytes of the inner optimizer's state (AdamW's two moments; SpectralAdamW's anchor state) held "
                      "by each stage of replica 0"))
+        rows.append(("peak RSS / stage", ", ".join(f"{r['peak_rss_bytes'] / 2**30:.2f}" for r in st) + " GiB",
+                     "the largest resident memory of each stage's process of replica 0 (getrusage; with fork it "
+                     "counts the pages shared with the launcher too); compare orchestration.components.memory's table"))
     if s.get("checkpoint"):
         what = ("the final adapters (a PEFT folder: adapter_config.json, adapter_model.safetensors) and optimizer "
                 "state" if s.get("adapter_dir") else "the final weights (Hugging Face format) and optimizer state")

@@ -148,6 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     g0.add_argument("--preset", default=None, metavar="NAME", help=f"a published row: {', '.join(presets())}")
     g0.add_argument("--config", default=None, metavar="FILE", help="YAML or JSON file {section: {field: value}}")
     g0.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
+    g0.add_argument("--dry-run", action="store_true", help="check the model and mesh, print the memory each stage "
+                    "needs (weights, gradients, optimizer state, activations) and exit without training")
     inv = {v: k for k, v in ALIASES.items()}
     defaults = Config()
     for sec in SECTIONS:
