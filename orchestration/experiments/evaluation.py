@@ -67,6 +67,18 @@ def _epochs(cfg, plan, steps: int) -> float:
     return round(steps / per_epoch, 3) if per_epoch else float("nan")
 
 
+def _train_state(cfg, plan) -> dict:
+    """What replica 0 trains and holds per stage (orchestration.components.memory: exact
+    parameter counts and AdamW state bytes, tests/test_memory.py)."""
+    from transformers import AutoConfig
+
+    from orchestration.components import memory
+
+    rows = memory.for_config(cfg, AutoConfig.from_pretrained(plan.model_path, local_files_only=True))
+    return {"adapter": cfg.adapter.kind, "trainable_params": sum(r.trainable for r in rows),
+            "params": sum(r.params for r in rows), "optimizer_bytes": [r.optimizer for r in rows]}
+
+
 def evaluate_run(row: Row, seed: int, s: Settings, argv: list[str], run_dir: str) -> dict:
     """Evaluates a finished trainer run; returns the row's result record."""
     from orchestration import evaluate
@@ -135,6 +147,7 @@ def evaluate_run(row: Row, seed: int, s: Settings, argv: list[str], run_dir: str
         "network_bound_tokens_per_s": net_step.tokens_per_s, "network_limit": net_step.limiting,
         "measured_tokens_per_s": tokens_per_step * len(history) / sum(h["step_s"] for h in history),
         "anchor": {k: v for k, v in history[-1].items() if k.startswith("anchor_")},
+        **_train_state(cfg, plan),
     }
     if row.group == "main" and s.prune:
         pr = evaluate.pruning_robustness(final_model, held, fractions=s.prune)

@@ -54,6 +54,9 @@ def make_table(by_row: dict[str, list[dict]], s: Settings) -> str:
     head = ["row", "seeds", "held-out loss", "Δ vs base", "Δ vs Dense (paired)", "ppl",
             "B/tok PP fwd", "B/tok PP bwd", "PP x less than dense fp32 / bf16", "B/tok DP", "B/tok anchor", "B/tok tied", "B/tok total",
             "modeled tok/s @200Mbps", "network-only tok/s"]
+    has_state = any("trainable_params" in r for rs in by_row.values() for r in rs)
+    if has_state:
+        head += ["trainable params", "optimizer MiB / stage"]
     if s.prune:
         head.append("prune " + "/".join(f"{float(f):.0%}" for f in s.prune) + " (loss +%)")
     if has_codec:
@@ -75,6 +78,11 @@ def make_table(by_row: dict[str, list[dict]], s: Settings) -> str:
                  _tied_cell(rs), _fmt([r["bytes_per_token_total"] for r in rs], 1),
                  _fmt([r["modeled_tokens_per_s"] for r in rs], 0),
                  _fmt([r["network_bound_tokens_per_s"] for r in rs], 0)]
+        if has_state:
+            r0 = rs[0]
+            cells += [f"{r0['trainable_params']:,} ({100 * r0['trainable_params'] / r0['params']:.1f} %)"
+                      if "trainable_params" in r0 else "-",
+                      " / ".join(f"{b / 2**20:.1f}" for b in r0["optimizer_bytes"]) if "optimizer_bytes" in r0 else "-"]
         if s.prune:
             cells.append(prune)
         if has_codec:
