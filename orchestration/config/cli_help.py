@@ -18,6 +18,8 @@ examples:
   {PROG} --preset m95-ap --steps 200       # a published row of the paper's table
   {PROG} --data corpus:prose --steps 100 --boundary.codec mask --boundary.p 0.9   # the paper's mask, p=0.9
   {PROG} --model smollm2-135m --data.seq-len 64 --train.batch-size 2 --train.microbatches 2
+  {PROG} --model smollm2-135m --adapter lora --train.lr 1e-3   # LoRA on every stage (docs/lora.md)
+  {PROG} --model DIR --adapter lora --model.dtype bfloat16 --dry-run   # memory per stage, nothing started
   {PROG} --config runs/NAME/config.yaml --checkpoint.resume latest   # continue a run
   {PROG} --print-config > run.yaml         # the resolved config, to edit and pass to --config
 """
