@@ -146,6 +146,7 @@ COMPOSITIONS = {  # every boundary codec family, every DP compressor, the anchor
                "--anchor.microbatches", "2", "--train.spectral-rank", "2", "--anchor.snapshot-every", "1",
                "--anchor.delay", "1"],  # deterministic: each update applied one step after its snapshot, whatever the load
     "replicas-1,2": ["--mesh.replicas", "1,2", "--dp.sync-every", "2"],
+    "bf16-base": ["--mesh.rows", "2", "--mesh.stages", "2", "--model.dtype", "bfloat16", "--dp.sync-every", "2"],
 }
 
 

@@ -92,3 +92,39 @@ def test_split_smollm2_is_the_unsplit_model(smollm2, batch, stages):
         for name, p in st.hf_named_parameters():
             if name not in ("model.embed_tokens.weight", "lm_head.weight"):
                 assert torch.equal(p.grad, ref_grads[name].grad), name
+
+
+def test_lora_split_smollm2_is_peft_unsplit_lora(smollm2, batch):
+    """--adapter lora on the real (tied, GGUF-converted) model: our adapters split over two
+    stages give peft's unsplit LoRA model's logits bit for bit and its adapter gradients."""
+    from peft import get_peft_model
+
+    from orchestration.adapters import apply_lora, lora_config
+    from orchestration.config import AdapterConfig
+
+    _, model, _ = smollm2
+    acfg = AdapterConfig(kind="lora", rank=4, targets="q_proj,v_proj,down_proj")
+    ref = get_peft_model(copy.deepcopy(model), lora_config(acfg))
+    with torch.no_grad():  # B = 0 at init would send no gradient to A
+        for n, p in ref.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.02, generator=torch.Generator().manual_seed(len(n)))
+    ours = apply_lora(copy.deepcopy(model), acfg)
+    ref_params = dict(ref.named_parameters())
+    with torch.no_grad():
+        for n, p in ours.named_parameters():
+            if p.requires_grad:
+                p.copy_(ref_params["base_model.model." + n])
+    out = ref(input_ids=batch, labels=batch)
+    out.loss.backward()
+    split = split_model(ours, 2)
+    logits = run_stages(split, batch)
+    assert torch.equal(logits, out.logits)
+    causal_lm_loss(logits, batch).backward()
+    n = 0
+    for st in split:
+        for name, p in st.hf_named_parameters():
+            if p.requires_grad:
+                torch.testing.assert_close(p.grad, ref_params["base_model.model." + name].grad, rtol=1e-4, atol=1e-7)
+                n += 1
+    assert n == 30 * 3 * 2
