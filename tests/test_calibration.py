@@ -46,11 +46,12 @@ def test_gradient_std_and_rows_are_from_training_rows():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("start", ["spawn", "fork"])
-def test_pca_codec_trains_through_the_mesh(tiny, tmp_path, start):
+@pytest.mark.parametrize("start,bwd", [("spawn", "span"), ("fork", "span"), ("fork", "gbasis")])
+def test_pca_codec_trains_through_the_mesh(tiny, tmp_path, start, bwd):
     """2x2 mesh, pca codec: finite losses; the basis in RUN_DIR equals a fit on the run's
     training rows with the model as loaded; PP bytes = the codec's wire bytes per
-    micro-batch + the basis once per boundary link (pp_fwd)."""
+    micro-batch + the basis once per boundary link (pp_fwd; with bwd=gbasis the gradient
+    basis Ug too, and the backward's bytes are span's)."""
     from orchestration.config import parse_args
     from orchestration.distributed.launch import run_local
     from orchestration.distributed.mesh import MeshLayout
@@ -61,7 +62,8 @@ def test_pca_codec_trains_through_the_mesh(tiny, tmp_path, start):
             "--data.max-sequences", "200", "--train.batch-size", "4", "--train.microbatches", "2",
             "--run.out-dir", str(tmp_path), "--run.name", "t", "--run.progress", "false",
             "--run.eval-sequences", "4", "--mesh.timeout-s", "60", "--mesh.rows", "2", "--mesh.stages", "2",
-            "--train.steps", "3", "--preset", "pca4", "--boundary.options", '{"seq_len": 32, "calib_rows": 8}',
+            "--train.steps", "3", "--preset", "pca4", "--boundary.options",
+            json.dumps({"seq_len": 32, "calib_rows": 8, "bwd": bwd}),
             "--mesh.start-method", start]
     codecs.PCA_BASES.clear()
     try:
@@ -77,14 +79,15 @@ def test_pca_codec_trains_through_the_mesh(tiny, tmp_path, start):
     model, _ = load_causal_lm(tiny / "model")
     fresh = calibration.bases_for_run(cfg, model, plan.train_rows)
     assert sorted(saved) == [0]
-    for name in ("mean", "U", "sd", "gsd"):
+    for name in ("mean", "U", "sd", "gsd") + (("Ug",) if bwd == "gbasis" else ()):
         torch.testing.assert_close(getattr(saved[0], name), getattr(fresh[0], name), rtol=1e-4, atol=1e-5)
+    assert (saved[0].Ug is None) == (bwd == "span")
     codec = calibration.codec_of(cfg)
     assert codec.width(40) == saved[0].k == 8  # B = 160 // 15 = 10: 2 for position 0, 4 for the scale, 4 B of int4
     per_mb = codec.wire_bytes((2, 32, 40), torch.float32, "fwd")
     assert per_mb == 2 * (44 + 31 * (4 + 4))
     links = json.load(open(os.path.join(plan.run_dir, "link_bytes.json")))["links"]
-    basis = 4 * (40 + 40 * 8 + 2 * 8)
+    basis = 4 * (40 + 40 * 8 + 2 * 8) + (4 * 40 * 8 if bwd == "gbasis" else 0)
     assert links["pp_fwd:0->1"] == links["pp_fwd:2->3"] == 3 * 2 * per_mb + basis
     assert links["pp_bwd:1->0"] == links["pp_bwd:3->2"] == 3 * 2 * per_mb
 

@@ -245,3 +245,60 @@ def test_adapt_rejects_garbage_stats():
         codec.decode_fwd(bad, key, shape, torch.float32)
     with pytest.raises(ValueError, match="adapt must be true or false"):
         make_codec("pca:adapt=yes")
+
+
+@pytest.mark.parametrize("sink", [True, False])
+def test_gradient_basis_backward_matches_reference_at_the_same_bytes(sink):
+    """bwd=gbasis: the backward's coordinates are taken in the basis's Ug (the reference's
+    _ref_bwd with Ug for U); the wire is as large as span's; the forward is unchanged."""
+    H, k, B, T = 24, 6, 2, 5
+    b = _basis(H, k)
+    Ug, _ = torch.linalg.qr(torch.randn(H, k, generator=torch.Generator().manual_seed(9), dtype=torch.float64))
+    bg = PCABasis(b.mean, b.U, b.sd, b.gsd, Ug.float())
+    span = make_codec("pca", bits=4, k=k, sink=sink, bases={0: b})
+    gcod = make_codec("pca", bits=4, k=k, sink=sink, bases={0: bg}, bwd="gbasis")
+    key = MaskKey(1, 0, 0, 0)
+    h, g = torch.randn(B, T, H), torch.randn(B, T, H)
+    wf, ctx = gcod.encode_fwd(h, key)
+    torch.testing.assert_close(gcod.decode_fwd(wf, key, (B, T, H), torch.float32), _ref_fwd(h, b, 4, sink))
+    got = gcod.decode_bwd(gcod.encode_bwd(g, key, wf), key, ctx)
+    ref = _ref_bwd(g, PCABasis(b.mean, bg.Ug, b.sd, b.gsd), 4, sink)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert gcod.wire_bytes((B, T, H), torch.float32, "bwd") == span.wire_bytes((B, T, H), torch.float32, "bwd")
+    assert bg.nbytes() == b.nbytes() + 4 * H * k  # Ug travels once with the basis
+    with pytest.raises(ValueError, match="has no gradient basis"):
+        make_codec("pca", bits=4, k=k, sink=sink, bases={0: b}, bwd="gbasis").encode_fwd(h, key)
+
+
+def test_dense_backward_sends_the_gradient_as_it_is():
+    H, k = 24, 6
+    codec = make_codec("pca", bits=4, k=k, bases={0: _basis(H, k)}, bwd="dense")
+    key = MaskKey(1, 0, 0, 0)
+    h, g = torch.randn(2, 5, H), torch.randn(2, 5, H)
+    wf, ctx = codec.encode_fwd(h, key)
+    assert torch.equal(codec.decode_bwd(codec.encode_bwd(g, key, wf), key, ctx), g)
+    assert codec.wire_bytes((2, 5, H), torch.float32, "bwd") == 2 * 5 * H * 4
+    with pytest.raises(ValueError, match="bwd must be one of span, gbasis, dense"):
+        make_codec("pca", k=k, bwd="full")
+
+
+def test_calibrated_gradient_basis_is_the_gradients_top_eigenvectors():
+    """fit_basis(gbasis=True): Ug spans the top-k eigenvectors of the calibration gradients'
+    second moment (sink position left out), so it keeps at least as much of their energy as
+    any k-dim basis, U included; gsd is the rms of the Ug coordinates."""
+    from orchestration.components.calibration import fit_basis
+
+    g = torch.Generator().manual_seed(0)
+    H, k = 16, 4
+    h = torch.randn(6, 9, H, generator=g)
+    grads = torch.randn(6, 9, H, generator=g) * torch.linspace(3, 0.1, H)  # anisotropic
+    b = fit_basis(h, k, sink=True, grads=grads, gbasis=True)
+    flat = grads[:, 1:].reshape(-1, H).double()
+    w, V = torch.linalg.eigh(flat.T @ flat)
+    top = V[:, -k:]
+    P = b.Ug.double() @ b.Ug.double().T
+    torch.testing.assert_close(P, top @ top.T, rtol=0, atol=1e-6)
+    kept = lambda Q: float((flat @ Q.double()).pow(2).sum())  # noqa: E731
+    assert kept(b.Ug) >= kept(b.U) - 1e-9
+    torch.testing.assert_close(b.gsd.double(), (flat @ b.Ug.double()).pow(2).mean(0).sqrt(), rtol=1e-5, atol=0)
+    assert fit_basis(h, k, sink=True, grads=grads).Ug is None

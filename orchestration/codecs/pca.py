@@ -16,23 +16,29 @@ class PCABasis:
     """One boundary's fixed PCA basis, identical on both sides of the boundary.
 
     mean [H], U [H, k] (orthonormal columns), sd [k] (calibration std of each forward
-    coordinate, > 0), gsd [k] (calibration std of each gradient coordinate U^T g, > 0;
-    ones if not calibrated). All float32."""
+    coordinate, > 0), gsd [k] (calibration std of each gradient coordinate, > 0; ones if
+    not calibrated): of Ug^T g when the basis has a gradient basis Ug [H, k] (orthonormal
+    columns: the top-k eigenvectors of the boundary gradients' second moment, for
+    ``bwd=gbasis``), else of U^T g. All float32."""
 
     mean: torch.Tensor
     U: torch.Tensor
     sd: torch.Tensor
     gsd: torch.Tensor
+    Ug: torch.Tensor | None = None
 
     def __post_init__(self):
         self.mean, self.U = self.mean.detach().float().contiguous(), self.U.detach().float().contiguous()
         self.sd, self.gsd = self.sd.detach().float().contiguous(), self.gsd.detach().float().contiguous()
+        if self.Ug is not None:
+            self.Ug = self.Ug.detach().float().contiguous()
         H, k = self.U.shape if self.U.dim() == 2 else (0, 0)
         if self.U.dim() != 2 or tuple(self.mean.shape) != (H,) or tuple(self.sd.shape) != (k,) \
-                or tuple(self.gsd.shape) != (k,):
-            raise ValueError(f"PCABasis: mean [H], U [H, k], sd [k], gsd [k] expected, got {tuple(self.mean.shape)}, "
-                             f"{tuple(self.U.shape)}, {tuple(self.sd.shape)}, {tuple(self.gsd.shape)}")
-        for name in ("mean", "U", "sd", "gsd"):
+                or tuple(self.gsd.shape) != (k,) or (self.Ug is not None and tuple(self.Ug.shape) != (H, k)):
+            raise ValueError(f"PCABasis: mean [H], U [H, k], sd [k], gsd [k] (and Ug [H, k]) expected, got "
+                             f"{tuple(self.mean.shape)}, {tuple(self.U.shape)}, {tuple(self.sd.shape)}, "
+                             f"{tuple(self.gsd.shape)}" + ("" if self.Ug is None else f", {tuple(self.Ug.shape)}"))
+        for name in ("mean", "U", "sd", "gsd") + (("Ug",) if self.Ug is not None else ()):
             if not bool(torch.isfinite(getattr(self, name)).all()):
                 raise ValueError(f"PCABasis: {name} holds non-finite values")
         if bool((self.sd <= 0).any()) or bool((self.gsd <= 0).any()):
@@ -46,17 +52,26 @@ class PCABasis:
     def hidden_size(self) -> int:
         return self.U.shape[0]
 
+    @property
+    def grad_basis(self) -> torch.Tensor:
+        """The basis the backward's coordinates are taken in: Ug if fitted, else U."""
+        return self.U if self.Ug is None else self.Ug
+
     def nbytes(self) -> int:
-        """Bytes to send this basis once (fp32): H + H*k + 2k values."""
-        return 4 * (self.mean.numel() + self.U.numel() + self.sd.numel() + self.gsd.numel())
+        """Bytes to send this basis once (fp32): H + H*k + 2k values, plus H*k with Ug."""
+        return 4 * (self.mean.numel() + self.U.numel() + self.sd.numel() + self.gsd.numel()
+                    + (0 if self.Ug is None else self.Ug.numel()))
 
     def to(self, device) -> "PCABasis":
-        return PCABasis(self.mean.to(device), self.U.to(device), self.sd.to(device), self.gsd.to(device))
+        return PCABasis(self.mean.to(device), self.U.to(device), self.sd.to(device), self.gsd.to(device),
+                        None if self.Ug is None else self.Ug.to(device))
 
     def state_dict(self) -> dict:
-        return {"mean": self.mean, "U": self.U, "sd": self.sd, "gsd": self.gsd}
+        sd = {"mean": self.mean, "U": self.U, "sd": self.sd, "gsd": self.gsd}
+        return sd if self.Ug is None else dict(sd, Ug=self.Ug)
 
 
+BACKWARDS = ("span", "gbasis", "dense")  # PCACodec's bwd option
 PCA_BASES: dict[int, PCABasis] = {}  # boundary index -> basis; what a PCACodec uses unless given its own
 
 
@@ -87,6 +102,14 @@ class PCACodec(BoundaryCodec):
                     [..., T, k] int8; scales [..., T, 1] fp32.
         sink=True:  position 0: [..., H] int8 + [..., 1] fp32 scale; positions 1..T-1 as
                     above, [..., T-1, .] codes and [..., T-1, 1] scales.
+        bwd:        what the backward sends. span (default): U^T g, the exact adjoint of the
+                    forward's projection (d h_hat / d h = U U^T). gbasis: Ug^T g in a basis of
+                    the gradient's own (top-k eigenvectors of the calibration gradients'
+                    second moment; the receiver gets Ug Ug^T g): the same bytes, more of the
+                    gradient (on SmolLM2-135M the activations' span keeps ~49% of the
+                    boundary gradient's energy, k = 288 of 576), but no longer the adjoint of
+                    the forward: it approximates the dense model's gradient instead. dense:
+                    g as it is, in the boundary dtype (an upper bound for experiments).
         adapt=True: forward only, one more tensor [2, k] fp32 per micro-batch: the mean and
                     std of every coordinate over the micro-batch's tokens (positions >= 1
                     with sink). The codes quantize (c - mean) / std instead of c: the
@@ -101,7 +124,7 @@ class PCACodec(BoundaryCodec):
 
     def __init__(self, bits: int = 4, k: int | None = None, budget: float | None = None, sink: bool = True,
                  seq_len: int = 128, bases: dict | None = None, calib_rows: int = 16, grad_rows: int = 8,
-                 adapt: bool = False):
+                 adapt: bool = False, bwd: str = "span"):
         if bits not in (4, 8):
             raise ValueError(f"pca: bits must be 4 or 8, got {bits}")
         if k is not None and budget is not None:
@@ -119,12 +142,17 @@ class PCACodec(BoundaryCodec):
         if not isinstance(adapt, bool):
             raise ValueError(f"pca: adapt must be true or false, got {adapt!r}")
         self.adapt = adapt
+        if bwd not in BACKWARDS:
+            raise ValueError(f"pca: bwd must be one of {', '.join(BACKWARDS)}, got {bwd!r}")
+        if bwd == "gbasis" and self.grad_rows < 1:
+            raise ValueError("pca: bwd=gbasis fits the gradient basis on calibration gradients: grad_rows must be >= 1")
+        self.bwd = bwd
         self.bases = PCA_BASES if bases is None else bases
         self._dev: dict = {}
 
     def __repr__(self) -> str:
         return (f"PCACodec(bits={self.bits}, k={self.k}, budget={self.budget}, sink={self.sink}, "
-                f"seq_len={self.seq_len}, adapt={self.adapt}, boundaries={sorted(self.bases)})")
+                f"seq_len={self.seq_len}, adapt={self.adapt}, bwd={self.bwd}, boundaries={sorted(self.bases)})")
 
     def width(self, H: int) -> int:
         return width("pca: k", self.k, H, lambda: pca_width(H, self.bits, self.budget, self.sink, self.seq_len))
@@ -137,6 +165,9 @@ class PCACodec(BoundaryCodec):
         if (b.hidden_size, b.k) != (H, self.width(H)):
             raise ValueError(f"pca: boundary {boundary}'s basis is [{b.hidden_size}, {b.k}], "
                              f"this codec needs [{H}, {self.width(H)}]")
+        if self.bwd == "gbasis" and b.Ug is None:
+            raise ValueError(f"pca: bwd=gbasis, and boundary {boundary}'s basis has no gradient basis "
+                             "(calibrate with bwd=gbasis)")
         ck = (int(boundary), str(device), id(b))
         if ck not in self._dev:
             self._dev[ck] = b.to(device)
@@ -148,6 +179,8 @@ class PCACodec(BoundaryCodec):
         H, k = shape[-1], self.width(shape[-1])
         cw = (k + 1) // 2 if self.bits == 4 else k
         cdt = torch.uint8 if self.bits == 4 else torch.int8
+        if direction == "bwd" and self.bwd == "dense":
+            return [(shape, dtype)]
         stats = [((2, k), torch.float32)] if self.adapt and direction == "fwd" else []
         if not self.sink:
             return [(shape[:-1] + (cw,), cdt), (shape[:-1] + (1,), torch.float32)] + stats
@@ -159,7 +192,8 @@ class PCACodec(BoundaryCodec):
         if self.adapt and center:
             return self._encode_adapted(x, basis)
         mean = basis.mean if center else None  # the fused op (C++ / Triton kernels; its reference is this math)
-        return meshkern_pca.encode(x.detach(), basis.U, norm, mean=mean, bits=self.bits, sink=self.sink)
+        U = basis.U if center else basis.grad_basis
+        return meshkern_pca.encode(x.detach(), U, norm, mean=mean, bits=self.bits, sink=self.sink)
 
     def _encode_adapted(self, x, basis: PCABasis) -> list[torch.Tensor]:
         """adapt's forward: the coordinates re-centred and re-scaled by this micro-batch's own
@@ -184,8 +218,8 @@ class PCACodec(BoundaryCodec):
             if not bool((sd > 0).all()):
                 raise NonFiniteWire("pca decode_fwd: the micro-batch's coordinate stds must be > 0")
             norm, mean = norm * sd, mean + basis.U @ (norm * mu)
-        return meshkern_pca.decode(wire, basis.U, norm, shape=shape, dtype=dtype, mean=mean, bits=self.bits,
-                                   sink=self.sink)
+        return meshkern_pca.decode(wire, basis.U if center else basis.grad_basis, norm, shape=shape, dtype=dtype,
+                                   mean=mean, bits=self.bits, sink=self.sink)
 
     def encode_fwd(self, h, key):
         b = self.basis(key.boundary, h.shape[-1], h.device)
@@ -198,13 +232,18 @@ class PCACodec(BoundaryCodec):
         return self._decode(wire, b, b.sd, True, shape, dtype)
 
     def encode_bwd(self, grad, key, meta):
-        # d h_hat / d h = U U^T (straight-through quantizer): the sender needs U^T g, k per token.
+        # span: d h_hat / d h = U U^T (straight-through quantizer): the sender needs U^T g, k
+        # per token; gbasis: Ug^T g; dense: g itself (class doc, bwd).
+        if self.bwd == "dense":
+            return [grad.detach().contiguous()]
         b = self.basis(key.boundary, grad.shape[-1], grad.device)
         return self._encode(grad, b, b.gsd, False)
 
     def decode_bwd(self, wire, key, ctx):
         shape, dtype, boundary = ctx
         validate_wire(wire, self.wire_specs(shape, dtype, "bwd"), "pca decode_bwd")
+        if self.bwd == "dense":
+            return wire[0]
         b = self.basis(boundary, shape[-1], wire[0].device)
         return self._decode(wire, b, b.gsd, False, shape, dtype)
 

@@ -81,23 +81,30 @@ def inlier_tokens(h: torch.Tensor, sink: bool) -> torch.Tensor:
     return x if bool(keep.all()) else x[keep]
 
 
-def fit_basis(h: torch.Tensor, k: int, sink: bool = True, grads: torch.Tensor | None = None) -> PCABasis:
+def fit_basis(h: torch.Tensor, k: int, sink: bool = True, grads: torch.Tensor | None = None,
+              gbasis: bool = False) -> PCABasis:
     """The basis of one boundary from its calibration hidden states h [..., T, H] (and the
-    dense boundary gradients ``grads`` [..., T, H] of some of those rows, for gsd)."""
+    dense boundary gradients ``grads`` [..., T, H] of some of those rows, for gsd; with
+    ``gbasis`` also the gradient basis Ug: the top-k eigenvectors of their second moment)."""
     x = inlier_tokens(h, sink)
     if x.shape[0] < 2:
         raise ValueError(f"pca calibration: {x.shape[0]} calibration tokens, need more rows")
     pca = fit_pca(x)
     U = pca.basis(k).contiguous()
     sd = pca.eigvals[:k].clamp_min(1e-30).sqrt().float()
-    gsd = torch.ones(k)
+    gsd, Ug = torch.ones(k), None
+    if gbasis and grads is None:
+        raise ValueError("pca calibration: a gradient basis needs calibration gradients (grad_rows >= 1)")
     if grads is not None:
         g = grads[..., 1:, :] if sink else grads
-        c = g.reshape(-1, g.shape[-1]).double() @ U.double()
-        rms = c.pow(2).mean(0).sqrt()
+        g = g.reshape(-1, g.shape[-1]).double()
+        if gbasis:  # uncentered: the backward sends Ug^T g with no mean
+            w, V = torch.linalg.eigh(g.T @ g / max(1, g.shape[0]))
+            Ug = V.flip(1)[:, :k].float().contiguous()
+        rms = (g @ (U if Ug is None else Ug).double()).pow(2).mean(0).sqrt()
         if float(rms.max()) > 0:
             gsd = rms.clamp_min(float(rms.max()) * 1e-6).float()
-    return PCABasis(pca.mean, U, sd, gsd)
+    return PCABasis(pca.mean, U, sd, gsd, Ug)
 
 
 # --------------------------------------------------------------------- per run
@@ -149,7 +156,7 @@ def fit_model_bases(model, rows: torch.Tensor, codec: PCACodec, num_stages: int,
     ``rows`` (``boundary_states``)."""
     hs, gs = boundary_states(model, rows, num_stages, layers_per_stage, grad_rows, chunk)
     k = codec.width(model.config.hidden_size)
-    return {b: fit_basis(h, k, codec.sink, g) for b, (h, g) in enumerate(zip(hs, gs))}
+    return {b: fit_basis(h, k, codec.sink, g, gbasis=codec.bwd == "gbasis") for b, (h, g) in enumerate(zip(hs, gs))}
 
 
 def codec_of(cfg):
@@ -187,7 +194,7 @@ def save(bases: dict[int, PCABasis], run_dir: str) -> str:
 
 def load(run_dir: str) -> dict[int, PCABasis]:
     sd = torch.load(os.path.join(run_dir, BASIS_FILE), map_location="cpu", weights_only=True)
-    return {int(b): PCABasis(**v) for b, v in sd.items()}
+    return {int(b): PCABasis(**v) for b, v in sd.items()}  # (an Ug entry only if fitted with bwd=gbasis)
 
 
 def prepare_run(cfg, plan) -> None:

@@ -55,6 +55,13 @@ ROWS: tuple[Row, ...] = (
     # calibrated mean and sd go stale as the model trains; 2k fp32 more per micro-batch).
     Row("pca4-adapt", "baseline", "pca4", ("--boundary.codec", "pca:adapt=true"),
         label="PCA-int4 + sink + per-micro-batch normalization", paper="(not in the paper)"),
+    # pca4 whose backward takes its coordinates in a basis of the gradient's own (issue #28:
+    # the activations' span keeps only ~half of the boundary gradient's energy); same bytes,
+    # plus the gradient basis once. And the upper bound: pca4 forward, dense backward.
+    Row("pca4-gb", "baseline", "pca4", ("--boundary.codec", "pca:bwd=gbasis,grad_rows=16"),
+        label="PCA-int4 + sink, backward in a gradient basis", paper="(not in the paper)"),
+    Row("pca4-bwdense", "baseline", "pca4", ("--boundary.codec", "pca:bwd=dense"),
+        label="PCA-int4 + sink forward, dense backward (a bound)", paper="(not in the paper)"),
     # The anchor circuit and spectral correction on top of pca4 (issue #12): M95+AP's anchor
     # settings (factored transport, SpectralAdamW) with pca4's boundaries.
     Row("pca4-ap", "baseline", "m95-ap", ("--boundary.codec", "pca", "--boundary.options",
