@@ -122,3 +122,11 @@ def test_unknown_target_fails_before_any_rank_starts(tiny, tmp_path, capsys):
     assert rc == 2
     assert "--adapter.targets: w1 is not a linear layer of LlamaForCausalLM" in capsys.readouterr().err
     assert not os.listdir(tmp_path)  # no run directory: nothing started
+
+
+def test_adapter_flags_without_lora_are_a_warning():
+    from orchestration.config import ineffective_settings
+
+    cfg, _ = parse_args(["--adapter.rank", "8"])
+    assert any(line.startswith("--adapter.rank: it configures LoRA adapters") for line in ineffective_settings(cfg))
+    assert not any("--adapter" in line for line in ineffective_settings(parse_args(["--adapter", "lora"])[0]))
