@@ -62,6 +62,10 @@ ROWS: tuple[Row, ...] = (
         label="PCA-int4 + sink, backward in a gradient basis", paper="(not in the paper)"),
     Row("pca4-bwdense", "baseline", "pca4", ("--boundary.codec", "pca:bwd=dense"),
         label="PCA-int4 + sink forward, dense backward (a bound)", paper="(not in the paper)"),
+    # Twice pca4's bytes: k = 558 of 576 coordinates at H = 576 (almost no truncation, only the
+    # int4 rounding): how much of pca4's gap is the subspace it leaves out.
+    Row("pca4-b8", "baseline", "pca4", ("--boundary.options", '{"bits": 4, "budget": 8, "sink": true}'),
+        label="PCA-int4 + sink, 1/8 of dense (almost full rank)", paper="(not in the paper)"),
     # The anchor circuit and spectral correction on top of pca4 (issue #12): M95+AP's anchor
     # settings (factored transport, SpectralAdamW) with pca4's boundaries.
     Row("pca4-ap", "baseline", "m95-ap", ("--boundary.codec", "pca", "--boundary.options",
