@@ -66,6 +66,9 @@ ROWS: tuple[Row, ...] = (
     # int4 rounding): how much of pca4's gap is the subspace it leaves out.
     Row("pca4-b8", "baseline", "pca4", ("--boundary.options", '{"bits": 4, "budget": 8, "sink": true}'),
         label="PCA-int4 + sink, 1/8 of dense (almost full rank)", paper="(not in the paper)"),
+    # The same bytes as pca4-b8 spent the other way: half the coordinates (k = 279), int8.
+    Row("pca8-b8", "baseline", "pca4", ("--boundary.options", '{"bits": 8, "budget": 8, "sink": true}'),
+        label="PCA-int8 + sink, 1/8 of dense", paper="(not in the paper)"),
     # The anchor circuit and spectral correction on top of pca4 (issue #12): M95+AP's anchor
     # settings (factored transport, SpectralAdamW) with pca4's boundaries.
     Row("pca4-ap", "baseline", "m95-ap", ("--boundary.codec", "pca", "--boundary.options",
