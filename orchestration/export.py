@@ -23,10 +23,6 @@ import sys
 
 from orchestration.components import checkpoint as ckpt
 
-_TOKENIZER = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
-              "merges.txt", "generation_config.json")
-
-
 def _resolve(path: str) -> str:
     """A verified LoRA checkpoint directory (``latest`` under a checkpoint root is followed)."""
     if os.path.basename(os.path.normpath(path)) == ckpt.LATEST:
@@ -53,7 +49,7 @@ def _fresh(out: str) -> str:
 
 
 def _copy_tokenizer(src: str, dst: str) -> None:
-    for name in _TOKENIZER:
+    for name in ckpt.TOKENIZER_FILES:
         if os.path.isfile(os.path.join(src, name)):
             shutil.copy2(os.path.join(src, name), os.path.join(dst, name))
 

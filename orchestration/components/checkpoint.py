@@ -53,8 +53,11 @@ import torch
 import torch.distributed as dist
 
 LATEST = "latest"
-_COPY = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-         "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt")
+# What travels beside the weights: the tokenizer and generation settings (a LoRA export
+# copies these; a checkpoint the model's config.json too).
+TOKENIZER_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "tokenizer.model", "vocab.json", "merges.txt")
+_COPY = ("config.json",) + TOKENIZER_FILES
 
 
 class CheckpointError(ValueError):
