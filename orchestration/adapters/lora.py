@@ -41,10 +41,9 @@ def layer_linear_names(hf_config) -> list[str]:
 
 def _meta_model_layers(hf_config) -> tuple[str, list[str]]:
     """(architecture, linear layer names of a decoder layer) of a meta-device copy."""
-    from transformers import AutoModelForCausalLM
+    from orchestration.models.loading import meta_model
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config)
+    model = meta_model(hf_config)
     layer = model.model.layers[0]
     return type(model).__name__, sorted({n.rsplit(".", 1)[-1] for n, m in layer.named_modules()
                                          if isinstance(m, torch.nn.Linear)})

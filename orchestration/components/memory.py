@@ -77,12 +77,10 @@ def stage_memory(hf_config, stages: int, *, layers_per_stage=None, dtype: str = 
                  ) -> list[StageMemory]:
     """Bytes per stage (module doc). ``adapter``: an AdapterConfig with kind lora, or None
     (full fine-tuning)."""
-    from transformers import AutoModelForCausalLM
-
     from orchestration.distributed.stages import replica_split, split_model
+    from orchestration.models.loading import meta_model
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config)
+    model = meta_model(hf_config)
     split = replica_split(hf_config.num_hidden_layers, stages, layers_per_stage)
     parts = split_model(model, stages, split)
     b = torch.empty((), dtype=getattr(torch, dtype)).element_size()

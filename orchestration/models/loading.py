@@ -92,6 +92,16 @@ def load_causal_lm(path: str | os.PathLike, *, dtype: torch.dtype = torch.float3
     return model, (str(p) if has_tok else None)
 
 
+def meta_model(hf_config):
+    """The causal LM ``hf_config`` describes, built on the meta device: its modules and
+    parameter shapes without any memory, so an 8B config costs nothing (LoRA target checks,
+    the per-stage memory table)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(hf_config)
+
+
 def read_metadata(path: str | os.PathLike) -> dict:
     """The pretraining record written next to a base model (empty if none)."""
     f = Path(path) / METADATA_FILE
