@@ -319,10 +319,7 @@ def _run(a) -> int:
     path = model_paths.resolve_model(a.model)
     if os.path.isfile(os.path.join(path, "meta.json")):  # a trainer checkpoint: verify its files first
         checkpoint.verify(path)
-    if models.is_adapter_folder(path):  # LoRA: the base with the adapters merged in
-        model, tok_path = models.load_adapter_folder(path, base=a.base)
-    else:
-        model, tok_path = models.load_causal_lm(path)
+    model, tok_path = models.load_causal_lm(path, base=a.base)  # an adapter folder: its base, adapters merged in
     tokenizer = a.tokenizer or tok_path
     if tokenizer is None:
         raise ValueError(f"{path} holds no tokenizer; pass --tokenizer")

@@ -55,7 +55,7 @@ def is_complete_checkpoint(path: str | os.PathLike) -> bool:
             and (p / "tokenizer.json").is_file())
 
 
-def load_causal_lm(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32):
+def load_causal_lm(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, base: str | None = None):
     """Load a local Hugging Face causal LM: returns ``(model, tokenizer_path)``.
 
     ``model`` is in eval mode on CPU in ``dtype``. ``tokenizer_path`` is ``str(path)``
@@ -63,7 +63,7 @@ def load_causal_lm(path: str | os.PathLike, *, dtype: torch.dtype = torch.float3
     Raises FileNotFoundError for a missing path or config.json, ValueError for an
     architecture transformers cannot build as a causal LM. Only local files are read.
     A PEFT adapter folder (a LoRA run's checkpoint or export) loads as its base model with
-    the adapters merged in (``load_adapter_folder``).
+    the adapters merged in (``load_adapter_folder``; ``base`` replaces the base it names).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -71,7 +71,7 @@ def load_causal_lm(path: str | os.PathLike, *, dtype: torch.dtype = torch.float3
     if not p.exists():
         raise FileNotFoundError(f"model path {str(p)!r} does not exist")
     if is_adapter_folder(p):
-        return load_adapter_folder(p, dtype=dtype)
+        return load_adapter_folder(p, dtype=dtype, base=base)
     if not p.is_dir() or not (p / "config.json").is_file():
         raise FileNotFoundError(f"{str(p)!r} is not a Hugging Face checkpoint directory "
                                 "(no config.json)")
