@@ -80,7 +80,8 @@ class Trainer:
             from orchestration.adapters import AdapterState
         self.checkpointer = Checkpointer(cfg, plan, mesh, stage, {
             # LoRA: adapter-only checkpoints, each one a PEFT folder
-            "stage": AdapterState(stage, cfg.adapter, os.path.abspath(plan.model_path)) if lora else stage, "optimizer": self.optimizer, **self.sync.parts(),
+            "stage": AdapterState(stage, cfg.adapter, os.path.abspath(plan.model_path)) if lora else stage,
+            "optimizer": self.optimizer, **self.sync.parts(),
             "counter": self.counter, "guard": self.guard,
             "anchor": self.hook if cfg.anchor.enabled else None})  # delay mode: what makes a resume exact
 

@@ -12,7 +12,7 @@ Names. A stage names an adapter weight ``layers.<local i>.self_attn.q_proj.lora_
 ``Stage.hf_name`` makes that the unsplit model's ``model.layers.<i>....lora_A.default.weight``
 and ``peft_key`` the key PEFT's ``save_pretrained`` writes for the unsplit model
 (``base_model.model.model.layers.<i>.self_attn.q_proj.lora_A.weight``), so the adapters of
-all stages assemble into one standard PEFT folder (orchestration.adapters.export).
+all stages assemble into one standard PEFT folder (orchestration.components.checkpoint).
 """
 from __future__ import annotations
 
@@ -91,12 +91,6 @@ def peft_key(hf_name: str) -> str:
     return _PEFT_PREFIX + hf_name.replace(f".{ADAPTER_NAME}.", ".")
 
 
-def adapter_tensors(stage) -> dict[str, torch.Tensor]:
-    """This stage's adapter weights under their PEFT-folder keys (detached CPU copies)."""
-    return {peft_key(stage.hf_name(n)): p.detach().cpu().contiguous().clone()
-            for n, p in stage.named_parameters() if _is_adapter(n)}
-
-
 def trainable_summary(stage) -> dict:
     """Trainable and total parameter counts of ``stage`` (tied copies counted once)."""
     seen, total, trainable = set(), 0, 0
@@ -129,7 +123,8 @@ class AdapterState:
         self.peft_config = peft_config_dict(acfg, base_path)
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        return adapter_tensors(self.stage)
+        """The adapters under their PEFT-folder keys (detached CPU copies)."""
+        return {peft_key(self.stage.hf_name(n)): p.detach().cpu().contiguous().clone() for n, p in self.params.items()}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in self.params.items()}
