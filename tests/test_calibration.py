@@ -45,25 +45,19 @@ def test_gradient_std_and_rows_are_from_training_rows():
     assert torch.equal(a, a2) and a.shape == (10, 3) and len(set(a[:, 0].tolist())) == 10
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("start,bwd", [("spawn", "span"), ("fork", "span"), ("fork", "gbasis")])
-def test_pca_codec_trains_through_the_mesh(tiny, tmp_path, start, bwd):
-    """2x2 mesh, pca codec: finite losses; the basis in RUN_DIR equals a fit on the run's
-    training rows with the model as loaded; PP bytes = the codec's wire bytes per
-    micro-batch + the basis once per boundary link (pp_fwd; with bwd=gbasis the gradient
-    basis Ug too, and the backward's bytes are span's)."""
+def run_pca_mesh(tiny, tmp_path, options: dict, rows: int, start: str = "fork", steps: int = 3):
+    """A ``rows`` x 2 mesh of the tiny model trained ``steps`` steps with preset pca4 and
+    --boundary.options ``options``: (cfg, plan, per-rank results)."""
     from orchestration.config import parse_args
     from orchestration.distributed.launch import run_local
     from orchestration.distributed.mesh import MeshLayout
-    from orchestration.models.loading import load_causal_lm
     from orchestration.train import prepare, run_rank
 
     argv = ["--model", str(tiny / "model"), "--data", str(tiny / "data.txt"), "--data.seq-len", "32",
             "--data.max-sequences", "200", "--train.batch-size", "4", "--train.microbatches", "2",
             "--run.out-dir", str(tmp_path), "--run.name", "t", "--run.progress", "false",
-            "--run.eval-sequences", "4", "--mesh.timeout-s", "60", "--mesh.rows", "2", "--mesh.stages", "2",
-            "--train.steps", "3", "--preset", "pca4", "--boundary.options",
-            json.dumps({"seq_len": 32, "calib_rows": 8, "bwd": bwd}),
+            "--run.eval-sequences", "4", "--mesh.timeout-s", "60", "--mesh.rows", str(rows), "--mesh.stages", "2",
+            "--train.steps", str(steps), "--preset", "pca4", "--boundary.options", json.dumps(options),
             "--mesh.start-method", start]
     codecs.PCA_BASES.clear()
     try:
@@ -74,6 +68,19 @@ def test_pca_codec_trains_through_the_mesh(tiny, tmp_path, start, bwd):
                         start_method=start)
     finally:
         codecs.PCA_BASES.clear()
+    return cfg, plan, res
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("start,bwd", [("spawn", "span"), ("fork", "span"), ("fork", "gbasis")])
+def test_pca_codec_trains_through_the_mesh(tiny, tmp_path, start, bwd):
+    """2x2 mesh, pca codec: finite losses; the basis in RUN_DIR equals a fit on the run's
+    training rows with the model as loaded; PP bytes = the codec's wire bytes per
+    micro-batch + the basis once per boundary link (pp_fwd; with bwd=gbasis the gradient
+    basis Ug too, and the backward's bytes are span's)."""
+    from orchestration.models.loading import load_causal_lm
+
+    cfg, plan, res = run_pca_mesh(tiny, tmp_path, {"seq_len": 32, "calib_rows": 8, "bwd": bwd}, rows=2, start=start)
     assert all(l == l and l > 0 for l in res[1]["losses"])
     saved = calibration.load(plan.run_dir)
     model, _ = load_causal_lm(tiny / "model")

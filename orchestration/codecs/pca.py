@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from meshkern import pca as meshkern_pca
+from meshkern import pca_nf as meshkern_pca_nf
 from meshkern._checks import boundary_shape
 from orchestration.codecs.base import BoundaryCodec, NonFiniteWire, check_direction, optional_width, validate_wire, width
 
@@ -19,13 +20,18 @@ class PCABasis:
     coordinate, > 0), gsd [k] (calibration std of each gradient coordinate, > 0; ones if
     not calibrated): of Ug^T g when the basis has a gradient basis Ug [H, k] (orthonormal
     columns: the top-k eigenvectors of the boundary gradients' second moment, for
-    ``bwd=gbasis``), else of U^T g. All float32."""
+    ``bwd=gbasis``), else of U^T g. All float32. With ``quant=nf`` also bits / gbits [k]
+    int64: the code width of every forward / backward coordinate (meshkern.pca_nf). ``elem``:
+    bytes per value when the basis is sent (4, or 2 when its values were rounded to fp16)."""
 
     mean: torch.Tensor
     U: torch.Tensor
     sd: torch.Tensor
     gsd: torch.Tensor
     Ug: torch.Tensor | None = None
+    bits: torch.Tensor | None = None
+    gbits: torch.Tensor | None = None
+    elem: int = 4
 
     def __post_init__(self):
         self.mean, self.U = self.mean.detach().float().contiguous(), self.U.detach().float().contiguous()
@@ -43,6 +49,18 @@ class PCABasis:
                 raise ValueError(f"PCABasis: {name} holds non-finite values")
         if bool((self.sd <= 0).any()) or bool((self.gsd <= 0).any()):
             raise ValueError("PCABasis: sd and gsd must be > 0")
+        if (self.bits is None) != (self.gbits is None):
+            raise ValueError("PCABasis: bits and gbits come together (quant=nf)")
+        if self.bits is not None:
+            self.bits, self.gbits = (t.detach().long().cpu().contiguous() for t in (self.bits, self.gbits))
+            for name in ("bits", "gbits"):
+                t = getattr(self, name)
+                if tuple(t.shape) != (k,) or bool((t < 0).any()) or bool((t > meshkern_pca_nf.MAX_BITS).any()):
+                    raise ValueError(f"PCABasis: {name} must be [k={k}] code widths in 0..{meshkern_pca_nf.MAX_BITS}, "
+                                     f"got {tuple(t.shape)}")
+        self.elem = int(self.elem)
+        if self.elem not in (2, 4):
+            raise ValueError(f"PCABasis: elem (bytes per basis value) must be 2 or 4, got {self.elem}")
 
     @property
     def k(self) -> int:
@@ -58,21 +76,46 @@ class PCABasis:
         return self.U if self.Ug is None else self.Ug
 
     def nbytes(self) -> int:
-        """Bytes to send this basis once (fp32): H + H*k + 2k values, plus H*k with Ug."""
-        return 4 * (self.mean.numel() + self.U.numel() + self.sd.numel() + self.gsd.numel()
-                    + (0 if self.Ug is None else self.Ug.numel()))
+        """Bytes to send this basis once: H + H*k + 2k values of ``elem`` bytes, plus H*k with
+        Ug, plus one byte per code width (2k) with quant=nf."""
+        return self.elem * (self.mean.numel() + self.U.numel() + self.sd.numel() + self.gsd.numel()
+                            + (0 if self.Ug is None else self.Ug.numel())) \
+            + (0 if self.bits is None else 2 * self.k)
 
     def to(self, device) -> "PCABasis":
         return PCABasis(self.mean.to(device), self.U.to(device), self.sd.to(device), self.gsd.to(device),
-                        None if self.Ug is None else self.Ug.to(device))
+                        None if self.Ug is None else self.Ug.to(device), self.bits, self.gbits, self.elem)
 
     def state_dict(self) -> dict:
         sd = {"mean": self.mean, "U": self.U, "sd": self.sd, "gsd": self.gsd}
-        return sd if self.Ug is None else dict(sd, Ug=self.Ug)
+        if self.Ug is not None:
+            sd["Ug"] = self.Ug
+        if self.bits is not None:
+            sd.update(bits=self.bits, gbits=self.gbits)
+        if self.elem != 4:
+            sd["elem"] = torch.tensor(self.elem)  # (a tensor: the file loads with weights_only)
+        return sd
 
 
 BACKWARDS = ("span", "gbasis", "dense")  # PCACodec's bwd option
+QUANTS = ("absmax", "nf")  # PCACodec's quant option
+BASIS_DTYPES = ("float32", "float16")  # PCACodec's basis_dtype option
 PCA_BASES: dict[int, PCABasis] = {}  # boundary index -> basis; what a PCACodec uses unless given its own
+
+
+def _sink_bytes(H: int, sink: bool, seq_len: int) -> int:
+    """The position-0 row (H int8 codes + an fp32 scale) amortized over ``seq_len`` tokens."""
+    return -(-(H + 4) // int(seq_len)) if sink else 0
+
+
+def nf_code_bytes(H: int, budget: float = 15, sink: bool = True, seq_len: int = 128) -> int:
+    """quant=nf: bytes of one token's code stream within B = floor(4H / budget) bytes per
+    token per direction: B less the fp16 scale and the amortized sink row. ValueError if
+    nothing fits."""
+    n = int(4 * H // budget) - _sink_bytes(H, sink, seq_len) - 2
+    if n < 1:
+        raise ValueError(f"pca: budget={budget} leaves no room for a code at H={H}")
+    return n
 
 
 def pca_width(H: int, bits: int = 4, budget: float = 15, sink: bool = True, seq_len: int = 128) -> int:
@@ -80,9 +123,7 @@ def pca_width(H: int, bits: int = 4, budget: float = 15, sink: bool = True, seq_
     (1/budget of dense fp32): k codes of ``bits`` bits plus one fp32 scale, and with
     ``sink`` the position-0 row (H int8 codes + fp32 scale) amortized over ``seq_len``
     tokens: ceil((H + 4) / seq_len) bytes. At most H. ValueError if nothing fits."""
-    B = int(4 * H // budget)
-    pos0 = -(-(H + 4) // int(seq_len)) if sink else 0
-    room = B - pos0 - 4
+    room = int(4 * H // budget) - _sink_bytes(H, sink, seq_len) - 4
     k = min(H, room if bits == 8 else 2 * room)
     if k < 1:
         raise ValueError(f"pca: budget={budget} leaves no room for a coordinate at H={H}")
@@ -118,13 +159,32 @@ class PCACodec(BoundaryCodec):
                     default model after 60 steps, the stale normalization alone made the
                     forward error 0.59 of the activation energy, 0.013 with fresh mean and
                     sd and the same U). The backward is unchanged.
+        quant:      absmax (default): the int4/int8 layout above. nf: every coordinate its own
+                    code width on a Gaussian code book (meshkern.pca_nf; 1-8 bits, chosen at
+                    calibration by reverse water-filling on the coordinates' variances, so
+                    the basis keeps every coordinate that gets a bit, k <= H), one fp16 scale
+                    per token: codes [..., T', nbytes] uint8 and scales [..., T', 1] fp16
+                    with nbytes = nf_code_bytes(H, budget); the backward allocates the same
+                    bytes over the same k coordinates by the gradient std gsd. Not with k,
+                    bits, adapt or bwd=gbasis.
+        basis_dtype: float32 (default) or float16: the basis is rounded to fp16 values at
+                    calibration and counted at 2 bytes per value (both ends use the rounded
+                    basis).
     """
 
     name = "pca"
 
     def __init__(self, bits: int = 4, k: int | None = None, budget: float | None = None, sink: bool = True,
                  seq_len: int = 128, bases: dict | None = None, calib_rows: int = 16, grad_rows: int = 8,
-                 adapt: bool = False, bwd: str = "span"):
+                 adapt: bool = False, bwd: str = "span", quant: str = "absmax", basis_dtype: str = "float32"):
+        if quant not in QUANTS:
+            raise ValueError(f"pca: quant must be one of {', '.join(QUANTS)}, got {quant!r}")
+        if basis_dtype not in BASIS_DTYPES:
+            raise ValueError(f"pca: basis_dtype must be one of {', '.join(BASIS_DTYPES)}, got {basis_dtype!r}")
+        if quant == "nf" and (k is not None or bits != 4 or adapt or bwd == "gbasis"):
+            raise ValueError("pca: quant=nf chooses every coordinate's width from budget: "
+                             "it takes no k or bits, and no adapt or bwd=gbasis")
+        self.quant, self.basis_dtype = quant, basis_dtype
         if bits not in (4, 8):
             raise ValueError(f"pca: bits must be 4 or 8, got {bits}")
         if k is not None and budget is not None:
@@ -152,19 +212,38 @@ class PCACodec(BoundaryCodec):
 
     def __repr__(self) -> str:
         return (f"PCACodec(bits={self.bits}, k={self.k}, budget={self.budget}, sink={self.sink}, "
-                f"seq_len={self.seq_len}, adapt={self.adapt}, bwd={self.bwd}, boundaries={sorted(self.bases)})")
+                f"seq_len={self.seq_len}, adapt={self.adapt}, bwd={self.bwd}, quant={self.quant}, "
+                f"basis_dtype={self.basis_dtype}, boundaries={sorted(self.bases)})")
 
     def width(self, H: int) -> int:
+        """Coordinates per token; with quant=nf the basis calibration starts from (all H: the
+        allocation then keeps those that get a bit, ``basis(b).k``)."""
+        if self.quant == "nf":
+            return H
         return width("pca: k", self.k, H, lambda: pca_width(H, self.bits, self.budget, self.sink, self.seq_len))
+
+    def code_bytes(self, H: int) -> int:
+        """quant=nf: bytes of one token's code stream (nf_code_bytes)."""
+        return nf_code_bytes(H, self.budget, self.sink, self.seq_len)
+
+    def fit_options(self, H: int) -> dict:
+        """What orchestration.components.calibration.fit_basis needs beyond k and sink."""
+        return {"gbasis": self.bwd == "gbasis", "half": self.basis_dtype == "float16",
+                "nf_bits": 8 * self.code_bytes(H) if self.quant == "nf" else None}
 
     def basis(self, boundary: int, H: int, device) -> PCABasis:
         b = self.bases.get(int(boundary))
         if b is None:
             raise ValueError(f"pca: no basis for boundary {boundary} (calibrate first: "
                              f"orchestration.components.calibration); have {sorted(self.bases)}")
-        if (b.hidden_size, b.k) != (H, self.width(H)):
-            raise ValueError(f"pca: boundary {boundary}'s basis is [{b.hidden_size}, {b.k}], "
-                             f"this codec needs [{H}, {self.width(H)}]")
+        if self.quant == "nf":
+            if b.hidden_size != H or b.bits is None or int(b.bits.sum()) > 8 * self.code_bytes(H) \
+                    or int(b.gbits.sum()) > 8 * self.code_bytes(H):
+                raise ValueError(f"pca: boundary {boundary}'s basis is not a quant=nf basis for H={H} within "
+                                 f"{self.code_bytes(H)} code bytes per token (calibrate with this codec)")
+        elif (b.hidden_size, b.k) != (H, self.width(H)) or b.bits is not None:
+            raise ValueError(f"pca: boundary {boundary}'s basis is [{b.hidden_size}, {b.k}]"
+                             f"{' (quant=nf)' if b.bits is not None else ''}, this codec needs [{H}, {self.width(H)}]")
         if self.bwd == "gbasis" and b.Ug is None:
             raise ValueError(f"pca: bwd=gbasis, and boundary {boundary}'s basis has no gradient basis "
                              "(calibrate with bwd=gbasis)")
@@ -181,6 +260,8 @@ class PCACodec(BoundaryCodec):
         cdt = torch.uint8 if self.bits == 4 else torch.int8
         if direction == "bwd" and self.bwd == "dense":
             return [(shape, dtype)]
+        if self.quant == "nf":
+            return meshkern_pca_nf.wire_shapes(shape, self.code_bytes(H), self.sink)
         stats = [((2, k), torch.float32)] if self.adapt and direction == "fwd" else []
         if not self.sink:
             return [(shape[:-1] + (cw,), cdt), (shape[:-1] + (1,), torch.float32)] + stats
@@ -189,6 +270,10 @@ class PCACodec(BoundaryCodec):
                 (lead + (T - 1, cw), cdt), (lead + (T - 1, 1), torch.float32)] + stats
 
     def _encode(self, x, basis: PCABasis, norm: torch.Tensor, center: bool) -> list[torch.Tensor]:
+        if self.quant == "nf":
+            return meshkern_pca_nf.encode_reference(
+                x, basis.U, norm, basis.bits if center else basis.gbits, self.code_bytes(x.shape[-1]),
+                mean=basis.mean if center else None, sink=self.sink)
         if self.adapt and center:
             return self._encode_adapted(x, basis)
         mean = basis.mean if center else None  # the fused op (C++ / Triton kernels; its reference is this math)
@@ -211,6 +296,11 @@ class PCACodec(BoundaryCodec):
 
     def _decode(self, wire, basis: PCABasis, norm: torch.Tensor, center: bool, shape, dtype) -> torch.Tensor:
         mean = basis.mean if center else None
+        if self.quant == "nf":
+            if any(bool((t <= 0).any()) for t in wire if t.dtype.is_floating_point):  # (finite: validate_wire)
+                raise NonFiniteWire("pca decode: received non-positive scales")
+            return meshkern_pca_nf.decode_reference(wire, basis.U, norm, basis.bits if center else basis.gbits,
+                                                    shape, dtype, mean=mean, sink=self.sink)
         if self.adapt and center:
             # c = (q * scale * sd_mb + mu_mb) * sd, so the op decodes with norm sd * sd_mb and
             # the micro-batch mean folded into the mean: mean + U (sd * mu_mb).

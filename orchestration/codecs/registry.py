@@ -52,7 +52,8 @@ def make_codec(name: str, p: float = 0.95, rescale: bool = False, **options) -> 
     ``p`` (drop fraction) sizes mask, topk and bottleneck (K = round((1-p)H)) and is
     ignored by dense/int8/int4; ``rescale`` applies to mask only. ``options`` go to the
     codec's constructor (topk: k; int8/int4: group_size; bottleneck: rank; mask:
-    backend; pca: bits, k or budget, sink, seq_len; aqsgd: bits, gbits, store_dtype, store_device;
+    backend; pca: bits, k or budget, sink, seq_len, calib_rows, grad_rows, adapt, bwd, quant,
+    basis_dtype; aqsgd: bits, gbits, store_dtype, store_device;
     tahquant: bits, low_bits, high_fraction, tile, meta, gbits; subspace: k or budget, bits,
     gbits, seed, basis, backend; p is ignored by pca, aqsgd, tahquant and subspace); an option the
     codec does not take is a TypeError.

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from orchestration import codecs
+from meshkern.pca_nf import allocate_bits
 from orchestration.codecs import PCABasis, PCACodec
 
 BASIS_FILE = "pca_basis.pt"
@@ -82,14 +83,24 @@ def inlier_tokens(h: torch.Tensor, sink: bool) -> torch.Tensor:
 
 
 def fit_basis(h: torch.Tensor, k: int, sink: bool = True, grads: torch.Tensor | None = None,
-              gbasis: bool = False) -> PCABasis:
+              gbasis: bool = False, nf_bits: int | None = None, half: bool = False) -> PCABasis:
     """The basis of one boundary from its calibration hidden states h [..., T, H] (and the
     dense boundary gradients ``grads`` [..., T, H] of some of those rows, for gsd; with
-    ``gbasis`` also the gradient basis Ug: the top-k eigenvectors of their second moment)."""
+    ``gbasis`` also the gradient basis Ug: the top-k eigenvectors of their second moment).
+    ``nf_bits`` (quant=nf): code bits per token per direction; the forward's widths are
+    allocated over the top k coordinates by their variance (meshkern.pca_nf.allocate_bits),
+    the basis keeps those that get a bit, and the backward's widths are allocated over them
+    by gsd^2. ``half``: mean, U, sd and gsd rounded to fp16 values (counted at 2 bytes)."""
     x = inlier_tokens(h, sink)
     if x.shape[0] < 2:
         raise ValueError(f"pca calibration: {x.shape[0]} calibration tokens, need more rows")
     pca = fit_pca(x)
+    bits = None
+    if nf_bits is not None:
+        bits = allocate_bits(pca.eigvals[:k].clamp_min(0), nf_bits)
+        # descending variances get non-increasing widths: the coordinates with a bit are a prefix
+        k = max(1, int((bits > 0).sum()))
+        bits = bits[:k]
     U = pca.basis(k).contiguous()
     sd = pca.eigvals[:k].clamp_min(1e-30).sqrt().float()
     gsd, Ug = torch.ones(k), None
@@ -104,7 +115,12 @@ def fit_basis(h: torch.Tensor, k: int, sink: bool = True, grads: torch.Tensor | 
         rms = (g @ (U if Ug is None else Ug).double()).pow(2).mean(0).sqrt()
         if float(rms.max()) > 0:
             gsd = rms.clamp_min(float(rms.max()) * 1e-6).float()
-    return PCABasis(pca.mean, U, sd, gsd, Ug)
+    mean = pca.mean
+    if half:
+        mean, U, sd, gsd = (t.half().float() for t in (mean, U, sd, gsd))
+        Ug = None if Ug is None else Ug.half().float()
+    gbits = None if bits is None else allocate_bits(gsd.double() ** 2, nf_bits)[:k]
+    return PCABasis(mean, U, sd, gsd, Ug, bits, gbits, 2 if half else 4)
 
 
 # --------------------------------------------------------------------- per run
@@ -155,8 +171,8 @@ def fit_model_bases(model, rows: torch.Tensor, codec: PCACodec, num_stages: int,
     """The basis of every boundary of ``model`` split as the trainer splits it, fitted on
     ``rows`` (``boundary_states``)."""
     hs, gs = boundary_states(model, rows, num_stages, layers_per_stage, grad_rows, chunk)
-    k = codec.width(model.config.hidden_size)
-    return {b: fit_basis(h, k, codec.sink, g, gbasis=codec.bwd == "gbasis") for b, (h, g) in enumerate(zip(hs, gs))}
+    H = model.config.hidden_size
+    return {b: fit_basis(h, codec.width(H), codec.sink, g, **codec.fit_options(H)) for b, (h, g) in enumerate(zip(hs, gs))}
 
 
 def codec_of(cfg):
@@ -194,7 +210,7 @@ def save(bases: dict[int, PCABasis], run_dir: str) -> str:
 
 def load(run_dir: str) -> dict[int, PCABasis]:
     sd = torch.load(os.path.join(run_dir, BASIS_FILE), map_location="cpu", weights_only=True)
-    return {int(b): PCABasis(**v) for b, v in sd.items()}  # (an Ug entry only if fitted with bwd=gbasis)
+    return {int(b): PCABasis(**v) for b, v in sd.items()}  # (Ug, bits/gbits, elem only where fitted with them)
 
 
 def prepare_run(cfg, plan) -> None:

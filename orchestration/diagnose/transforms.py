@@ -95,7 +95,7 @@ def codec_transform(spec: str, H: int, L: int, seed: int, dtype=torch.float32,
             raise UsageError(f"--codecs {spec!r}: the pca codec needs calibration rows")
         from orchestration.components.calibration import fit_basis
 
-        codec.bases = {L: fit_basis(h_cal, codec.width(H), codec.sink, g_cal)}
+        codec.bases = {L: fit_basis(h_cal, codec.width(H), codec.sink, g_cal, **codec.fit_options(H))}
     key = MaskKey(seed, L, 0, 0)
     if isinstance(codec, PCACodec):  # per token over a row of seq_len (position 0 is per row)
         T = codec.seq_len

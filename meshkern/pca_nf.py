@@ -1,0 +1,229 @@
+"""The ``pca:quant=nf`` wire math: PCA coordinates quantized with a bit width of their
+own, chosen from the calibrated variance of each coordinate, on Gaussian (normal-float)
+code books, packed into one bit stream per token.
+
+    bits = allocate_bits(sd ** 2, total_bits)                 # once, at calibration
+    wire = encode_reference(h, U, sd, bits, nbytes, mean=mean)
+    h_hat = decode_reference(wire, U, sd, bits, shape, dtype, mean=mean)
+
+Why: in the default codec (int4 on the top k = H/2 coordinates, the rest dropped) the
+dropped coordinates cost more than the int4 rounding of the kept ones (docs/results.md,
+"What pca loses"). Classic transform coding spends a fixed bit budget the other way:
+every coordinate gets bits in proportion to its log-variance (reverse water-filling), so
+the few high-variance coordinates get 4-6 bits and the long tail 1-2 bits instead of 0.
+
+The spec (pure torch, all fp32 unless said):
+    code books   ``lloyd_max(b)``: the 2^b-level Lloyd-Max quantizer of a unit Gaussian
+                 (Max 1960), computed by Lloyd's iteration on the exact Gaussian integrals
+                 in float64 on the CPU, so both ends of a link derive the same levels.
+    allocation   ``allocate_bits(var, total_bits)``: greedy, one bit at a time, to the
+                 coordinate whose expected squared error var_i * D(b_i) falls most
+                 (D(b): the code book's distortion on a unit Gaussian; D is convex in b,
+                 so the greedy is optimal and equals the top ``total_bits`` marginal
+                 gains); ties go to the lower index; at most ``max_bits`` per coordinate.
+    coordinates  c = ((h - mean) @ U) / norm (norm = sd forward, gsd backward), per token
+                 r = rms(c) over the coordinates, rounded to fp16 (sent as fp16; an
+                 all-zero token gets r = 1; r is clamped into fp16's normal range),
+                 z = c / r, code_i = bucketize(z_i, boundaries of lloyd_max(b_i)) for
+                 b_i > 0 (coordinates with b_i = 0 are not sent and decode to 0).
+    packing      codes in coordinate order, each b_i bits, least significant bit first,
+                 into ``nbytes`` bytes per token (``pack_codes``); unused trailing bits 0.
+    decode       c_hat_i = levels(b_i)[code_i] * r * norm_i, h_hat = c_hat @ U^T + mean.
+    sink         as the int4 codec: position 0 of each sequence travels as int8 over H
+                 with an fp32 scale (meshkern.pca.quantize_reference).
+Wire: sink=True: [head [..., H] int8, head scale [..., 1] fp32, codes [..., T-1, nbytes]
+uint8, r [..., T-1, 1] fp16]; sink=False: [codes [..., T, nbytes], r [..., T, 1]].
+
+No kernel yet: this is the reference path on every device (bucketize, gathers and the
+two GEMMs are torch ops; the bit packing is elementwise).
+"""
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import torch
+from torch import Tensor
+
+from meshkern.pca import dequantize_reference, quantize_reference
+
+__all__ = ["lloyd_max", "distortion", "allocate_bits", "pack_codes", "unpack_codes", "encode_reference",
+           "decode_reference", "wire_shapes", "MAX_BITS"]
+
+MAX_BITS = 8
+_FP16_TINY, _FP16_MAX = 2.0 ** -14, 65504.0
+
+
+# ---------------------------------------------------------------- code books
+def _phi(x: Tensor) -> Tensor:
+    return torch.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
+
+
+def _Phi(x: Tensor) -> Tensor:
+    return 0.5 * (1 + torch.erf(x / math.sqrt(2)))
+
+
+def _cells(lv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(lower bounds, upper bounds, Gaussian mass) of the cells of the midpoint quantizer."""
+    b = (lv[1:] + lv[:-1]) / 2
+    inf = torch.tensor([math.inf], dtype=torch.float64)
+    lo, hi = torch.cat([-inf, b]), torch.cat([b, inf])
+    return lo, hi, _Phi(hi) - _Phi(lo)
+
+
+@lru_cache(maxsize=None)
+def _lloyd_max64(bits: int) -> tuple[Tensor, Tensor, float]:
+    """(levels [2^b], boundaries [2^b - 1], distortion) in float64 for a unit Gaussian."""
+    L = 2 ** bits
+    # start at the high-rate optimum (point density ~ pdf^(1/3): quantiles of N(0, 3)), then
+    # Lloyd's iteration: boundaries at midpoints, levels at the cells' conditional means
+    # (exact Gaussian integrals) until no level moves by 1e-10 (fp32 levels need no more)
+    p = (torch.arange(L, dtype=torch.float64) + 0.5) / L
+    lv = math.sqrt(3) * math.sqrt(2) * torch.erfinv(2 * p - 1)
+    for _ in range(20000):
+        lo, hi, mass = _cells(lv)
+        new = (_phi(lo) - _phi(hi)) / mass.clamp_min(1e-300)
+        done = bool((new - lv).abs().max() < 1e-10)
+        lv = new
+        if done:
+            break
+    lo, hi, mass = _cells(lv)
+    # E[(x - l)^2 ; lo < x < hi] = E[x^2 ; cell] - 2 l E[x ; cell] + l^2 P(cell), with
+    # E[x^2 ; cell] = P + lo phi(lo) - hi phi(hi) and E[x ; cell] = phi(lo) - phi(hi)
+    xphi = lambda t: torch.where(torch.isfinite(t), t * _phi(t), torch.zeros_like(t))  # noqa: E731
+    ex2 = mass + xphi(lo) - xphi(hi)
+    dist = float((ex2 - 2 * lv * (_phi(lo) - _phi(hi)) + lv * lv * mass).sum())
+    return lv, (lv[1:] + lv[:-1]) / 2, dist
+
+
+def lloyd_max(bits: int) -> tuple[Tensor, Tensor]:
+    """(levels [2^bits], boundaries [2^bits - 1]) fp32 of the Lloyd-Max quantizer of a unit
+    Gaussian; the same values on every machine (float64 CPU math, then rounded)."""
+    _check_width(bits)
+    lv, b, _ = _lloyd_max64(int(bits))
+    return lv.float(), b.float()
+
+
+def distortion(bits: int) -> float:
+    """Mean squared error of ``lloyd_max(bits)`` on a unit Gaussian (1.0 for 0 bits)."""
+    if bits == 0:
+        return 1.0
+    _check_width(bits)
+    return _lloyd_max64(int(bits))[2]
+
+
+def _check_width(bits) -> None:
+    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= MAX_BITS:
+        raise ValueError(f"a code width must be an int in 1..{MAX_BITS}, got {bits!r}")
+
+
+def allocate_bits(var: Tensor, total_bits: int, max_bits: int = MAX_BITS) -> Tensor:
+    """Bits per coordinate [k] int64 (sum = min(total_bits, k * max_bits)) for coordinates of
+    variance ``var`` [k] (>= 0): the greedy of the module doc."""
+    var = torch.as_tensor(var).detach().double().cpu()
+    if var.dim() != 1 or var.numel() < 1 or not bool(torch.isfinite(var).all()) or bool((var < 0).any()):
+        raise ValueError(f"allocate_bits: var must be a non-empty [k] of finite values >= 0, got {tuple(var.shape)}")
+    if not 1 <= int(max_bits) <= MAX_BITS or int(total_bits) < 0:
+        raise ValueError(f"allocate_bits: max_bits in 1..{MAX_BITS} and total_bits >= 0, got {max_bits}, {total_bits}")
+    D = torch.tensor([distortion(b) for b in range(int(max_bits) + 1)], dtype=torch.float64)
+    gain = var[:, None] * (D[:-1] - D[1:])[None, :]  # [k, max_bits]: what bit b+1 of coordinate i saves
+    n = min(int(total_bits), gain.numel())
+    order = torch.argsort(-gain.reshape(-1), stable=True)[:n]  # row-major: ties to the lower index
+    return torch.bincount(order // int(max_bits), minlength=var.numel()).long()
+
+
+# ------------------------------------------------------------------- packing
+# The stream is built in 32-bit words held in int64: a code at bit offset o lands in word
+# o // 32 shifted by o % 32, and its bits above the word's 32 in the next word. Codes do
+# not overlap, so adding them is OR-ing them. One pass over [..., k] codes instead of one
+# over [..., sum(bits)] single bits (3x faster at H = 576).
+def _offsets(bits: Tensor, device) -> tuple[Tensor, Tensor, Tensor]:
+    """(word, shift, mask) of every coordinate's code in the stream (int64)."""
+    bits = bits.long().cpu()
+    off = torch.cumsum(bits, 0) - bits
+    return off.div(32, rounding_mode="floor").to(device), (off % 32).to(device), ((1 << bits) - 1).to(device)
+
+
+def pack_codes(codes: Tensor, bits: Tensor, nbytes: int) -> Tensor:
+    """codes [..., k] (0 <= code_i < 2^bits_i) -> [..., nbytes] uint8, LSB first (module doc)."""
+    total = int(bits.sum())
+    if total > 8 * int(nbytes):
+        raise ValueError(f"pack_codes: {total} bits do not fit {nbytes} bytes")
+    word, shift, _ = _offsets(bits, codes.device)
+    nwords = -(-int(nbytes) // 4) + 1
+    v = codes.long() << shift
+    words = torch.zeros(*codes.shape[:-1], nwords, dtype=torch.int64, device=codes.device)
+    words.index_add_(-1, word, v & 0xFFFFFFFF).index_add_(-1, word + 1, v >> 32)
+    out = (words[..., None] >> torch.arange(0, 32, 8, device=codes.device)) & 0xFF
+    return out.reshape(*codes.shape[:-1], 4 * nwords)[..., :int(nbytes)].to(torch.uint8)
+
+
+def unpack_codes(packed: Tensor, bits: Tensor) -> Tensor:
+    """The inverse of ``pack_codes``: [..., nbytes] uint8 -> codes [..., k] int64."""
+    word, shift, mask = _offsets(bits, packed.device)
+    nb = packed.shape[-1]
+    nwords = -(-nb // 4) + 1
+    b = torch.nn.functional.pad(packed.long(), (0, 4 * nwords - nb)).reshape(*packed.shape[:-1], nwords, 4)
+    words = (b << torch.arange(0, 32, 8, device=packed.device)).sum(-1)
+    lo, hi = words.index_select(-1, word), words.index_select(-1, (word + 1).clamp_max(nwords - 1))
+    return ((lo | (hi << 32)) >> shift) & mask
+
+
+# ---------------------------------------------------------------- the codec
+def wire_shapes(shape, nbytes: int, sink: bool = True) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """(shape, dtype) of each wire tensor for a boundary tensor [..., T, H]."""
+    shape = tuple(int(s) for s in shape)
+    lead, T, H = shape[:-2], shape[-2], shape[-1]
+    Tb = T - 1 if sink else T
+    body = [(lead + (Tb, int(nbytes)), torch.uint8), (lead + (Tb, 1), torch.float16)]
+    return ([(lead + (H,), torch.int8), (lead + (1,), torch.float32)] if sink else []) + body
+
+
+def _tables(bits: Tensor, device) -> tuple[Tensor, Tensor]:
+    """(levels [k, 2^max], boundaries [k, 2^max - 1]) of every coordinate's code book, padded
+    with +inf boundaries (never passed) and zero levels; a 0-bit coordinate decodes to 0."""
+    top = max(1, int(bits.max()))
+    lv = torch.zeros(bits.numel(), 2 ** top)
+    bd = torch.full((bits.numel(), 2 ** top - 1), float("inf"))
+    for b in sorted(set(int(v) for v in bits.tolist()) - {0}):
+        cols = (bits == b).nonzero().squeeze(1)
+        lvb, bdb = lloyd_max(b)
+        lv[cols, :2 ** b], bd[cols, :2 ** b - 1] = lvb, bdb
+    return lv.to(device), bd.to(device)
+
+
+def encode_reference(h: Tensor, U: Tensor, norm: Tensor, bits: Tensor, nbytes: int, *,
+                     mean: Tensor | None = None, sink: bool = True) -> list[Tensor]:
+    """The wire of boundary tensor h [..., T, H] (module doc)."""
+    x = h.detach().float()
+    if sink:
+        head, x = x[..., 0, :], x[..., 1:, :]
+    c = ((x - mean) if mean is not None else x) @ U / norm
+    r = c.pow(2).mean(-1, keepdim=True).sqrt()
+    r = torch.where(r > 0, r, torch.ones_like(r)).clamp(_FP16_TINY, _FP16_MAX).half()
+    z = c / r.float()
+    _, bd = _tables(bits, z.device)
+    zt = z.reshape(-1, z.shape[-1]).T.contiguous()  # [k, N]: one sorted table per coordinate
+    codes = torch.searchsorted(bd, zt).T.reshape(z.shape)  # = bucketize(z_i, boundaries_i)
+    wire = [pack_codes(codes, bits, nbytes).contiguous(), r.contiguous()]
+    if sink:
+        wire = quantize_reference(head, 8) + wire
+    return wire
+
+
+def decode_reference(wire, U: Tensor, norm: Tensor, bits: Tensor, shape, dtype: torch.dtype, *,
+                     mean: Tensor | None = None, sink: bool = True) -> Tensor:
+    """h_hat [shape] of ``dtype`` from ``encode_reference``'s wire (same U, norm, bits, mean, sink)."""
+    shape = tuple(shape)
+    H = U.shape[0]
+    packed, r = wire[2:] if sink else wire
+    codes = unpack_codes(packed, bits)
+    lv, _ = _tables(bits, codes.device)
+    flat = codes.reshape(-1, codes.shape[-1])
+    z = lv.gather(1, flat.T.contiguous()).T.reshape(codes.shape)
+    x = (z * r.float() * norm) @ U.T
+    if mean is not None:
+        x = x + mean
+    if sink:
+        x = torch.cat([dequantize_reference(wire[0], wire[1], H, 8).unsqueeze(-2), x], dim=-2)
+    return x.reshape(shape).to(dtype)

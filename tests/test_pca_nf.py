@@ -1,0 +1,223 @@
+"""meshkern.pca_nf and PCACodec(quant="nf"): Gaussian code books, per-coordinate bit
+allocation, the bit stream, the codec's wire and its calibration, each against a known
+answer or an independent reference."""
+import heapq
+import json
+import os
+
+import pytest
+import torch
+
+from meshkern import pca_nf
+from meshkern.mask import MaskKey
+from orchestration import codecs
+from orchestration.codecs import NonFiniteWire, PCACodec
+from orchestration.components import calibration
+
+
+# Max (1960), "Quantizing for minimum distortion", Table I: the positive output levels and
+# the mean squared error of the optimal quantizer of a unit Gaussian.
+MAX_1960 = {1: ([0.7980], 0.3634), 2: ([0.4528, 1.510], 0.1175), 3: ([0.2451, 0.7560, 1.344, 2.152], 0.03454),
+            4: ([0.1284, 0.3881, 0.6568, 0.9424, 1.256, 1.618, 2.069, 2.733], 0.009497)}
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+def test_code_books_are_max_1960s_gaussian_quantizers(bits):
+    levels, bounds = pca_nf.lloyd_max(bits)
+    want, mse = MAX_1960[bits]
+    torch.testing.assert_close(levels[2 ** bits // 2:], torch.tensor(want), atol=6e-4, rtol=0)
+    torch.testing.assert_close(levels, -levels.flip(0))  # symmetric
+    torch.testing.assert_close(bounds, (levels[1:] + levels[:-1]) / 2)
+    assert abs(pca_nf.distortion(bits) - mse) / mse < 2e-3
+
+
+def test_distortion_matches_a_monte_carlo_estimate():
+    z = torch.randn(400_000, generator=torch.Generator().manual_seed(0))
+    for b in range(1, pca_nf.MAX_BITS + 1):
+        lv, bd = pca_nf.lloyd_max(b)
+        mse = float((lv[torch.bucketize(z, bd)] - z).pow(2).mean())
+        assert abs(mse - pca_nf.distortion(b)) / pca_nf.distortion(b) < 0.03, b
+    assert pca_nf.distortion(0) == 1.0
+    with pytest.raises(ValueError, match="code width"):
+        pca_nf.lloyd_max(9)
+
+
+def _greedy(var, total, max_bits):
+    """One bit at a time by a heap: the allocation rule written the slow, obvious way."""
+    bits = [0] * len(var)
+    heap = [(-(v * (1 - pca_nf.distortion(1))), i) for i, v in enumerate(var)]
+    heapq.heapify(heap)
+    for _ in range(min(total, len(var) * max_bits)):
+        _, i = heapq.heappop(heap)
+        bits[i] += 1
+        if bits[i] < max_bits:
+            b = bits[i]
+            heapq.heappush(heap, (-(var[i] * (pca_nf.distortion(b) - pca_nf.distortion(b + 1))), i))
+    return bits
+
+
+@pytest.mark.parametrize("seed,total,max_bits", [(0, 100, 8), (1, 7, 8), (2, 300, 4), (3, 10_000, 8)])
+def test_allocation_equals_the_one_bit_at_a_time_greedy(seed, total, max_bits):
+    g = torch.Generator().manual_seed(seed)
+    var = (torch.rand(50, generator=g) * 6 - 4).exp().sort(descending=True).values.double()
+    bits = pca_nf.allocate_bits(var, total, max_bits)
+    assert bits.tolist() == _greedy(var.tolist(), total, max_bits)
+    assert int(bits.sum()) == min(total, 50 * max_bits) and int(bits.max()) <= max_bits
+    assert all(a >= b for a, b in zip(bits.tolist(), bits.tolist()[1:]))  # descending variance: widths too
+
+
+def test_allocation_known_answers_and_errors():
+    # equal variances: one bit each, ties to the lower index
+    assert pca_nf.allocate_bits(torch.ones(4), 6).tolist() == [2, 2, 1, 1]
+    # a coordinate 4^2 = 16x the variance of another is worth two more bits (each bit ~ /4 error)
+    assert pca_nf.allocate_bits(torch.tensor([16.0, 1.0]), 4).tolist() == [3, 1]
+    assert pca_nf.allocate_bits(torch.tensor([1.0, 0.0]), 3).tolist() == [3, 0]
+    for bad in (torch.tensor([1.0, -1.0]), torch.tensor([float("nan")]), torch.ones(0)):
+        with pytest.raises(ValueError, match="var"):
+            pca_nf.allocate_bits(bad, 4)
+
+
+def test_bit_stream_layout_and_round_trip():
+    # widths 3 and 2, codes 5 and 2: bits 1,0,1 then 0,1 LSB first -> 0b01101 = 21
+    packed = pca_nf.pack_codes(torch.tensor([[5, 2]]), torch.tensor([3, 2]), 1)
+    assert packed.tolist() == [[21]] and packed.dtype == torch.uint8
+    g = torch.Generator().manual_seed(0)
+    bits = torch.randint(0, 9, (37,), generator=g)
+    codes = (torch.rand(3, 5, 37, generator=g) * (2 ** bits).float()).long()
+    nbytes = -(-int(bits.sum()) // 8) + 1
+    packed = pca_nf.pack_codes(codes, bits, nbytes)
+    assert packed.shape == (3, 5, nbytes)
+    assert torch.equal(pca_nf.unpack_codes(packed, bits), codes)
+    with pytest.raises(ValueError, match="do not fit"):
+        pca_nf.pack_codes(codes, bits, nbytes - 2)
+
+
+def _basis(H=24, k=20, seed=0, nf_bits=60):
+    g = torch.Generator().manual_seed(seed)
+    U, _ = torch.linalg.qr(torch.randn(H, k, generator=g, dtype=torch.float64))
+    sd = torch.linspace(3.0, 0.2, k)
+    gsd = torch.rand(k, generator=g) + 0.1
+    return codecs.PCABasis(torch.randn(H, generator=g), U.float(), sd, gsd, bits=pca_nf.allocate_bits(sd ** 2, nf_bits),
+                           gbits=pca_nf.allocate_bits(gsd ** 2, nf_bits))
+
+
+def _nearest_level_reference(x, U, norm, bits, mean, sink):
+    """Decoded values written independently: per token, each coordinate to the nearest level
+    of its width's code book (what bucketizing at the midpoints means), times r."""
+    x = x.double()
+    head, body = (x[..., 0, :], x[..., 1:, :]) if sink else (None, x)
+    c = ((body - mean.double()) if mean is not None else body) @ U.double() / norm.double()
+    r = c.pow(2).mean(-1, keepdim=True).sqrt().float().half().double()
+    z = c / r
+    out = torch.zeros_like(z)
+    for i, b in enumerate(bits.tolist()):
+        if b:
+            lv = pca_nf.lloyd_max(b)[0].double()
+            out[..., i] = lv[(z[..., i:i + 1] - lv).abs().argmin(-1)]
+    y = (out * r * norm.double()) @ U.double().T + (mean.double() if mean is not None else 0)
+    if sink:
+        s = head.abs().amax(-1, keepdim=True) / 127
+        y = torch.cat([(torch.round(head / s).clamp(-127, 127) * s).unsqueeze(-2), y], dim=-2)
+    return y.float()
+
+
+@pytest.mark.parametrize("sink", [True, False])
+def test_codec_round_trip_equals_the_nearest_level_reference(sink):
+    H, T = 24, 9
+    b = _basis(H)
+    codec = PCACodec(quant="nf", budget=96 / 20, sink=sink, seq_len=T, bases={3: b})  # B = 20 bytes per token
+    nb = codec.code_bytes(H)
+    assert nb == 20 - (-(-(H + 4) // T) if sink else 0) - 2
+    b = _basis(H, nf_bits=8 * nb)
+    codec.bases = {3: b}
+    g = torch.Generator().manual_seed(4)
+    h = torch.randn(2, T, H, generator=g) * 2 + 1
+    key = MaskKey(0, 3, 0, 0)
+    wire, ctx = codec.encode_fwd(h, key)
+    assert [(tuple(t.shape), t.dtype) for t in wire] == codec.wire_specs(h.shape, h.dtype, "fwd")
+    assert codec.wire_bytes(h.shape, h.dtype, "fwd") == 2 * ((H + 4 if sink else 0) + (T - sink) * (nb + 2))
+    out = codec.decode_fwd(wire, key, h.shape, h.dtype)
+    torch.testing.assert_close(out, _nearest_level_reference(h, b.U, b.sd, b.bits, b.mean, sink), rtol=1e-4, atol=1e-4)
+    gr = torch.randn(2, T, H, generator=g)
+    gout = codec.decode_bwd(codec.encode_bwd(gr, key, wire), key, ctx)
+    gref = _nearest_level_reference(gr, b.U, b.gsd, b.gbits, None, False)
+    if sink:  # the backward's position 0 goes as int8 too
+        gref = _nearest_level_reference(gr, b.U, b.gsd, b.gbits, None, True)
+    torch.testing.assert_close(gout, gref, rtol=1e-4, atol=1e-4)
+
+
+def test_codec_rejects_bad_options_bases_and_wires():
+    for bad in ({"k": 8}, {"bits": 8}, {"adapt": True}, {"bwd": "gbasis", "grad_rows": 4}):
+        with pytest.raises(ValueError, match="quant=nf"):
+            PCACodec(quant="nf", **bad)
+    with pytest.raises(ValueError, match="quant must be"):
+        PCACodec(quant="nf4")
+    with pytest.raises(ValueError, match="basis_dtype"):
+        PCACodec(basis_dtype="bfloat16")
+    H, T = 24, 9
+    b = _basis(H)
+    plain = codecs.PCABasis(b.mean, b.U, b.sd, b.gsd)
+    key = MaskKey(0, 0, 0, 0)
+    h = torch.randn(1, T, H)
+    with pytest.raises(ValueError, match="not a quant=nf basis"):
+        PCACodec(quant="nf", budget=4, seq_len=T, bases={0: plain}).encode_fwd(h, key)
+    with pytest.raises(ValueError, match="quant=nf"):  # an nf basis in an int4 codec
+        PCACodec(k=20, seq_len=T, bases={0: b}).encode_fwd(h, key)
+    codec = PCACodec(quant="nf", budget=4, seq_len=T, bases={0: b})
+    wire, _ = codec.encode_fwd(h, key)
+    bad = list(wire)
+    bad[-1] = -bad[-1]
+    with pytest.raises(NonFiniteWire, match="non-positive"):
+        codec.decode_fwd(bad, key, h.shape, h.dtype)
+    bad[-1] = torch.full_like(wire[-1], float("nan"))
+    with pytest.raises(NonFiniteWire):
+        codec.decode_fwd(bad, key, h.shape, h.dtype)
+    with pytest.raises(ValueError, match="bits"):
+        codecs.PCABasis(b.mean, b.U, b.sd, b.gsd, bits=b.bits)  # without gbits
+    with pytest.raises(ValueError, match="code widths"):
+        codecs.PCABasis(b.mean, b.U, b.sd, b.gsd, bits=b.bits + 9, gbits=b.gbits)
+
+
+@pytest.mark.parametrize("half", [False, True])
+def test_fit_basis_allocates_the_budget_and_keeps_the_coordinates_with_bits(tmp_path, half):
+    g = torch.Generator().manual_seed(5)
+    H, nf_bits = 32, 70
+    h = torch.randn(6, 17, H, generator=g) @ torch.diag(torch.linspace(4, 0.05, H)) @ torch.linalg.qr(
+        torch.randn(H, H, generator=g))[0]
+    grads = torch.randn(6, 17, H, generator=g)
+    b = calibration.fit_basis(h, H, sink=True, grads=grads, nf_bits=nf_bits, half=half)
+    full = calibration.fit_pca(calibration.inlier_tokens(h, True))
+    want = pca_nf.allocate_bits(full.eigvals.clamp_min(0), nf_bits)
+    k = int((want > 0).sum())
+    assert b.k == k < H and b.bits.tolist() == want[:k].tolist() and int(b.bits.sum()) == nf_bits
+    assert b.gbits.tolist() == pca_nf.allocate_bits(b.gsd.double() ** 2, nf_bits).tolist()
+    if half:
+        for t in (b.mean, b.U, b.sd, b.gsd):
+            assert torch.equal(t, t.half().float())
+    assert b.nbytes() == (2 if half else 4) * (H + H * k + 2 * k) + 2 * k
+    calibration.save({0: b}, str(tmp_path))
+    back = calibration.load(str(tmp_path))[0]
+    assert torch.equal(back.bits, b.bits) and torch.equal(back.gbits, b.gbits) and back.elem == b.elem
+    assert back.nbytes() == b.nbytes()
+
+
+@pytest.mark.slow
+def test_nf_codec_trains_through_the_mesh(tiny, tmp_path):
+    """1x2 mesh, pca:quant=nf: finite losses, the saved basis spends exactly the budget's
+    code bits each way, and the PP bytes are the wire's per micro-batch plus the basis once."""
+    from test_calibration import run_pca_mesh
+
+    cfg, plan, res = run_pca_mesh(tiny, tmp_path, {"seq_len": 32, "calib_rows": 8, "quant": "nf", "budget": 4},
+                                  rows=1)
+    assert all(l == l and l > 0 for l in res[1]["losses"])
+    codec = calibration.codec_of(cfg)
+    H = 40
+    nb = codec.code_bytes(H)
+    assert nb == 160 // 4 - 2 - 2  # B = 40 bytes per token: 2 for position 0, 2 for the fp16 scale
+    saved = calibration.load(plan.run_dir)[0]
+    assert int(saved.bits.sum()) == int(saved.gbits.sum()) == 8 * nb and saved.k <= H
+    per_mb = codec.wire_bytes((2, 32, H), torch.float32, "fwd")
+    assert per_mb == 2 * (44 + 31 * (nb + 2))
+    links = json.load(open(os.path.join(plan.run_dir, "link_bytes.json")))["links"]
+    assert links["pp_fwd:0->1"] == 3 * 2 * per_mb + saved.nbytes()
+    assert links["pp_bwd:1->0"] == 3 * 2 * per_mb
