@@ -69,6 +69,20 @@ ROWS: tuple[Row, ...] = (
     # The same bytes as pca4-b8 spent the other way: half the coordinates (k = 279), int8.
     Row("pca8-b8", "baseline", "pca4", ("--boundary.options", '{"bits": 8, "budget": 8, "sink": true}'),
         label="PCA-int8 + sink, 1/8 of dense", paper="(not in the paper)"),
+    # pca4 calibrated on 64 rows instead of 16 (the nf rows below use 64: this row tells the
+    # better-fitted basis apart from the code books).
+    Row("pca4-c64", "baseline", "pca4", ("--boundary.options", '{"bits": 4, "budget": 15, "sink": true, "calib_rows": 64}'),
+        label="PCA-int4 + sink, 1/15 of dense, basis fitted on 64 rows", paper="(not in the paper)"),
+    # Per-coordinate code widths on Gaussian code books (quant=nf, meshkern.pca_nf): pca4's
+    # bytes spent on every coordinate by its variance instead of int4 on the top half.
+    Row("pcanf", "baseline", "pca4", ("--boundary.options", '{"quant": "nf", "budget": 15, "sink": true, "calib_rows": 64}'),
+        label="PCA-NF (bits per coordinate) + sink, 1/15 of dense", paper="(not in the paper)"),
+    # Issue #28's byte goal: 1/30 of dense fp32 (>= 15x less than bf16 dense) each way, the
+    # basis sent in fp16.
+    Row("pcanf-b30", "baseline", "pca4", ("--boundary.options",
+                                          '{"quant": "nf", "budget": 30, "sink": true, "calib_rows": 64, '
+                                          '"basis_dtype": "float16"}'),
+        label="PCA-NF + sink, 1/30 of dense (fp16 basis)", paper="(not in the paper)"),
     # The anchor circuit and spectral correction on top of pca4 (issue #12): M95+AP's anchor
     # settings (factored transport, SpectralAdamW) with pca4's boundaries.
     Row("pca4-ap", "baseline", "m95-ap", ("--boundary.codec", "pca", "--boundary.options",

@@ -1,0 +1,98 @@
+"""pca:quant=nf (meshkern.pca_nf, the reference path: no kernel yet) against the GEMM of the
+same size (the limit) and against the int4 codec's fused ops at the same bytes per token.
+
+    python -m bench.pca_nf_bench                       # CPU, 1 thread, 32 x 128 tokens, H = 576
+    python -m bench.pca_nf_bench --hidden 576 2048 --budget 15 30 --json out.json
+
+Per hidden size H and budget (1/budget of dense fp32 bytes per token per direction), a
+spectrum like SmolLM2-135M's boundary (variances falling as i^-1.5), the widths allocated
+as calibration allocates them (k = the coordinates that get a bit), fp32 boundary [B, T, H]:
+  nf         encode_reference / decode_reference (projection, bucketize per width group,
+             bit packing; decode: unpacking, code book gathers, GEMM)
+  matmul     h @ U [N, H] x [H, k] (encode) and c @ U^T (decode)
+  int4       meshkern.pca.encode / decode at the int4 codec's k for the same budget
+             (fused: cpp on CPU, triton on CUDA)
+Columns: ms (median), nf/matmul (distance from the limit), nf/int4. Interleaved round-robin
+(bench.subspace_bench.rotated_medians); CPU clock = process CPU time.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from bench.subspace_bench import rotated_medians
+from meshkern import _backend, pca, pca_nf
+from orchestration.codecs.pca import nf_code_bytes, pca_width
+
+
+def _case(B, T, H, budget, device, repeats, clock, be):
+    g = torch.Generator().manual_seed(0)
+    var = torch.arange(1, H + 1, dtype=torch.float64) ** -1.5
+    nb = nf_code_bytes(H, budget, True, T)
+    bits = pca_nf.allocate_bits(var, 8 * nb)
+    k = int((bits > 0).sum())
+    bits = bits[:k]
+    h = (torch.randn(B, T, H, generator=g) * 3).to(device)
+    U = torch.linalg.qr(torch.randn(H, k, generator=g))[0].contiguous().to(device)
+    mean = torch.randn(H, generator=g).to(device)
+    sd = var[:k].sqrt().float().to(device)
+    k4 = pca_width(H, 4, budget, True, T)
+    U4, sd4 = U[:, :k4].contiguous(), sd[:k4].contiguous()
+    wire = pca_nf.encode_reference(h, U, sd, bits, nb, mean=mean)
+    wire4 = pca.encode(h, U4, sd4, mean=mean, backend="reference")
+    h2, c, Ut = h.view(-1, H), torch.randn(B * T, k, generator=g).to(device), U.T
+    fns = {
+        "enc nf": lambda: pca_nf.encode_reference(h, U, sd, bits, nb, mean=mean),
+        "enc matmul": lambda: h2 @ U,
+        "enc int4": lambda: pca.encode(h, U4, sd4, mean=mean, backend=be),
+        "dec nf": lambda: pca_nf.decode_reference(wire, U, sd, bits, h.shape, h.dtype, mean=mean),
+        "dec matmul": lambda: c @ Ut,
+        "dec int4": lambda: pca.decode(wire4, U4, sd4, shape=h.shape, dtype=h.dtype, mean=mean, backend=be),
+    }
+    return k, k4, {n: v * 1e3 for n, v in rotated_medians(fns, repeats, device, clock).items()}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--tokens", type=int, default=4096, help="B x T, T = --seq")
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--hidden", type=int, nargs="+", default=[576])
+    ap.add_argument("--budget", type=float, nargs="+", default=[15, 30])
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    device = torch.device(a.device)
+    be = "cpp" if device.type == "cpu" else "triton"
+    why = _backend.why_unavailable(be, "pca", device)
+    if why:
+        be = "reference"
+        print(f"# int4 column: backend {why}; reference path instead")
+    clock = time.process_time if device.type == "cpu" else time.perf_counter
+    B = max(1, a.tokens // a.seq)
+    print(f"# pca nf bench: device={device} threads={torch.get_num_threads()} B x T = {B} x {a.seq} fp32, "
+          f"int4 column backend={be}, clock={'process CPU time' if device.type == 'cpu' else 'wall'}, "
+          f"medians of {a.repeats}")
+    print(f"{'H':>5} {'budget':>6} {'k nf':>5} {'k int4':>6} | {'op':<7} {'nf ms':>8} {'matmul ms':>9} "
+          f"{'int4 ms':>8} {'nf/matmul':>9} {'nf/int4':>7}")
+    rows = []
+    for H in a.hidden:
+        for budget in a.budget:
+            k, k4, t = _case(B, a.seq, H, budget, device, a.repeats, clock, be)
+            for op, p in (("encode", "enc"), ("decode", "dec")):
+                f, m, i4 = t[f"{p} nf"], t[f"{p} matmul"], t[f"{p} int4"]
+                print(f"{H:>5} {budget:>6g} {k:>5} {k4:>6} | {op:<7} {f:>8.3f} {m:>9.3f} {i4:>8.3f} "
+                      f"{f / m:>9.2f} {f / i4:>7.2f}")
+                rows.append(dict(H=H, budget=budget, k=k, k_int4=k4, op=op, nf_ms=f, matmul_ms=m, int4_ms=i4))
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(rows, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
