@@ -39,6 +39,7 @@ import torch
 
 from orchestration.components import checkpoint as ckpt
 from orchestration.config import Config, flag_name, ineffective_settings, parse_args, to_yaml
+from orchestration.distributed import devices
 from orchestration.distributed.launch import MeshFailure, free_port, run_local
 from orchestration.distributed.mesh import MeshLayout, destroy_mesh, init_mesh, mesh_name
 from orchestration.components.builders import RankContext, build_stage
@@ -126,8 +127,9 @@ def _checked_model(cfg: Config):
         from orchestration.adapters import check_targets
 
         check_targets(cfg.adapter, hf_cfg)
-    if cfg.mesh.dist_backend == "nccl" and not torch.cuda.is_available():
-        raise ValueError("--mesh.dist-backend nccl needs CUDA GPUs, and torch sees none (torch.cuda.is_available() is False)")
+    devices.resolve_dist_backend(cfg.mesh.dist_backend, cfg.mesh.device,  # ValueError: no GPU / too few for nccl
+                                 local_ranks=devices.local_world_size() if under_torchrun() else cfg.world_size)
+    devices.start_method(cfg.mesh.start_method, cfg.mesh.device)
     return path, hf_cfg, arch
 
 
@@ -270,7 +272,8 @@ def run_rank(rank: int, world_size: int, cfg: Config, plan: Plan) -> dict:
         mesh = anchor.join_anchor_row(layout, rank, cfg)
     else:
         mesh = init_mesh(layout, dist_backend=cfg.mesh.dist_backend, timeout_s=cfg.mesh.timeout_s,
-                         num_layers=plan.num_layers, layers_per_stage=cfg.mesh.layers_per_stage)
+                         num_layers=plan.num_layers, layers_per_stage=cfg.mesh.layers_per_stage,
+                         device=cfg.mesh.device)
     try:
         stage = build_stage(cfg, plan, mesh)
         if mesh.is_anchor:
@@ -314,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
                   "logging to metrics.jsonl only", file=sys.stderr, flush=True)
             cfg.run.tensorboard = False
     try:
-        plan = prepare(cfg, load_model=cfg.mesh.start_method == "fork" and not under_torchrun())
+        start = devices.start_method(cfg.mesh.start_method, cfg.mesh.device)
+        plan = prepare(cfg, load_model=start == "fork" and not under_torchrun())
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -384,7 +388,8 @@ def _main_local(cfg: Config, plan: Plan, layout: MeshLayout, join: bool) -> int:
             print(f"[anchor] the fast circuit's store is 127.0.0.1:{port}; a new anchor row joins it with: "
                   f"python -m orchestration.train --config {os.path.join(plan.run_dir, 'config.yaml')} "
                   f"--anchor.join --anchor.store 127.0.0.1:{port}", file=sys.stderr, flush=True)
-        res = run_local(run_rank, cfg.world_size, (cfg, plan), start_method=cfg.mesh.start_method,
+        res = run_local(run_rank, cfg.world_size, (cfg, plan),
+                        start_method=devices.start_method(cfg.mesh.start_method, cfg.mesh.device),
                         threads=cfg.mesh.threads_per_rank, describe=layout.describe, optional=anchors,
                         restarts=cfg.anchor.restarts if anchors else 0, port=port)
     except MeshFailure as e:
@@ -409,7 +414,8 @@ def _join_anchor_row(cfg: Config, plan: Plan, layout: MeshLayout) -> int:
               "running? (its launcher prints the address)", file=sys.stderr)
         return 2
     try:
-        res = run_local(run_anchor_row_rank, layout.stages, (cfg, plan), start_method=cfg.mesh.start_method,
+        res = run_local(run_anchor_row_rank, layout.stages, (cfg, plan),
+                        start_method=devices.start_method(cfg.mesh.start_method, cfg.mesh.device),
                         threads=cfg.mesh.threads_per_rank, optional=set(range(layout.stages)),
                         describe=lambda r: layout.describe(layout.anchor_rank(r)),
                         restarts=cfg.anchor.restarts)

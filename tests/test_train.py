@@ -173,6 +173,9 @@ def test_nccl_without_cuda_is_refused(tiny, tmp_path, capsys):
     assert "--mesh.dist-backend nccl needs CUDA GPUs" in capsys.readouterr().err
     assert main(_args(tiny, tmp_path, "--mesh.backend", "nccl")) == 2  # the field's old name still works
     assert "--mesh.dist-backend nccl needs CUDA GPUs" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(_args(tiny, tmp_path, "--mesh.device", "cuda")) == 2
+        assert "--mesh.device cuda needs a CUDA GPU" in capsys.readouterr().err
 
 
 def test_unknown_architecture_is_refused(tiny, tmp_path, capsys):

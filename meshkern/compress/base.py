@@ -215,12 +215,16 @@ class Compressor:
         s, r = ring_all_gather_bytes(nbytes, world)
         self.bytes_sent += s
         self.bytes_received += r
-        out = torch.empty(world * block.numel(), dtype=block.dtype, device=block.device)
+        # gloo all-reduces CUDA tensors but does not all-gather them: ranks that share a GPU
+        # over gloo gather CPU copies (orchestration.distributed.devices)
+        via_cpu = world > 1 and block.is_cuda and dist.get_backend(group) == "gloo"
+        src = block.cpu() if via_cpu else block
+        out = torch.empty(world * block.numel(), dtype=block.dtype, device=src.device)
         if world > 1:
-            self._wait(_all_gather_single(out, block, group=group, async_op=True), what)
+            self._wait(_all_gather_single(out, src, group=group, async_op=True), what)
         else:
             out.copy_(block)
-        return out.view(world, block.numel())
+        return (out.to(block.device) if via_cpu else out).view(world, block.numel())
 
 
 # torch 2.13 deprecates all_gather_into_tensor (a FutureWarning per call) for

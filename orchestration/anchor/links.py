@@ -191,7 +191,7 @@ def join_anchor_row(layout, rank: int, cfg, secret: bytes | None = None):
     generation = claim_generation(store, stage, cfg.mesh.timeout_s, secret=secret)
     try:
         mesh = init_anchor_row(layout, stage, store, generation, dist_backend=cfg.mesh.dist_backend,
-                               timeout_s=cfg.mesh.timeout_s)
+                               timeout_s=cfg.mesh.timeout_s, device=cfg.mesh.device)
     except Exception as e:
         raise store_failure(
             e, f"{layout.describe(rank)}: the other anchor stages of generation {generation} did not join within "

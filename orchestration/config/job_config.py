@@ -25,9 +25,13 @@ class MeshConfig:
     layers_per_stage: list = _f([], "decoder layers per stage, e.g. 3,1 (empty: balanced); with --mesh.replicas it applies to the deepest replicas (the others are balanced)")
     replicas: list = _f([], "a heterogeneous mesh: pipeline stages of each replica, e.g. 1,2,2 = one full replica (the whole model in one process) and two 2-stage pipeline replicas; sets --mesh.rows and --mesh.stages (the deepest replica); DP sync then runs per parameter name; unless set otherwise, this mode uses --dp.compressor sparseloco, --boundary.codec int4 and --boundary.compress selective (docs/heterogeneous.md); no anchor. Empty: --mesh.rows replicas of --mesh.stages stages")
     dist_backend: str = _f("auto", "torch.distributed backend of the mesh (not a kernel backend, see MESHKERN_BACKEND): "
-                               "auto (nccl with CUDA, else gloo), gloo, nccl")
+                               "auto (nccl when every local rank has a GPU of its own, else gloo), gloo, nccl")
+    device: str = _f("auto", "where each fast rank computes: auto (cuda when torch sees a GPU, else cpu), cpu, or cuda "
+                             "(GPU LOCAL_RANK mod the GPUs visible: ranks share GPUs when there are fewer GPUs than ranks, "
+                             "and then talk over gloo, wire tensors through CPU copies; orchestration.distributed.devices)")
     timeout_s: float = _f(60.0, "a rank that waits on a dead or stalled peer longer than this fails with an error")
-    start_method: str = _f("fork", "how the local launcher starts ranks: fork (fast: the parent loads model and data once) or spawn")
+    start_method: str = _f("auto", "how the local launcher starts ranks: auto (fork on CPU, spawn on CUDA), fork (fast: the "
+                                   "parent loads model and data once; CPU only) or spawn")
     threads_per_rank: int = _f(1, "torch intra-op threads per rank (1: ranks share few cores; OpenMP spin-waiting otherwise)")
 
 

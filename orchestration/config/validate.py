@@ -77,7 +77,9 @@ def _check_mesh(cfg: Config) -> None:
     _need(m.dist_backend in ("auto", "gloo", "nccl"),
           f"--mesh.dist-backend must be auto, gloo or nccl, got {m.dist_backend!r}")
     _need(m.timeout_s > 0, f"--mesh.timeout-s must be > 0, got {m.timeout_s}")
-    _need(m.start_method in ("fork", "spawn"), f"--mesh.start-method must be fork or spawn, got {m.start_method!r}")
+    _need(m.start_method in ("auto", "fork", "spawn"),
+          f"--mesh.start-method must be auto, fork or spawn, got {m.start_method!r}")
+    _need(m.device in ("auto", "cpu", "cuda"), f"--mesh.device must be auto, cpu or cuda, got {m.device!r}")
     _need(m.threads_per_rank >= 1, "--mesh.threads-per-rank must be >= 1")
 
 

@@ -37,6 +37,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from orchestration.distributed.devices import rank_device, resolve_dist_backend
+
 
 @dataclass(frozen=True)
 class SyncSegment:
@@ -225,7 +227,7 @@ class Mesh:
     fast: object = None
     groups: dict = field(default_factory=dict)
     segments: list = field(default_factory=list)  # heterogeneous: [(SyncSegment, group)] this rank is in
-    device: torch.device = torch.device("cpu")  # where this rank computes (cuda:LOCAL_RANK with NCCL)
+    device: torch.device = torch.device("cpu")  # where this rank computes (--mesh.device; devices.rank_device)
     store: object = None  # anchor row: its client of the fast circuit's store
     generation: int = 0   # anchor row: its generation (orchestration.anchor.claim_generation)
     secret: bytes = b""   # anchor row: the run's anchor secret (orchestration.anchor.auth)
@@ -267,19 +269,6 @@ class Mesh:
         return self.layout.describe(self.rank if rank is None else rank)
 
 
-def resolve_dist_backend(dist_backend: str) -> str:
-    """The torch.distributed backend (gloo | nccl; not a kernel backend) for ``dist_backend``."""
-    if dist_backend == "auto":
-        return "nccl" if torch.cuda.is_available() else "gloo"
-    return dist_backend
-
-
-def _device(dist_backend: str) -> torch.device:
-    if dist_backend == "nccl":  # NCCL moves CUDA tensors only: one GPU per local rank
-        d = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(d)
-        return d
-    return torch.device("cpu")
 
 
 STORE_BIND_ENV = "MESHKERN_STORE_BIND"
@@ -326,7 +315,7 @@ def rendezvous_store(rank: int, world_size: int, timeout_s: float):
 
 
 def init_mesh(layout: MeshLayout, *, dist_backend: str = "auto", timeout_s: float = 60.0,
-              num_layers: int = 0, layers_per_stage: list[int] | None = None) -> Mesh:
+              num_layers: int = 0, layers_per_stage: list[int] | None = None, device: str = "cpu") -> Mesh:
     """Joins the fast circuit's world (env:// rendezvous: RANK, MASTER_ADDR, MASTER_PORT,
     as set by torchrun or orchestration.distributed.launch; its size is ``layout.fast_world_size``) and
     creates every group. Fast ranks only: the anchor row joins with ``init_anchor_row``.
@@ -335,18 +324,19 @@ def init_mesh(layout: MeshLayout, *, dist_backend: str = "auto", timeout_s: floa
 
     Raises ValueError if RANK is an anchor rank or WORLD_SIZE (under torchrun) does not
     match. ``timeout_s`` bounds every collective and p2p wait, so a dead or stalled peer
-    becomes an error, never a hang.
+    becomes an error, never a hang. ``device``: --mesh.device (orchestration.distributed.devices).
     """
     rank = int(os.environ.get("RANK", "0"))
+    dist_backend = resolve_dist_backend(dist_backend, device)
     if layout.is_anchor(rank):
         raise ValueError(f"{layout.describe(rank)} is in the anchor row: it joins with init_anchor_row, not init_mesh")
     if not dist.is_initialized():
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":  # torchrun's agent holds the store
-            dist.init_process_group(resolve_dist_backend(dist_backend), init_method="env://", rank=rank,
+            dist.init_process_group(dist_backend, init_method="env://", rank=rank,
                                     world_size=layout.fast_world_size, timeout=timedelta(seconds=timeout_s))
         else:  # env:// as torch does it, but the store listens on MASTER_ADDR only (docs/security.md)
             store = rendezvous_store(rank, layout.fast_world_size, timeout_s)
-            dist.init_process_group(resolve_dist_backend(dist_backend), store=dist.PrefixStore("default_pg", store),
+            dist.init_process_group(dist_backend, store=dist.PrefixStore("default_pg", store),
                                     rank=rank, world_size=layout.fast_world_size, timeout=timedelta(seconds=timeout_s))
     world, rank = dist.get_world_size(), dist.get_rank()
     if world != layout.fast_world_size:
@@ -354,7 +344,7 @@ def init_mesh(layout: MeshLayout, *, dist_backend: str = "auto", timeout_s: floa
                          f"needs {layout.fast_world_size} ranks")
     row, stage = layout.coords(rank)
     m = Mesh(layout, rank, row, stage)
-    m.device = _device(dist.get_backend())
+    m.device = rank_device(device)
     tmo = timedelta(seconds=timeout_s)
     # Same order on every rank: rows, dp columns, ends, fast.
     for r in range(layout.fast_rows):
@@ -384,7 +374,7 @@ def init_mesh(layout: MeshLayout, *, dist_backend: str = "auto", timeout_s: floa
 
 
 def init_anchor_row(layout: MeshLayout, stage: int, store, generation: int, *, dist_backend: str = "auto",
-                    timeout_s: float = 60.0) -> Mesh:
+                    timeout_s: float = 60.0, device: str = "cpu") -> Mesh:
     """Joins anchor row ``generation``'s own world: the anchor ranks of every stage, rank =
     stage, rendezvous on ``store`` (a client of the fast circuit's store) under a prefix
     of the generation, so a new anchor row never meets a dead one's keys. Every anchor
@@ -394,10 +384,11 @@ def init_anchor_row(layout: MeshLayout, stage: int, store, generation: int, *, d
     if not layout.anchor:
         raise ValueError("init_anchor_row needs a mesh layout with the anchor")
     if not dist.is_initialized():
-        dist.init_process_group(resolve_dist_backend(dist_backend), store=dist.PrefixStore(f"meshkern/anchor/g{generation}/row", store),
+        dist.init_process_group(resolve_dist_backend(dist_backend, device, local_ranks=layout.stages),
+                                store=dist.PrefixStore(f"meshkern/anchor/g{generation}/row", store),
                                 rank=stage, world_size=layout.stages, timeout=timedelta(seconds=timeout_s))
     m = Mesh(layout, layout.anchor_rank(stage), layout.rows - 1, stage, store=store, generation=generation)
-    m.device = _device(dist.get_backend())
+    m.device = rank_device(device)
     return m
 
 

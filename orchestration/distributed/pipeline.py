@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from meshkern.mask import MaskKey
 from orchestration.codecs import NonFiniteWire
+from orchestration.distributed.devices import needs_cpu_staging
 from orchestration.distributed.link_counter import LinkCounter
 from orchestration.distributed.stages import causal_lm_loss
 
@@ -71,6 +72,8 @@ class PipelineExecutor:
         self.seed, self.counter, self.group = seed, counter, group
         self.index = stage.index
         self.device = next(stage.parameters()).device  # wire buffers live where the stage computes
+        # gloo has no CUDA send/recv: ranks sharing a GPU send CPU copies (devices module doc)
+        self.via_cpu = dist.is_initialized() and needs_cpu_staging(self.device, dist.get_backend(group))
         self.is_first, self.is_last = stage.is_first, stage.is_last
         if self.is_first != (prev_rank is None) or self.is_last != (next_rank is None):
             raise ValueError(f"stage {self.index} (first={self.is_first}, last={self.is_last}) does not match "
@@ -79,16 +82,19 @@ class PipelineExecutor:
     # ------------------------------------------------------------------ transport
     def _send(self, wire, dst: int, axis: str, pending: list) -> None:
         for t in wire:
+            if self.via_cpu:
+                t = t.cpu()  # (the isend's work holds this copy until it completes)
             pending.append(dist.isend(t, dst, group=self.group))
             self.counter.add(axis, self.rank, dst, t.numel() * t.element_size())
 
     def _recv(self, shape, dtype, direction: str, src: int, stats: StepStats) -> list[torch.Tensor]:
-        bufs = [torch.empty(s, dtype=d, device=self.device) for s, d in self.codec.wire_specs(shape, dtype, direction)]
+        where = "cpu" if self.via_cpu else self.device
+        bufs = [torch.empty(s, dtype=d, device=where) for s, d in self.codec.wire_specs(shape, dtype, direction)]
         t0 = time.perf_counter()
         for b in bufs:
             dist.recv(b, src, group=self.group)
         stats.wait_s += time.perf_counter() - t0
-        return bufs
+        return [b.to(self.device, non_blocking=False) for b in bufs] if self.via_cpu else bufs
 
     def _decode(self, decode, shape, dtype, stats: StepStats) -> torch.Tensor:
         """``decode()`` (a codec decode, which validates the wire once), or, if the peer
