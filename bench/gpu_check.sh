@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# GPU check of meshkern's CUDA and Triton kernels, ~5 min on one GPU (the steps' caps sum
-# to 300 s, plus the build when the CUDA kernels are missing):
+# GPU check of meshkern's CUDA and Triton kernels and of the trainer on CUDA, ~5-6 min on one
+# GPU (the steps' caps sum to 400 s on one GPU, plus the build when the CUDA kernels are missing):
 #   bench/gpu_check.sh OUT_DIR
 # 1. builds meshkern._mask_C and meshkern._spectral_C with their CUDA kernels if they are
 #    missing (MAX_JOBS = all cores; the .cu files are the slow part, ~1-2 min);
@@ -18,7 +18,7 @@
 #      GEMM of the same size, at H = 576, 2048, 4096 with the codec's k.
 # Writes into OUT_DIR: env.txt, nvidia-smi.txt, build.log, tests.txt (+ junit.xml),
 # mask_bench.txt/.json, mask_bw.txt/.json, spectral_step.txt, spectral_svd.txt,
-# pca_bench.txt/.json, and
+# pca_bench.txt/.json, trainer_1gpu.txt (+ trainer_nccl.txt with 2+ GPUs; run folders under runs/), and
 # status.txt (one line per step: name, exit code, seconds). A step that fails or times
 # out is recorded and the script goes on; summary.txt collects every goal line.
 set -uo pipefail
@@ -63,6 +63,18 @@ step spectral_svd 60 python -u -m bench.spectral_bench --device cuda --only svd 
 step pca_bench 30 python -u -m bench.pca_bench --device cuda --hidden 576 2048 4096 --tokens 16384 --repeats 20 \
   --json "$out/pca_bench.json" > "$out/pca_bench.txt" 2>&1
 
+# 4. the trainer on the GPU (issue #29 item 3): the embedded default model, 1 replica x 2
+#    stages, the default pca codec, 40 steps. Both stages share GPU 0 (NCCL refuses two ranks
+#    on one device, so --mesh.device cuda picks gloo between them and sends the wire tensors
+#    as CPU copies: orchestration/distributed/devices.py; ranks start with spawn). With 2+
+#    GPUs also the NCCL path, one GPU per stage. ~20 s each on CPU for 3 steps.
+step trainer_1gpu 100 python -u -m orchestration.train --mesh.device cuda --mesh.rows 1 --mesh.stages 2 \
+  --train.steps 40 --run.out-dir "$out/runs" --run.name gpu-1x2-gloo > "$out/trainer_1gpu.txt" 2>&1
+if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then
+  step trainer_nccl 100 python -u -m orchestration.train --mesh.device cuda --mesh.dist-backend nccl --mesh.rows 1 \
+    --mesh.stages 2 --train.steps 40 --run.out-dir "$out/runs" --run.name gpu-1x2-nccl > "$out/trainer_nccl.txt" 2>&1
+fi
+
 {
   echo "== goal lines (total $((SECONDS - T0)) s)"
   grep -h -E "goal|PASS|FAIL|of peak" "$out/mask_bw.txt" "$out/mask_bench.txt" 2>/dev/null
@@ -70,5 +82,6 @@ step pca_bench 30 python -u -m bench.pca_bench --device cuda --hidden 576 2048 4
   grep -h -E "PASS|FAIL" "$out/spectral_svd.txt" 2>/dev/null
   grep -h -E "encode|decode" "$out/pca_bench.txt" 2>/dev/null
   tail -n 3 "$out/tests.txt" 2>/dev/null
+  grep -h -E "^mesh |train step 40/40|held-out loss|measured tokens|^error" "$out/trainer_1gpu.txt" "$out/trainer_nccl.txt" 2>/dev/null | tail -n 6
 } > "$out/summary.txt"
 cat "$out/status.txt" "$out/summary.txt"

@@ -256,7 +256,8 @@ class Trainer:
         from orchestration.distributed.linkmodel import model_run
 
         cfg, plan = self.cfg, self.plan
-        s = summarize(cfg, plan, history, elapsed, steps_done, last_ckpt, model_run(cfg, plan, history))
+        s = summarize(cfg, plan, history, elapsed, steps_done, last_ckpt, model_run(cfg, plan, history),
+                      where=f"{self.mesh.device}, {dist.get_backend()}" if dist.is_initialized() else str(self.mesh.device))
         s["skipped_steps"] = self.guard.skipped_seen
         s["bad_steps"] = self.guard.bad_total
         s["diverged"] = diverged

@@ -105,18 +105,21 @@ def write_link_bytes(plan, mesh, counter: LinkCounter) -> str:
     return path
 
 
-def summarize(cfg, plan, history: list[dict], elapsed: float, steps_done: int, last_ckpt: str, model) -> dict:
+def summarize(cfg, plan, history: list[dict], elapsed: float, steps_done: int, last_ckpt: str, model,
+              where: str = "") -> dict:
     """The run's summary (rank 0): what ``summary_rows`` prints and what run_rank returns.
-    ``model``: the link model's step for this run (orchestration.distributed.linkmodel.model_run) or None."""
+    ``model``: the link model's step for this run (orchestration.distributed.linkmodel.model_run) or None.
+    ``where``: rank 0's device and torch.distributed backend, e.g. 'cuda:0, gloo'."""
     last = history[-1]
     t = cfg.train
     tokens_run = steps_done * cfg.fast_rows * t.batch_size * cfg.data.seq_len
     bpt = last["bytes_per_token"]
     s = {
-        "mesh": (f"replicas {','.join(map(str, cfg.mesh.replicas))} ({cfg.fast_rows} replicas of "
-                 f"{', '.join(map(str, cfg.replica_stages))} stages)") if cfg.mesh.replicas else
-                (f"{cfg.mesh.rows}x{cfg.mesh.stages} ({cfg.fast_rows} fast replicas"
-                 + (" + anchor" if cfg.anchor.enabled else "") + f" x {cfg.mesh.stages} stages)"),
+        "mesh": ((f"replicas {','.join(map(str, cfg.mesh.replicas))} ({cfg.fast_rows} replicas of "
+                  f"{', '.join(map(str, cfg.replica_stages))} stages)") if cfg.mesh.replicas else
+                 (f"{cfg.mesh.rows}x{cfg.mesh.stages} ({cfg.fast_rows} fast replicas"
+                  + (" + anchor" if cfg.anchor.enabled else "") + f" x {cfg.mesh.stages} stages)"))
+                + (f" on {where}" if where else ""),
         "model": f"{plan.arch} ({plan.num_layers} layers, H={plan.hidden_size}) from {plan.model_path}",
         "codec": cfg.boundary.codec + (f" p={cfg.boundary.p}" if cfg.boundary.codec in ("mask", "topk", "bottleneck") else "")
                  + (f" {json.dumps(cfg.boundary.options, sort_keys=True)}" if cfg.boundary.options else "")
