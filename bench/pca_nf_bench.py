@@ -1,4 +1,4 @@
-"""pca:quant=nf (meshkern.pca_nf, the reference path: no kernel yet) against the GEMM of the
+"""pca:quant=nf (meshkern.pca_nf: the C++ pack/unpack and the reference) against the GEMM of the
 same size (the limit) and against the int4 codec's fused ops at the same bytes per token.
 
     python -m bench.pca_nf_bench                       # CPU, 1 thread, 32 x 128 tokens, H = 576
@@ -7,8 +7,10 @@ same size (the limit) and against the int4 codec's fused ops at the same bytes p
 Per hidden size H and budget (1/budget of dense fp32 bytes per token per direction), a
 spectrum like SmolLM2-135M's boundary (variances falling as i^-1.5), the widths allocated
 as calibration allocates them (k = the coordinates that get a bit), fp32 boundary [B, T, H]:
-  nf         encode_reference / decode_reference (projection, bucketize per width group,
-             bit packing; decode: unpacking, code book gathers, GEMM)
+  nf         encode / decode with the int4 column's backend (cpp: the code search and the
+             bit stream in csrc/pca/pca_nf_cpu.cpp, the GEMMs torch's)
+  nf ref     encode_reference / decode_reference (searchsorted over per-coordinate tables,
+             the stream in 32-bit words; decode: unpacking, code book gathers, GEMM)
   matmul     h @ U [N, H] x [H, k] (encode) and c @ U^T (decode)
   int4       meshkern.pca.encode / decode at the int4 codec's k for the same budget
              (fused: cpp on CPU, triton on CUDA)
@@ -45,10 +47,12 @@ def _case(B, T, H, budget, device, repeats, clock, be):
     wire4 = pca.encode(h, U4, sd4, mean=mean, backend="reference")
     h2, c, Ut = h.view(-1, H), torch.randn(B * T, k, generator=g).to(device), U.T
     fns = {
-        "enc nf": lambda: pca_nf.encode_reference(h, U, sd, bits, nb, mean=mean),
+        "enc nf": lambda: pca_nf.encode(h, U, sd, bits, nb, mean=mean, backend=be),
+        "enc nf ref": lambda: pca_nf.encode_reference(h, U, sd, bits, nb, mean=mean),
         "enc matmul": lambda: h2 @ U,
         "enc int4": lambda: pca.encode(h, U4, sd4, mean=mean, backend=be),
-        "dec nf": lambda: pca_nf.decode_reference(wire, U, sd, bits, h.shape, h.dtype, mean=mean),
+        "dec nf": lambda: pca_nf.decode(wire, U, sd, bits, h.shape, h.dtype, mean=mean, backend=be),
+        "dec nf ref": lambda: pca_nf.decode_reference(wire, U, sd, bits, h.shape, h.dtype, mean=mean),
         "dec matmul": lambda: c @ Ut,
         "dec int4": lambda: pca.decode(wire4, U4, sd4, shape=h.shape, dtype=h.dtype, mean=mean, backend=be),
     }
@@ -78,17 +82,18 @@ def main(argv=None):
     print(f"# pca nf bench: device={device} threads={torch.get_num_threads()} B x T = {B} x {a.seq} fp32, "
           f"int4 column backend={be}, clock={'process CPU time' if device.type == 'cpu' else 'wall'}, "
           f"medians of {a.repeats}")
-    print(f"{'H':>5} {'budget':>6} {'k nf':>5} {'k int4':>6} | {'op':<7} {'nf ms':>8} {'matmul ms':>9} "
+    print(f"{'H':>5} {'budget':>6} {'k nf':>5} {'k int4':>6} | {'op':<7} {'nf ms':>8} {'nf ref ms':>9} {'matmul ms':>9} "
           f"{'int4 ms':>8} {'nf/matmul':>9} {'nf/int4':>7}")
     rows = []
     for H in a.hidden:
         for budget in a.budget:
             k, k4, t = _case(B, a.seq, H, budget, device, a.repeats, clock, be)
             for op, p in (("encode", "enc"), ("decode", "dec")):
-                f, m, i4 = t[f"{p} nf"], t[f"{p} matmul"], t[f"{p} int4"]
-                print(f"{H:>5} {budget:>6g} {k:>5} {k4:>6} | {op:<7} {f:>8.3f} {m:>9.3f} {i4:>8.3f} "
+                f, fr, m, i4 = t[f"{p} nf"], t[f"{p} nf ref"], t[f"{p} matmul"], t[f"{p} int4"]
+                print(f"{H:>5} {budget:>6g} {k:>5} {k4:>6} | {op:<7} {f:>8.3f} {fr:>9.3f} {m:>9.3f} {i4:>8.3f} "
                       f"{f / m:>9.2f} {f / i4:>7.2f}")
-                rows.append(dict(H=H, budget=budget, k=k, k_int4=k4, op=op, nf_ms=f, matmul_ms=m, int4_ms=i4))
+                rows.append(dict(H=H, budget=budget, k=k, k_int4=k4, op=op, nf_ms=f, nf_reference_ms=fr, matmul_ms=m,
+                                 int4_ms=i4))
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(rows, fh, indent=1)

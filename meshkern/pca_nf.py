@@ -25,7 +25,8 @@ The spec (pure torch, all fp32 unless said):
                  r = rms(c) over the coordinates, rounded to fp16 (sent as fp16; an
                  all-zero token gets r = 1; r is clamped into fp16's normal range),
                  z = c / r, code_i = bucketize(z_i, boundaries of lloyd_max(b_i)) for
-                 b_i > 0 (coordinates with b_i = 0 are not sent and decode to 0).
+                 b_i > 0 (coordinates with b_i = 0 are not sent and decode to 0); NaN
+                 gets the top code, as +inf (the trainer rejects non-finite steps anyway).
     packing      codes in coordinate order, each b_i bits, least significant bit first,
                  into ``nbytes`` bytes per token (``pack_codes``); unused trailing bits 0.
     decode       c_hat_i = levels(b_i)[code_i] * r * norm_i, h_hat = c_hat @ U^T + mean.
@@ -34,8 +35,11 @@ The spec (pure torch, all fp32 unless said):
 Wire: sink=True: [head [..., H] int8, head scale [..., 1] fp32, codes [..., T-1, nbytes]
 uint8, r [..., T-1, 1] fp16]; sink=False: [codes [..., T, nbytes], r [..., T, 1]].
 
-No kernel yet: this is the reference path on every device (bucketize, gathers and the
-two GEMMs are torch ops; the bit packing is elementwise).
+Backends: ``encode`` / ``decode`` take ``backend`` ("auto" | "cpp" | "reference"): on CPU,
+meshkern._pca_C's pca_nf_pack / pca_nf_unpack (csrc/pca/pca_nf_cpu.cpp) do the code search
+and the bit stream in one pass per row (comparisons and shifts: the reference's codes and
+wire bit for bit); the GEMMs are torch's on every backend. No GPU kernel yet: on CUDA the
+reference runs.
 """
 from __future__ import annotations
 
@@ -45,10 +49,11 @@ from functools import lru_cache
 import torch
 from torch import Tensor
 
-from meshkern.pca import dequantize_reference, quantize_reference
+from meshkern import _backend
+from meshkern.pca import GROUP, dequantize_reference, quantize_reference
 
-__all__ = ["lloyd_max", "distortion", "allocate_bits", "pack_codes", "unpack_codes", "encode_reference",
-           "decode_reference", "wire_shapes", "MAX_BITS"]
+__all__ = ["lloyd_max", "distortion", "allocate_bits", "pack_codes", "unpack_codes", "encode", "decode",
+           "encode_reference", "decode_reference", "wire_shapes", "MAX_BITS"]
 
 MAX_BITS = 8
 _FP16_TINY, _FP16_MAX = 2.0 ** -14, 65504.0
@@ -182,19 +187,38 @@ def wire_shapes(shape, nbytes: int, sink: bool = True) -> list[tuple[tuple[int, 
 def _tables(bits: Tensor, device) -> tuple[Tensor, Tensor]:
     """(levels [k, 2^max], boundaries [k, 2^max - 1]) of every coordinate's code book, padded
     with +inf boundaries (never passed) and zero levels; a 0-bit coordinate decodes to 0."""
-    top = max(1, int(bits.max()))
-    lv = torch.zeros(bits.numel(), 2 ** top)
-    bd = torch.full((bits.numel(), 2 ** top - 1), float("inf"))
-    for b in sorted(set(int(v) for v in bits.tolist()) - {0}):
-        cols = (bits == b).nonzero().squeeze(1)
+    return _tables_cached(tuple(int(v) for v in bits.tolist()), str(device))
+
+
+@lru_cache(maxsize=64)
+def _tables_cached(bits: tuple, device: str) -> tuple[Tensor, Tensor]:
+    top = max(1, max(bits))
+    lv = torch.zeros(len(bits), 2 ** top)
+    bd = torch.full((len(bits), 2 ** top - 1), float("inf"))
+    for b in sorted(set(bits) - {0}):
+        cols = torch.tensor([i for i, v in enumerate(bits) if v == b])
         lvb, bdb = lloyd_max(b)
         lv[cols, :2 ** b], bd[cols, :2 ** b - 1] = lvb, bdb
     return lv.to(device), bd.to(device)
 
 
-def encode_reference(h: Tensor, U: Tensor, norm: Tensor, bits: Tensor, nbytes: int, *,
-                     mean: Tensor | None = None, sink: bool = True) -> list[Tensor]:
-    """The wire of boundary tensor h [..., T, H] (module doc)."""
+def _which(device: torch.device, backend: str) -> str:
+    """cpp (meshkern._pca_C's pack/unpack) on CPU when built, else the reference (also on
+    CUDA: no GPU kernel yet)."""
+    which = _backend.resolve(GROUP, device, None if backend == "auto" else backend)
+    if which == "cpp":
+        _backend.extension(GROUP)
+        if not hasattr(torch.ops.meshkern_C, "pca_nf_pack"):
+            raise RuntimeError("meshkern._pca_C has no pca_nf kernels (stale build): rebuild the extension")
+        return "cpp"
+    return "reference"
+
+
+def encode(h: Tensor, U: Tensor, norm: Tensor, bits: Tensor, nbytes: int, *, mean: Tensor | None = None,
+           sink: bool = True, backend: str = "auto") -> list[Tensor]:
+    """The wire of boundary tensor h [..., T, H] (module doc). The projection, the scale and
+    the division are torch's on every backend; ``cpp`` replaces the code search and the bit
+    packing (the same codes: comparisons only)."""
     x = h.detach().float()
     if sink:
         head, x = x[..., 0, :], x[..., 1:, :]
@@ -203,27 +227,50 @@ def encode_reference(h: Tensor, U: Tensor, norm: Tensor, bits: Tensor, nbytes: i
     r = torch.where(r > 0, r, torch.ones_like(r)).clamp(_FP16_TINY, _FP16_MAX).half()
     z = c / r.float()
     _, bd = _tables(bits, z.device)
-    zt = z.reshape(-1, z.shape[-1]).T.contiguous()  # [k, N]: one sorted table per coordinate
-    codes = torch.searchsorted(bd, zt).T.reshape(z.shape)  # = bucketize(z_i, boundaries_i)
-    wire = [pack_codes(codes, bits, nbytes).contiguous(), r.contiguous()]
+    if _which(z.device, backend) == "cpp":
+        flat = torch.ops.meshkern_C.pca_nf_pack(z.reshape(-1, z.shape[-1]).contiguous(), bd, bits.long().cpu(),
+                                                int(nbytes))
+        packed = flat.reshape(*z.shape[:-1], int(nbytes))
+    else:
+        zt = z.reshape(-1, z.shape[-1]).T.contiguous()  # [k, N]: one sorted table per coordinate
+        codes = torch.searchsorted(bd, zt).T.reshape(z.shape)  # = bucketize(z_i, boundaries_i)
+        # NaN counts past the padding: clamp it to the top code of its width, as +inf
+        codes = torch.minimum(codes, ((1 << bits.long()) - 1).clamp_min(0).to(codes.device))
+        packed = pack_codes(codes, bits, nbytes)
+    wire = [packed.contiguous(), r.contiguous()]
     if sink:
         wire = quantize_reference(head, 8) + wire
     return wire
 
 
-def decode_reference(wire, U: Tensor, norm: Tensor, bits: Tensor, shape, dtype: torch.dtype, *,
-                     mean: Tensor | None = None, sink: bool = True) -> Tensor:
-    """h_hat [shape] of ``dtype`` from ``encode_reference``'s wire (same U, norm, bits, mean, sink)."""
+def decode(wire, U: Tensor, norm: Tensor, bits: Tensor, shape, dtype: torch.dtype, *,
+           mean: Tensor | None = None, sink: bool = True, backend: str = "auto") -> Tensor:
+    """h_hat [shape] of ``dtype`` from ``encode``'s wire (same U, norm, bits, mean, sink)."""
     shape = tuple(shape)
     H = U.shape[0]
     packed, r = wire[2:] if sink else wire
-    codes = unpack_codes(packed, bits)
-    lv, _ = _tables(bits, codes.device)
-    flat = codes.reshape(-1, codes.shape[-1])
-    z = lv.gather(1, flat.T.contiguous()).T.reshape(codes.shape)
+    lv, _ = _tables(bits, packed.device)
+    if _which(packed.device, backend) == "cpp":
+        z = torch.ops.meshkern_C.pca_nf_unpack(packed.reshape(-1, packed.shape[-1]).contiguous(), lv,
+                                               bits.long().cpu()).reshape(*packed.shape[:-1], bits.numel())
+    else:
+        codes = unpack_codes(packed, bits)
+        z = lv.gather(1, codes.reshape(-1, codes.shape[-1]).T.contiguous()).T.reshape(codes.shape)
     x = (z * r.float() * norm) @ U.T
     if mean is not None:
         x = x + mean
     if sink:
         x = torch.cat([dequantize_reference(wire[0], wire[1], H, 8).unsqueeze(-2), x], dim=-2)
     return x.reshape(shape).to(dtype)
+
+
+def encode_reference(h: Tensor, U: Tensor, norm: Tensor, bits: Tensor, nbytes: int, *,
+                     mean: Tensor | None = None, sink: bool = True) -> list[Tensor]:
+    """The spec of ``encode``: the pure-torch path."""
+    return encode(h, U, norm, bits, nbytes, mean=mean, sink=sink, backend="reference")
+
+
+def decode_reference(wire, U: Tensor, norm: Tensor, bits: Tensor, shape, dtype: torch.dtype, *,
+                     mean: Tensor | None = None, sink: bool = True) -> Tensor:
+    """The spec of ``decode``: the pure-torch path."""
+    return decode(wire, U, norm, bits, shape, dtype, mean=mean, sink=sink, backend="reference")

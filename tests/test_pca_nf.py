@@ -221,3 +221,52 @@ def test_nf_codec_trains_through_the_mesh(tiny, tmp_path):
     links = json.load(open(os.path.join(plan.run_dir, "link_bytes.json")))["links"]
     assert links["pp_fwd:0->1"] == 3 * 2 * per_mb + saved.nbytes()
     assert links["pp_bwd:1->0"] == 3 * 2 * per_mb
+
+
+CPP = [b for b in __import__("backend_params").op_backends("pca", triton=False) if b.values[0] == "cpp"]
+
+
+@pytest.mark.parametrize("backend", CPP)
+@pytest.mark.parametrize("sink", [True, False])
+def test_cpp_kernels_give_the_reference_wire_and_decode_bit_for_bit(backend, sink):
+    """csrc/pca/pca_nf_cpu.cpp against the pure-torch path: widths 0-8 (random), values on
+    and around the boundaries, +-inf and NaN coordinates (searchsorted's convention)."""
+    g = torch.Generator().manual_seed(7)
+    H, k, T = 48, 40, 11
+    U, _ = torch.linalg.qr(torch.randn(H, k, generator=g, dtype=torch.float64))
+    U = U.float()
+    norm = torch.rand(k, generator=g) + 0.2
+    bits = torch.randint(0, 9, (k,), generator=g)
+    nbytes = -(-int(bits.sum()) // 8) + 2
+    mean = torch.randn(H, generator=g)
+    h = torch.randn(3, T, H, generator=g) * 2
+    ref = pca_nf.encode(h, U, norm, bits, nbytes, mean=mean, sink=sink, backend="reference")
+    got = pca_nf.encode(h, U, norm, bits, nbytes, mean=mean, sink=sink, backend=backend)
+    for a, b in zip(got, ref):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    out = pca_nf.decode(got, U, norm, bits, h.shape, torch.float32, mean=mean, sink=sink, backend=backend)
+    assert torch.equal(out, pca_nf.decode(ref, U, norm, bits, h.shape, torch.float32, mean=mean, sink=sink,
+                                          backend="reference"))
+    # the search itself, on exact boundary values and non-finite ones
+    lv, bd = pca_nf._tables(bits, "cpu")
+    z = torch.randn(64, k, generator=g) * 2
+    z[0] = bd[torch.arange(k), 0]  # exactly on a boundary: not counted (side left)
+    z[1], z[2], z[3] = float("inf"), -float("inf"), float("nan")
+    want = pca_nf.pack_codes(torch.minimum(torch.searchsorted(bd, z.T.contiguous()).T, (1 << bits) - 1), bits, nbytes)
+    assert torch.equal(torch.ops.meshkern_C.pca_nf_pack(z, bd, bits, nbytes), want)
+    codes = pca_nf.unpack_codes(want, bits)
+    assert torch.equal(torch.ops.meshkern_C.pca_nf_unpack(want, lv, bits), lv.gather(1, codes.T.contiguous()).T)
+
+
+@pytest.mark.parametrize("backend", CPP)
+def test_cpp_kernels_refuse_bad_tables(backend):
+    from meshkern import _backend
+    _backend.extension("pca")
+    bits = torch.tensor([3, 2])
+    lv, bd = pca_nf._tables(bits, "cpu")
+    with pytest.raises(RuntimeError, match="do not fit"):
+        torch.ops.meshkern_C.pca_nf_pack(torch.zeros(2, 2), bd, bits, 0)
+    with pytest.raises(RuntimeError, match="does not fit the table"):
+        torch.ops.meshkern_C.pca_nf_pack(torch.zeros(2, 2), bd[:, :2].contiguous(), bits, 1)
+    with pytest.raises(RuntimeError, match="int64"):
+        torch.ops.meshkern_C.pca_nf_unpack(torch.zeros(2, 1, dtype=torch.uint8), lv, bits.int())

@@ -271,7 +271,7 @@ class PCACodec(BoundaryCodec):
 
     def _encode(self, x, basis: PCABasis, norm: torch.Tensor, center: bool) -> list[torch.Tensor]:
         if self.quant == "nf":
-            return meshkern_pca_nf.encode_reference(
+            return meshkern_pca_nf.encode(
                 x, basis.U, norm, basis.bits if center else basis.gbits, self.code_bytes(x.shape[-1]),
                 mean=basis.mean if center else None, sink=self.sink)
         if self.adapt and center:
@@ -299,7 +299,7 @@ class PCACodec(BoundaryCodec):
         if self.quant == "nf":
             if any(bool((t <= 0).any()) for t in wire if t.dtype.is_floating_point):  # (finite: validate_wire)
                 raise NonFiniteWire("pca decode: received non-positive scales")
-            return meshkern_pca_nf.decode_reference(wire, basis.U, norm, basis.bits if center else basis.gbits,
+            return meshkern_pca_nf.decode(wire, basis.U, norm, basis.bits if center else basis.gbits,
                                                     shape, dtype, mean=mean, sink=self.sink)
         if self.adapt and center:
             # c = (q * scale * sd_mb + mu_mb) * sd, so the op decodes with norm sd * sd_mb and
