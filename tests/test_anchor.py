@@ -358,13 +358,16 @@ def test_int8_snapshot_stream_keeps_both_views_identical():
 
 
 # ------------------------------------------------------------------ restart and rejoin
-def _pause_while_lost(monkeypatch, limit_s=120.0):
+def _pause_while_lost(monkeypatch, limit_s=8.0):
     """Test instrumentation (inherited by forked ranks): a fast rank waits in ``poll`` until
     an anchor generation has joined, both before the first one links and after it lost
     one, so that the first link and a rejoin happen mid-run however fast the tiny model
     trains and however slowly a loaded machine starts the anchor row (the real hook never
-    waits). Event-driven: it returns as soon as the link thread reports the join;
-    ``limit_s`` only bounds a test that is failing anyway. (Waiting for a delivery as well
+    waits). Event-driven: it returns as soon as the link thread reports the join. At most
+    ``limit_s`` per poll, then again at the next step's poll while still unlinked: the
+    stages of a replica notice a lost anchor independently, and one that noticed a step
+    before its pipeline peer must not hold that peer in a wait past the mesh's 30 s
+    timeout (a 120 s pause did, on a loaded machine). (Waiting for a delivery as well
     would deadlock: a stage's anchor round needs snapshots that its pipeline peer, held in
     a recv by the waiting stage, cannot offer.)"""
     import time
