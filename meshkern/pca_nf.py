@@ -235,7 +235,7 @@ def encode(h: Tensor, U: Tensor, norm: Tensor, bits: Tensor, nbytes: int, *, mea
         zt = z.reshape(-1, z.shape[-1]).T.contiguous()  # [k, N]: one sorted table per coordinate
         codes = torch.searchsorted(bd, zt).T.reshape(z.shape)  # = bucketize(z_i, boundaries_i)
         # NaN counts past the padding: clamp it to the top code of its width, as +inf
-        codes = torch.minimum(codes, ((1 << bits.long()) - 1).clamp_min(0).to(codes.device))
+        codes = torch.minimum(codes, ((1 << bits.long()) - 1).to(codes.device))
         packed = pack_codes(codes, bits, nbytes)
     wire = [packed.contiguous(), r.contiguous()]
     if sink:

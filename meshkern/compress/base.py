@@ -215,9 +215,7 @@ class Compressor:
         s, r = ring_all_gather_bytes(nbytes, world)
         self.bytes_sent += s
         self.bytes_received += r
-        # gloo all-reduces CUDA tensors but does not all-gather them: ranks that share a GPU
-        # over gloo gather CPU copies (orchestration.distributed.devices)
-        via_cpu = world > 1 and block.is_cuda and dist.get_backend(group) == "gloo"
+        via_cpu = world > 1 and needs_cpu_staging(block.device, dist.get_backend(group))
         src = block.cpu() if via_cpu else block
         out = torch.empty(world * block.numel(), dtype=block.dtype, device=src.device)
         if world > 1:
@@ -225,6 +223,13 @@ class Compressor:
         else:
             out.copy_(block)
         return (out.to(block.device) if via_cpu else out).view(world, block.numel())
+
+
+def needs_cpu_staging(device, backend: str) -> bool:
+    """True when tensors on ``device`` must cross ``backend``'s point-to-point and all-gather
+    calls as CPU copies: gloo all-reduces and broadcasts CUDA tensors but moves them no other
+    way (ranks that share a GPU talk over gloo: orchestration.distributed.devices)."""
+    return torch.device(device).type == "cuda" and backend == "gloo"
 
 
 # torch 2.13 deprecates all_gather_into_tensor (a FutureWarning per call) for

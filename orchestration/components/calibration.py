@@ -119,7 +119,7 @@ def fit_basis(h: torch.Tensor, k: int, sink: bool = True, grads: torch.Tensor | 
     if half:
         mean, U, sd, gsd = (t.half().float() for t in (mean, U, sd, gsd))
         Ug = None if Ug is None else Ug.half().float()
-    gbits = None if bits is None else allocate_bits(gsd.double() ** 2, nf_bits)[:k]
+    gbits = None if bits is None else allocate_bits(gsd.double() ** 2, nf_bits)
     return PCABasis(mean, U, sd, gsd, Ug, bits, gbits, 2 if half else 4)
 
 

@@ -5,13 +5,16 @@ NCCL moves CUDA tensors only, one GPU per rank: two ranks on one GPU are refused
 CPU tensors, and of CUDA tensors only all_reduce and broadcast (torch.distributed's backend
 table): so ranks that share a GPU (two stages of a pipeline on one card, the usual case on a
 single-GPU machine) compute on CUDA and talk over gloo, and whatever gloo cannot move
-(point-to-point wire tensors, all-gathers) travels through a CPU copy (``staged``).
+(point-to-point wire tensors, all-gathers) travels through a CPU copy (``needs_cpu_staging``,
+meshkern.compress.base's rule, which its all-gather applies too).
 """
 from __future__ import annotations
 
 import os
 
 import torch
+
+from meshkern.compress.base import needs_cpu_staging  # noqa: F401  (the rule, re-exported for the pipeline)
 
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -59,11 +62,6 @@ def rank_device(device: str) -> torch.device:
     d = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % gpu_count())
     torch.cuda.set_device(d)
     return d
-
-
-def needs_cpu_staging(device: torch.device, backend: str) -> bool:
-    """True when tensors on ``device`` must cross ``backend``'s p2p and all-gathers as CPU copies."""
-    return torch.device(device).type == "cuda" and backend == "gloo"
 
 
 def start_method(start: str, device: str) -> str:

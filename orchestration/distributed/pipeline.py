@@ -94,7 +94,7 @@ class PipelineExecutor:
         for b in bufs:
             dist.recv(b, src, group=self.group)
         stats.wait_s += time.perf_counter() - t0
-        return [b.to(self.device, non_blocking=False) for b in bufs] if self.via_cpu else bufs
+        return [b.to(self.device) for b in bufs] if self.via_cpu else bufs
 
     def _decode(self, decode, shape, dtype, stats: StepStats) -> torch.Tensor:
         """``decode()`` (a codec decode, which validates the wire once), or, if the peer
