@@ -51,8 +51,9 @@ def _case(B, T, H, k, device, repeats, clock, be):
     return {n: v * 1e3 for n, v in rotated_medians(fns, repeats, device, clock).items()}
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser(doc: str) -> argparse.ArgumentParser:
+    """The pca benches' shared flags (this one and bench.pca_nf_bench)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--tokens", type=int, default=4096, help="B x T, T = --seq")
@@ -60,15 +61,29 @@ def main(argv=None):
     ap.add_argument("--hidden", type=int, nargs="+", default=[576])
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--json", default=None)
-    a = ap.parse_args(argv)
+    return ap
+
+
+def setup(a, strict: bool = True):
+    """(device, fused backend, clock, B) for parsed flags ``a``; threads pinned. The fused
+    backend is cpp on CPU, triton on CUDA; if it cannot run: SystemExit, or with ``strict``
+    False the reference (said on stdout)."""
     torch.set_num_threads(a.threads)
     device = torch.device(a.device)
     be = "cpp" if device.type == "cpu" else "triton"
     why = _backend.why_unavailable(be, "pca", device)
-    if why:
+    if why and strict:
         raise SystemExit(f"backend {be} unavailable: {why}")
+    if why:
+        print(f"# backend {be} unavailable ({why}): the reference path instead")
+        be = "reference"
     clock = time.process_time if device.type == "cpu" else time.perf_counter
-    B = max(1, a.tokens // a.seq)
+    return device, be, clock, max(1, a.tokens // a.seq)
+
+
+def main(argv=None):
+    a = parser(__doc__).parse_args(argv)
+    device, be, clock, B = setup(a)
     print(f"# pca bench: device={device} backend={be} threads={torch.get_num_threads()} B x T = {B} x {a.seq} "
           f"fp32, int4 body + int8 sink row, clock={'process CPU time' if device.type == 'cpu' else 'wall'}, "
           f"medians of {a.repeats}")

@@ -19,14 +19,13 @@ Columns: ms (median), nf/matmul (distance from the limit), nf/int4. Interleaved 
 """
 from __future__ import annotations
 
-import argparse
 import json
-import time
 
 import torch
 
+from bench.pca_bench import parser, setup
 from bench.subspace_bench import rotated_medians
-from meshkern import _backend, pca, pca_nf
+from meshkern import pca, pca_nf
 from orchestration.codecs.pca import nf_code_bytes, pca_width
 
 
@@ -60,25 +59,10 @@ def _case(B, T, H, budget, device, repeats, clock, be):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--tokens", type=int, default=4096, help="B x T, T = --seq")
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--hidden", type=int, nargs="+", default=[576])
+    ap = parser(__doc__)
     ap.add_argument("--budget", type=float, nargs="+", default=[15, 30])
-    ap.add_argument("--repeats", type=int, default=10)
-    ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
-    torch.set_num_threads(a.threads)
-    device = torch.device(a.device)
-    be = "cpp" if device.type == "cpu" else "triton"
-    why = _backend.why_unavailable(be, "pca", device)
-    if why:
-        be = "reference"
-        print(f"# int4 column: backend {why}; reference path instead")
-    clock = time.process_time if device.type == "cpu" else time.perf_counter
-    B = max(1, a.tokens // a.seq)
+    device, be, clock, B = setup(a, strict=False)
     print(f"# pca nf bench: device={device} threads={torch.get_num_threads()} B x T = {B} x {a.seq} fp32, "
           f"int4 column backend={be}, clock={'process CPU time' if device.type == 'cpu' else 'wall'}, "
           f"medians of {a.repeats}")
