@@ -254,6 +254,40 @@ class StreamingDiLoCo:
         if self._pending:
             self._complete(list(self._pending))
 
+    def recover(self) -> list[int]:
+        """After a failed sync (a peer died inside it): drop every sync in flight without
+        merging it, forget those fragments' compressor streams (their state may be
+        half-updated: each restarts from zero error and the shared seed, as on every other
+        rank whose sync failed alike) and make the instance usable again. Parameters and
+        global copies are untouched: the next sync of each fragment carries the progress.
+        Returns the fragments dropped. Elastic replicas (orchestration.elastic) call it."""
+        dropped = []
+        for _, f, _, fut in self._pending:
+            try:
+                fut.result(timeout=4 * self.timeout_s)
+            except BaseException:  # the failure is what we recover from
+                pass
+            self.compressor.reset_stream(f"fragment{f}")
+            dropped.append(f)
+        self._pending.clear()
+        self._failed = None
+        return dropped
+
+    @property
+    def in_flight(self) -> bool:
+        """True while a sync started at an earlier step has not been merged."""
+        return bool(self._pending)
+
+    def restart_from_global(self) -> None:
+        """A replica that just took a peer's state (``load_state_dict``): set its parameters
+        to the global copies and zero the compressor's error feedback. Its next
+        pseudo-gradient is then its own progress since now, and no residual of the peer is
+        sent a second time."""
+        with torch.no_grad():
+            for p, g in zip(self.params, self._global):
+                p.copy_(g)
+        self.compressor.clear_error_feedback()
+
     def _project(self, i: int, t: Tensor) -> Tensor:
         """projector(name_i, t), checked: a tensor of t's shape, cast to t's dtype/device."""
         out = self.projector(self.names[i], t)

@@ -79,7 +79,10 @@ def ring_all_gather_bytes(block_bytes: int, world: int) -> tuple[int, int]:
 def _group_size_rank(group) -> tuple[int, int]:
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized: call init_process_group first")
-    return dist.get_world_size(group), dist.get_rank(group)
+    # A group torch.distributed does not register (torchft's reconfigurable process groups,
+    # orchestration.elastic) cannot answer dist.get_rank: it carries its own rank.
+    own_rank = getattr(group, "meshkern_rank", None)
+    return dist.get_world_size(group), (own_rank() if own_rank is not None else dist.get_rank(group))
 
 
 class Compressor:
@@ -164,6 +167,20 @@ class Compressor:
         for k in ("bytes_sent", "bytes_received", "payload_bytes", "calls"):
             setattr(self, k, int(sd[k]))
         self._load_state_dict(sd["state"])
+
+    def reset_stream(self, key: str) -> None:
+        """Forget stream ``key``'s state (error feedback, warm-start factors): its next call
+        starts as its first did, from zero error and the shared seed, identically on every
+        rank that reset it. For a round that failed midway (a peer died inside it), which
+        may have left the state half-updated."""
+        getattr(self, "_state", {}).pop(key, None)
+
+    def clear_error_feedback(self) -> None:
+        """Zero every stream's error feedback and keep what all ranks share (PowerSGD's
+        warm-start Q). A replica that copies a peer's state (elastic healing) must not copy
+        the peer's residual: that residual would then be sent twice. Here the whole state
+        is error feedback (SparseLoCo, int8); PowerSGD overrides it."""
+        getattr(self, "_state", {}).clear()
 
     def project_error(self, key: str, shapes: Sequence[Sequence[int]], fn) -> None:
         """Replace the error-feedback buffer of stream ``key`` tensor by tensor:

@@ -229,6 +229,13 @@ class PowerSGD(Compressor):
         return result
 
     # ---- state ------------------------------------------------------------------------
+    def clear_error_feedback(self) -> None:
+        """Drops every shape group's error buffer (the next round starts it at zero) and
+        keeps its warm-start Q, which every replica holds alike."""
+        for streams in self._state.values():
+            for st in streams.values():
+                st.pop("err", None)
+
     def _state_dict(self):
         # copies: later calls update the error feedback / warm-start factors in place
         return {k: {g: {n: t.detach().clone() for n, t in v.items()} for g, v in d.items()} for k, d in self._state.items()}

@@ -1,0 +1,152 @@
+"""What elastic replicas need from the algorithm's state (single process, world 1):
+
+- ``Compressor.clear_error_feedback``: PowerSGD keeps its warm-start Q and restarts its
+  error at zero (a later round equals a fresh compressor given only that Q); SparseLoCo and
+  int8 drop their whole state (it is all error feedback);
+- ``Compressor.reset_stream``: the next round of that stream equals a fresh compressor's
+  first round, other streams are untouched;
+- ``StreamingDiLoCo.recover``: after a sync failed in flight, nothing is merged, the
+  fragment's compressor stream restarts and the instance is usable again;
+- ``StreamingDiLoCo.restart_from_global``: a replica that loaded a peer's state continues
+  from the peer's global copy with zero error feedback;
+- the torchft-group rank rule of meshkern.compress.base.
+"""
+import concurrent.futures as cf
+
+import pytest
+import torch
+
+import dp_helpers as H
+from meshkern.compress import Int8, PowerSGD, SparseLoCo, SyncError
+from meshkern.compress.base import _group_size_rank
+from meshkern.diloco import StreamingDiLoCo
+
+
+@pytest.fixture(scope="module")
+def world1(tmp_path_factory):
+    with H.world1_group(str(tmp_path_factory.mktemp("pg"))):
+        yield
+
+
+def _grads(seed, shapes=((16, 12), (8, 8), (5,))):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g) for s in shapes]
+
+
+def test_powersgd_clear_error_feedback_keeps_q_and_zeroes_the_error(world1):
+    c = PowerSGD(rank=2)
+    c.all_reduce_mean(_grads(0), key="k")
+    c.all_reduce_mean(_grads(1), key="k")
+    state = c.state_dict()["state"]["k"]
+    assert all("err" in st and st["err"].abs().sum() > 0 for st in state.values())
+    c.clear_error_feedback()
+    kept = c.state_dict()["state"]["k"]
+    assert all("err" not in st for st in kept.values())
+    for g, st in state.items():
+        assert torch.equal(kept[g]["q"], st["q"])
+    # reference: a fresh compressor that holds only those Qs (zero error)
+    ref = PowerSGD(rank=2)
+    ref.load_state_dict({**c.state_dict(), "state": {"k": {g: {"q": st["q"]} for g, st in state.items()}}})
+    for a, b in zip(c.all_reduce_mean(_grads(2), key="k"), ref.all_reduce_mean(_grads(2), key="k")):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("make", [lambda: SparseLoCo(), lambda: Int8()], ids=["sparseloco", "int8"])
+def test_error_feedback_only_compressors_drop_their_state(world1, make):
+    c = make()
+    c.all_reduce_mean(_grads(0), key="k")
+    assert c.state_dict()["state"]
+    c.clear_error_feedback()
+    assert not c.state_dict()["state"]
+    fresh = make()
+    for a, b in zip(c.all_reduce_mean(_grads(1), key="k"), fresh.all_reduce_mean(_grads(1), key="k")):
+        assert torch.equal(a, b)
+
+
+def test_reset_stream_restarts_one_stream_only(world1):
+    c = PowerSGD(rank=2)
+    for step in range(3):
+        c.all_reduce_mean(_grads(step), key="a")
+        c.all_reduce_mean(_grads(10 + step), key="b")
+    b_before = c.state_dict()["state"]["b"]
+    c.reset_stream("a")
+    assert "a" not in c.state_dict()["state"]
+    assert all(torch.equal(b_before[g]["q"], st["q"]) for g, st in c.state_dict()["state"]["b"].items())
+    fresh = PowerSGD(rank=2)
+    for x, y in zip(c.all_reduce_mean(_grads(7), key="a"), fresh.all_reduce_mean(_grads(7), key="a")):
+        assert torch.equal(x, y)
+
+
+def _params(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=g)) for s in ((12, 10), (6, 6), (7,))]
+
+
+def _drift(params, step):
+    with torch.no_grad():
+        for i, p in enumerate(params):
+            p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(100 * step + i)))
+
+
+def test_recover_after_a_failed_sync_merges_nothing_and_stays_usable(world1):
+    params = _params()
+    d = StreamingDiLoCo(params, None, sync_every=4, num_fragments=2, overlap_steps=1, compressor=PowerSGD(rank=2))
+    for t in range(1, 3):  # fragment 0 starts a sync at step 2 (in flight, overlap 1)
+        _drift(params, t)
+        d.step()
+    assert d.in_flight
+    glob = [g.clone() for g in d._global]
+    before = [p.detach().clone() for p in params]
+    failed: cf.Future = cf.Future()
+    failed.set_exception(SyncError("peer died"))
+    due, f, start, _ = d._pending[0]
+    d._pending[0] = (due, f, start, failed)  # the sync in flight failed
+    with pytest.raises(SyncError):
+        _drift(params, 3)
+        d.step()
+    assert d.recover() == [0]
+    assert not d.in_flight
+    assert all(torch.equal(a, b) for a, b in zip(d._global, glob))  # nothing merged
+    assert "fragment0" not in d.compressor.state_dict()["state"]  # the half-updated stream restarts
+    assert not torch.equal(params[0].detach(), before[0])  # the local step after the failure stands
+    for t in range(4, 9):  # usable again: later syncs run and merge
+        _drift(params, t)
+        d.step()
+    assert d.syncs_done >= 2
+
+
+def test_restart_from_global_takes_the_peers_global_copy_with_zero_error(world1):
+    peer_params = _params(1)
+    peer = StreamingDiLoCo(peer_params, None, sync_every=2, num_fragments=1, compressor=PowerSGD(rank=2))
+    for t in range(1, 6):
+        _drift(peer_params, t)
+        peer.step()
+    me_params = _params(2)
+    me = StreamingDiLoCo(me_params, None, sync_every=2, num_fragments=1, compressor=PowerSGD(rank=2))
+    me.load_state_dict(peer.state_dict())
+    me.restart_from_global()
+    assert all(torch.equal(p.detach(), g) for p, g in zip(me_params, peer._global))
+    assert all(torch.equal(a, b) for a, b in zip(me._global, peer._global))
+    assert me.step_count == peer.step_count
+    for st in me.compressor.state_dict()["state"].values():
+        assert all("err" not in g for g in st.values())
+        assert all("q" in g for g in st.values())
+
+
+def test_group_rank_of_a_group_torch_distributed_does_not_register(world1):
+    class Unregistered:  # what a torchft process group looks like to the compressors
+        meshkern_rank = staticmethod(lambda: 0)
+
+        def size(self):
+            return 1
+
+    with pytest.raises((ValueError, RuntimeError)):
+        torch.distributed.get_rank(Unregistered())
+    import torch.distributed as dist
+
+    orig = dist.get_world_size
+    try:
+        dist.get_world_size = lambda group=None: group.size() if isinstance(group, Unregistered) else orig(group)
+        assert _group_size_rank(Unregistered()) == (1, 0)
+    finally:
+        dist.get_world_size = orig
