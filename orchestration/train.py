@@ -38,15 +38,15 @@ from dataclasses import dataclass
 import torch
 
 from orchestration.components import checkpoint as ckpt
-from orchestration.config import Config, flag_name, ineffective_settings, parse_args, to_yaml
+from orchestration.config import Config, ineffective_settings, parse_args, to_yaml
 from orchestration.distributed import devices
 from orchestration.distributed.launch import MeshFailure, free_port, run_local
 from orchestration.distributed.mesh import MeshLayout, destroy_mesh, init_mesh, mesh_name
 from orchestration.components.builders import RankContext, build_stage
-from orchestration.components import memory
+from orchestration.components import memory, resume
+from orchestration.components.divergence import DIVERGED  # the exit code (importable from here too)
 from orchestration.trainer import Trainer
 
-DIVERGED = 3  # exit code of a run stopped by the divergence guard (orchestration.components.divergence.DivergenceError)
 DEFAULT_DATA = "corpus:python"  # domain B of orchestration.data.corpora: the base model never saw it
 
 
@@ -181,7 +181,7 @@ def _run_paths(cfg: Config, hf_cfg) -> tuple[str, str, str]:
             run_dir = os.path.dirname(ckpt_dir)
     resume_from = ""
     if r == "latest" and not cfg.run.name and not cfg.checkpoint.dir and not under_torchrun():  # (torchrun: named by its run id)
-        raise ValueError(resume_needs_a_run(cfg.run.out_dir))
+        raise ValueError(resume.resume_needs_a_run(cfg.run.out_dir))
     if cfg.checkpoint.resume:
         resume_from = ckpt.resolve(cfg.checkpoint.resume, ckpt_dir)
         meta = ckpt.read_meta(resume_from)
@@ -194,62 +194,8 @@ def _run_paths(cfg: Config, hf_cfg) -> tuple[str, str, str]:
                              f"this run is {mesh_name(now)}")
         if meta["step"] >= cfg.train.steps:
             raise ValueError(f"--checkpoint.resume {resume_from} is at step {meta['step']}, not before --train.steps {cfg.train.steps}")
-        _check_resumable(cfg, resume_from, meta, hf_cfg)
+        resume.check_resumable(cfg, resume_from, meta, hf_cfg)
     return run_dir, ckpt_dir, resume_from
-
-
-def resume_needs_a_run(out_dir: str) -> str:
-    """The error of ``--checkpoint.resume latest`` without a run to continue: which runs
-    under ``out_dir`` have a checkpoint, and how to name one."""
-    runs = []
-    if os.path.isdir(out_dir):
-        for name in sorted(os.listdir(out_dir)):
-            d = os.path.join(out_dir, name)
-            if os.path.isfile(os.path.join(d, "checkpoints", ckpt.LATEST)):
-                runs.append(name)
-    how = "name the run: --run.name NAME, or --config RUN_DIR/config.yaml (it holds the run's name and settings)"
-    if not runs:
-        return f"--checkpoint.resume latest: which run? {how}; no run under {out_dir}/ has a checkpoint"
-    shown = ", ".join(runs[-8:]) + (f" (and {len(runs) - 8} more)" if len(runs) > 8 else "")
-    return (f"--checkpoint.resume latest: which run? {how}; runs under {out_dir}/ with a checkpoint: {shown} "
-            f"(e.g. --config {os.path.join(out_dir, runs[-1], 'config.yaml')} --checkpoint.resume latest)")
-
-
-def _check_resumable(cfg: Config, path: str, meta: dict, hf_cfg) -> None:
-    """ValueError naming the difference if the checkpoint at ``path`` was written by a run
-    whose state this one cannot load: another optimizer or anchor setting, another layer
-    split, another model shape."""
-    from orchestration.distributed.stages import replica_split
-
-    old = meta.get("config", {})
-    n = hf_cfg.num_hidden_layers
-    split = lambda lps: replica_split(n, cfg.mesh.stages, lps)  # noqa: E731
-    # What the ranks' saved state depends on (DiLoCo / compressor state, the subspace projector):
-    # a mismatch found by one rank's load would leave the others waiting for it.
-    keys = (("train", "optimizer"), ("anchor", "enabled"), ("model", "tied_embeddings"), ("mesh", "layers_per_stage"), ("dp", "mode"),
-            ("dp", "compressor"), ("dp", "projection"), ("boundary", "compress"),
-            ("adapter", "kind"), ("adapter", "rank"), ("adapter", "targets"))
-    was_sub = old.get("boundary", {}).get("codec") == "subspace"
-    if was_sub != (cfg.boundary.codec == "subspace") and old.get("boundary"):
-        raise ValueError(f"--checkpoint.resume {path} was written with --boundary.codec {old['boundary']['codec']}, this "
-                         f"run has {cfg.boundary.codec}: the subspace codec changes what each rank trains and saves")
-    for section, key in keys:
-        was, now = old.get(section, {}).get(key), getattr(getattr(cfg, section), key)
-        if key == "layers_per_stage" and was is not None:
-            was, now = split(was), split(now)
-        if was is not None and was != now:
-            raise ValueError(f"--checkpoint.resume {path} was written with {flag_name(section, key)} {was}, this run has {now} "
-                             f"(resume with the run's own config: --config RUN_DIR/config.yaml)")
-    try:
-        from transformers import AutoConfig
-
-        saved = AutoConfig.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError):
-        return  # no config.json copied (model dir had none): nothing more to compare
-    for key in ("hidden_size", "num_hidden_layers", "vocab_size", "intermediate_size", "num_key_value_heads"):
-        was, now = getattr(saved, key, None), getattr(hf_cfg, key, None)
-        if was != now:
-            raise ValueError(f"--checkpoint.resume {path} holds a model with {key}={was}, --model.path has {now}")
 
 
 def _load_model(cfg: Config, path: str):
@@ -324,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     layout = MeshLayout.of(cfg)
     join = cfg.anchor.join  # start only the anchor row, joining a running fast circuit
-    if not plan.resume_from and not join and (found := ckpt.existing_run(plan.run_dir, plan.ckpt_dir)):
+    if not plan.resume_from and not join and not cfg.mesh.join and (found := ckpt.existing_run(plan.run_dir, plan.ckpt_dir)):
         # (here, not in prepare: tools such as orchestration.experiments prepare finished runs to evaluate them)
         print(f"error: run {os.path.basename(plan.run_dir)!r} already exists ({found}): continue it with "
               "--checkpoint.resume latest (same --run.name), or choose another --run.name", file=sys.stderr)
@@ -349,13 +295,17 @@ def _dry_run(cfg: Config) -> int:
 def _main_torchrun(cfg: Config, plan: Plan, layout: MeshLayout, join: bool) -> int:
     """This process is one rank (torchrun): check the world, run the rank; the exit code."""
     world = int(os.environ["WORLD_SIZE"])
-    want = layout.stages if join else layout.fast_world_size
+    want = layout.stages if join or cfg.mesh.elastic else layout.fast_world_size
     if world != want:
         what = "anchor row (one process per stage)" if join else f"{layout.name} mesh"
         extra = " plus an anchor row started with --anchor.join" if cfg.anchor.enabled and not join else ""
         print(f"error: torchrun started {world} processes, the {what} needs {want}{extra}", file=sys.stderr)
         return 2
     rank = int(os.environ["RANK"])
+    if cfg.mesh.elastic:  # one torchrun per replica, joining a lighthouse
+        from orchestration.elastic.run import torchrun_replica
+
+        return torchrun_replica(cfg, plan, layout, rank, world)
     if rank == 0 and cfg.anchor.enabled and not join:
         addr = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
         print(f"[anchor] the fast circuit's store is {addr}; start the anchor row (one process per stage) "
@@ -374,6 +324,10 @@ def _main_local(cfg: Config, plan: Plan, layout: MeshLayout, join: bool) -> int:
     os.makedirs(plan.run_dir, exist_ok=True)
     if join:
         return _join_anchor_row(cfg, plan, layout)
+    if cfg.mesh.join:
+        from orchestration.elastic.run import run_elastic
+
+        return run_elastic(cfg, plan, layout, [cfg.mesh.replica_id], cfg.mesh.join)
     print(f"run folder: {plan.run_dir}/ (config.yaml, metrics.jsonl, checkpoints/"
           + (", tensorboard/" if cfg.run.tensorboard else "") + "; a summary at the end)", flush=True)
     if plan.memory:
@@ -381,6 +335,10 @@ def _main_local(cfg: Config, plan: Plan, layout: MeshLayout, join: bool) -> int:
     cfg.run.name = os.path.basename(plan.run_dir)  # so that --config RUN_DIR/config.yaml names this run
     with open(os.path.join(plan.run_dir, "config.yaml"), "w") as f:
         f.write(to_yaml(cfg))
+    if cfg.mesh.elastic:
+        from orchestration.elastic.run import run_elastic
+
+        return run_elastic(cfg, plan, layout, [int(r) for r in cfg.mesh.local_replicas] or list(range(layout.fast_rows)))
     try:
         port = free_port()
         anchors = {r for r in range(cfg.world_size) if layout.is_anchor(r)}
@@ -393,7 +351,7 @@ def _main_local(cfg: Config, plan: Plan, layout: MeshLayout, join: bool) -> int:
                         threads=cfg.mesh.threads_per_rank, describe=layout.describe, optional=anchors,
                         restarts=cfg.anchor.restarts if anchors else 0, port=port)
     except MeshFailure as e:
-        return _mesh_stopped(e, plan)
+        return resume.mesh_stopped(e, plan)
     if res and res[0] and res[0].get("diverged"):
         print(f"error: {res[0]['diverged']}", file=sys.stderr, flush=True)
         return DIVERGED
@@ -420,26 +378,12 @@ def _join_anchor_row(cfg: Config, plan: Plan, layout: MeshLayout) -> int:
                         describe=lambda r: layout.describe(layout.anchor_rank(r)),
                         restarts=cfg.anchor.restarts)
     except MeshFailure as e:
-        return _mesh_stopped(e, plan)
+        return resume.mesh_stopped(e, plan)
     for r in res:
         if r is not None:
             print(f"[anchor] {layout.describe(r['rank'])}, generation {r['generation']}: {r['rounds']} rounds, "
                   f"stopped: {r['stopped']}", file=sys.stderr, flush=True)
     return 0 if all(r is not None for r in res) else 1
-
-
-def _mesh_stopped(e: MeshFailure, plan: Plan) -> int:
-    """Reports a stopped mesh and the checkpoint to continue from; exit code 1."""
-    print(f"\nerror: the mesh stopped: {e}", file=sys.stderr)
-    if e.details:
-        print(e.details, file=sys.stderr)
-    try:
-        last = ckpt.resolve("latest", plan.ckpt_dir, quiet=True)
-    except ValueError:
-        last = None  # none, or `latest` names a checkpoint that is gone
-    if last:
-        print(f"last complete checkpoint: {last} (continue with: {ckpt.continue_command(plan)})", file=sys.stderr)
-    return 1
 
 
 if __name__ == "__main__":

@@ -39,14 +39,18 @@ from orchestration.distributed.pipeline import PipelineExecutor
 from orchestration.distributed.schedule import make_schedule
 from orchestration.distributed.tied import TiedGradSync
 from orchestration.models.scoring import checkpoint_loss
+from meshkern.compress import SyncError
 
 
 class Trainer:
     """A fast rank: built from (rank, cfg, plan, mesh, stage); ``run()`` trains to the end
     (or to a stop request) and returns the rank's record (rank 0: with the summary)."""
 
-    def __init__(self, rank: int, cfg: Config, plan, mesh, stage):
+    def __init__(self, rank: int, cfg: Config, plan, mesh, stage, elastic=None):
         self.rank, self.cfg, self.plan, self.mesh, self.stage = rank, cfg, plan, mesh, stage
+        self.elastic = elastic  # --mesh.elastic: this replica's orchestration.elastic.ElasticReplica
+        if elastic is not None:
+            mesh.dp = elastic.group  # the stage's DP group across the live replicas (reconfigured per quorum)
         self.params = [p for p in stage.parameters() if p.requires_grad]
         self.counter = LinkCounter()
         self.optimizer = make_optimizer(cfg, stage)
@@ -84,6 +88,50 @@ class Trainer:
             "optimizer": self.optimizer, **self.sync.parts(),
             "counter": self.counter, "guard": self.guard,
             "anchor": self.hook if cfg.anchor.enabled else None})  # delay mode: what makes a resume exact
+        self.committed = True  # elastic: whether the last step's update was committed
+        self.retried = 0  # elastic, allreduce mode: steps run again because a peer died inside them
+        if elastic is not None:
+            elastic.attach(self._heal_state, self._load_heal, self._synced_digest, save_fn=self.save)
+
+    # ------------------------------------------------------------------ elastic healing
+    def _heal_state(self) -> dict:
+        """What a healing replica's rank of this stage takes from this one (torchft serializes
+        it at once: no copies needed)."""
+        # DiLoCo restarts a healed replica from the global copies (in its sync state): its
+        # own parameters need not travel
+        params = [] if self.sync.diloco else [p.detach() for p in self.params]
+        return {"params": params, "optimizer": self.optimizer.state_dict(), "sync": self.sync.heal_state()}
+
+    def _load_heal(self, sd: dict) -> None:
+        if sd["params"] and (len(sd["params"]) != len(self.params)
+                             or any(a.shape != p.shape for a, p in zip(sd["params"], self.params))):
+            raise ValueError(f"{self.mesh.describe()}: the heal state's parameters do not match this stage's")
+        with torch.no_grad():
+            for p, v in zip(self.params, sd["params"]):
+                p.copy_(v)
+        self.optimizer.load_state_dict(sd["optimizer"])
+        self.sync.load_heal_state(sd["sync"])
+
+    def _synced_digest(self) -> str:
+        """A hash of what every replica holds alike after a commit: the parameters
+        (allreduce mode) or DiLoCo's global copies."""
+        import hashlib
+
+        h = hashlib.sha1()
+        for t in ([g for d in self.sync.diloco for g in d._global] if self.sync.diloco else self.params):
+            h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()[:16]
+
+    def _dp(self, fn) -> None:
+        """Runs a DP sync call; in an elastic run a failed collective (a peer died inside
+        it) is reported to torchft and the sync state recovered, instead of ending the rank."""
+        try:
+            fn()
+        except SyncError as e:
+            if self.elastic is None:
+                raise
+            self.elastic.failed(e)
+            self.sync.recover()
 
     # ------------------------------------------------------------------ one step
     def step(self, step: int):
@@ -95,8 +143,14 @@ class Trainer:
                                    sample_ids=self.sampler.indices(step))
         self.tied.sync()
         if self.sync.allreduce is not None:
-            self.sync.all_reduce_grads()
+            self._dp(self.sync.all_reduce_grads)
             self.counter.set_total("dp", self.sync.bytes_sent)
+            if self.elastic is not None:
+                self.committed = self.elastic.commit()
+                if not self.committed:  # a peer died inside this step: run it again, without this update
+                    opt.zero_grad(set_to_none=True)
+                    self.sync.recover()
+                    return stats, float("nan")
         if self.subspace is not None:
             self.subspace.project_grads()  # every split (and the unsplit model) gives AdamW the same gradient
         # The last stage's copy of a tied weight holds the same summed gradient as the first
@@ -113,7 +167,7 @@ class Trainer:
             self.skipped += 1
         opt.zero_grad(set_to_none=True)
         if self.sync.diloco:
-            self.sync.step()
+            self._dp(self.sync.step)
             if self.subspace is not None:
                 self.subspace.after_update()  # whatever --dp.projection did, the codec needs the constraint
             # Read while a fragment's sync may still run in the background: its bytes count
@@ -149,15 +203,31 @@ class Trainer:
 
         signal.signal(signal.SIGINT, on_stop)
         signal.signal(signal.SIGTERM, on_stop)  # a scheduler's / container's stop: same clean stop
+        quorum = False
+        if self.elastic is not None:  # the first quorum: a replica that joins late heals here
+            start = self.elastic.begin(start)
+            quorum = True
         log = RunLog(cfg, plan, start, active=rank == 0)
         history: list[dict] = []
         last_ckpt = plan.resume_from
         t_start = t_last = time.perf_counter()
         steps_done, step, interrupted, diverged = 0, start, False, ""
-        for step in range(start, cfg.train.steps):
-            if rank == cfg.run.fail_rank and step == cfg.run.fail_step:
+        while step < cfg.train.steps:
+            if rank == cfg.run.fail_rank and step == cfg.run.fail_step and not getattr(self.elastic, "incarnation", 0):
                 os.kill(os.getpid(), signal.SIGKILL)  # fault injection (tests): die like a crashed node
+            if self.elastic is not None and not quorum and self.elastic.quorum_due(self.sync):
+                step, quorum = self.elastic.begin(step), True
+                if step >= cfg.train.steps:
+                    break
             stats, gnorm = self.step(step)
+            if self.elastic is not None:
+                if self.sync.allreduce is None and quorum:
+                    self.committed = self.elastic.commit()
+                self.elastic.record(step, self.committed, quorum)
+                quorum = False
+                if self.sync.allreduce is not None and not self.committed:
+                    self.retried += 1  # the same step again, on the next quorum's replicas
+                    continue
             now = time.perf_counter()
             rec, stopping = self._record(step, stats, gnorm, now - t_last)
             steps_done += 1
@@ -173,8 +243,11 @@ class Trainer:
                 diverged = divergence_report(self.guard, cfg, self.plan, rank, step)
                 break
             due = cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0
-            if due or stopping or step + 1 == cfg.train.steps:
+            if self.elastic is not None and self.sync.diloco and step + 1 == cfg.train.steps:
+                self._dp(self.sync.finish)  # every replica completes the last syncs, not just the one that saves
+            if (due or stopping or step + 1 == cfg.train.steps) and (self.elastic is None or self.elastic.leader):
                 last_ckpt = self._checkpoint(step) or last_ckpt
+            step += 1
             if stopping:
                 interrupted = True
                 break
@@ -186,14 +259,19 @@ class Trainer:
         out = {"rank": rank, "losses": [h["loss"] for h in history], "bytes": self.counter.totals(),
                "by_link": self.counter.by_link(), "interrupted": interrupted, "checkpoint": last_ckpt,
                "diverged": diverged}
-        if rank == 0:
+        if self.elastic is not None:
+            out["elastic"] = {**self.elastic.stats, "retried_steps": self.retried, "replica": self.elastic.replica_id,
+                              "steps_done": steps_done}
+        if rank == 0 and not history:
+            log.close()  # an elastic replica that healed to the last step: nothing of its own to report
+        elif rank == 0:
             log.close()
             out["summary"] = self._summary(history, elapsed, steps_done, last_ckpt, links_path, diverged)
             out["summary"]["stage_state"] = stage_state
             if cfg.adapter.kind == "lora" and last_ckpt and not diverged:
                 out["summary"].update(self._export(last_ckpt))
             if interrupted:
-                print(f"interrupted: checkpoint saved at step {step + 1} in {last_ckpt}; continue with: "
+                print(f"interrupted: checkpoint saved at step {step} in {last_ckpt}; continue with: "
                       f"{continue_command(plan)}", flush=True)
             print(format_summary(out["summary"]), flush=True)
         return out

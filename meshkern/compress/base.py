@@ -82,7 +82,12 @@ def _group_size_rank(group) -> tuple[int, int]:
     # A group torch.distributed does not register (torchft's reconfigurable process groups,
     # orchestration.elastic) cannot answer dist.get_rank: it carries its own rank.
     own_rank = getattr(group, "meshkern_rank", None)
-    return dist.get_world_size(group), (own_rank() if own_rank is not None else dist.get_rank(group))
+    if own_rank is None:
+        return dist.get_world_size(group), dist.get_rank(group)
+    try:
+        return dist.get_world_size(group), own_rank()
+    except Exception as e:  # torn down after a peer failed, not rebuilt yet
+        raise SyncError(f"the process group is not usable until it is rebuilt (a peer failed): {e}") from e
 
 
 class Compressor:
@@ -150,7 +155,7 @@ class Compressor:
         self.control_bytes_sent += s
         self.control_bytes_received += r
         if world > 1:
-            self._wait(dist.all_reduce(flag, group=group, async_op=True), "all_reduce of the non-finite flag")
+            self._wait(lambda: dist.all_reduce(flag, group=group, async_op=True), "all_reduce of the non-finite flag")
         return bool(flag.item() > 0)
 
     def payload_bytes_for(self, shapes: Sequence[Sequence[int]], dtype: torch.dtype = torch.float32) -> int:
@@ -204,9 +209,11 @@ class Compressor:
     def _load_state_dict(self, sd: dict) -> None:
         pass
 
-    def _wait(self, work, what: str) -> None:
+    def _wait(self, start, what: str) -> None:
+        """Starts a collective (``start()`` returns its work) and waits for it; any failure,
+        at the start too (a group that was torn down after a peer died), is a SyncError."""
         try:
-            ok = work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
+            ok = start().wait(timeout=datetime.timedelta(seconds=self.timeout_s))
         except Exception as e:  # gloo raises on a reset connection or a timeout
             raise SyncError(f"{type(self).__name__}: {what} failed or timed out after "
                             f"{self.timeout_s:g} s (a peer died or hung): {e}") from e
@@ -221,7 +228,7 @@ class Compressor:
         self.bytes_sent += s
         self.bytes_received += r
         if world > 1:
-            self._wait(dist.all_reduce(flat, group=group, async_op=True), what)
+            self._wait(lambda: dist.all_reduce(flat, group=group, async_op=True), what)
         return flat
 
     def _all_gather(self, block: torch.Tensor, group, what: str) -> torch.Tensor:
@@ -236,7 +243,7 @@ class Compressor:
         src = block.cpu() if via_cpu else block
         out = torch.empty(world * block.numel(), dtype=block.dtype, device=src.device)
         if world > 1:
-            self._wait(_all_gather_single(out, src, group=group, async_op=True), what)
+            self._wait(lambda: _all_gather_single(out, src, group=group, async_op=True), what)
         else:
             out.copy_(block)
         return (out.to(block.device) if via_cpu else out).view(world, block.numel())

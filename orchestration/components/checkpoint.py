@@ -366,8 +366,20 @@ class Checkpointer:
         self.untied_embeddings = cfg.model.tied_embeddings == "untie" and cfg.adapter.kind == "none" and bool(
             getattr(stage, "tied_lm_head", False) or getattr(stage, "tied_embed", False))
 
+    @property
+    def state_rank(self) -> int:
+        """The rank_XXXXX.pt this rank writes and loads. Elastic runs save one replica (the
+        leader: replicas come and go, their state is alike after a sync) under the stage
+        index, which every replica loads, as replica 0's files of a fixed mesh."""
+        return self.mesh.stage if self.mesh.elastic else self.mesh.rank
+
+    @property
+    def publisher(self) -> bool:
+        """The rank that finalizes the checkpoint: rank 0, or the elastic leader's stage 0."""
+        return self.mesh.stage == 0 if self.mesh.elastic else self.mesh.rank == 0
+
     def save(self, step: int) -> str | None:
-        """Every fast rank calls it at the same step; returns the checkpoint directory, or
+        """Every fast rank (elastic: of the leader replica) calls it at the same step; returns the checkpoint directory, or
         None (nothing written) if any fast rank's weights are not finite."""
         cfg, plan, mesh = self.cfg, self.plan, self.mesh
         root = plan.ckpt_dir
@@ -375,7 +387,7 @@ class Checkpointer:
                           dtype=torch.float64).to(mesh.device)
         dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=mesh.fast)
         if ok.item() < 1:
-            if mesh.rank == 0:
+            if self.publisher:
                 print(f"warning: no checkpoint at step {step}: the weights are not finite", file=sys.stderr, flush=True)
             return None
         tmp = step_dir(root, step) + ".tmp"
@@ -383,17 +395,17 @@ class Checkpointer:
         dist.barrier(group=mesh.fast)  # the directory exists before anyone writes (rank 0 may have removed an old one)
         y0 = cfg.replica_stages[0]  # replica 0's stages write the HF checkpoint
         adapters = self.parts["stage"] if hasattr(self.parts.get("stage"), "peft_config") else None
-        if mesh.row == 0:
+        if mesh.row == 0 or mesh.elastic:  # elastic: only the leader replica saves, all of it
             if adapters is not None:
                 write_adapter_shard(tmp, adapters.tensors(), self.stage.index, y0)
             else:
                 write_stage_shard(tmp, self.stage, y0, untied=self.untied_embeddings)
         state = {"step": step}
         state.update({k: None if v is None else v.state_dict() for k, v in self.parts.items()})
-        write_rank_state(tmp, mesh.rank, state)
+        write_rank_state(tmp, self.state_rank, state)
         dist.barrier(group=mesh.fast)
         final = step_dir(root, step)
-        if mesh.rank == 0:
+        if self.publisher:
             meta = {"step": step, "rows": cfg.mesh.rows, "stages": cfg.mesh.stages, "anchor": cfg.anchor.enabled,
                     "replicas": cfg.replica_stages, "model_path": plan.model_path, "config": cfg.to_dict(),
                     "untied_embeddings": self.untied_embeddings}
@@ -405,7 +417,7 @@ class Checkpointer:
 
     def load(self, path: str) -> int:
         """Loads this rank's parts from checkpoint ``path``; returns its step."""
-        st = load_rank_state(path, self.mesh.rank)
+        st = load_rank_state(path, self.state_rank)
         for name, part in self.parts.items():
             if part is not None and st.get(name) is not None:
                 part.load_state_dict(st[name])

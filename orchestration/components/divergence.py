@@ -5,6 +5,8 @@ import math
 import statistics
 from collections import deque
 
+DIVERGED = 3  # exit code of a run stopped by the divergence guard (DivergenceError)
+
 
 class DivergenceError(RuntimeError):
     """The run diverged: ``--train.max-bad-steps`` consecutive bad steps (DivergenceGuard)."""

@@ -96,6 +96,8 @@ def write_link_bytes(plan, mesh, counter: LinkCounter) -> str:
     if mesh.rank == 0:
         merged = {"links": {}, "per_rank": {}}
         for r in mesh.layout.fast_ranks():
+            if mesh.elastic and not os.path.exists(os.path.join(d, f"rank_{r:05d}.json")):
+                continue  # an elastic replica that has not finished (or is gone): no barrier spans it
             with open(os.path.join(d, f"rank_{r:05d}.json")) as f:
                 rec = json.load(f)
             merged["links"].update(rec["links"])
@@ -158,9 +160,9 @@ def reduce_step(cfg, mesh, step: int, stats, gnorm: float, skipped: int, counter
     """One small SUM all-reduce over the fast ranks (the anchor never joins it) of
     [stop flag, loss, grad norm, skipped steps, per-stage F and B compute seconds, bytes
     per axis, DP bytes per stage]; returns (the step's metrics record, stop requested)."""
-    Y, X, t = cfg.mesh.stages, cfg.fast_rows, cfg.train
+    Y, X, t = cfg.mesh.stages, mesh.fast_replicas, cfg.train  # X: the replicas this reduction spans
     depth = cfg.replica_stages
-    deepest = depth.count(Y)  # per-stage compute times: the mean over the deepest replicas (all, if alike)
+    deepest = 1 if mesh.elastic else depth.count(Y)  # per-stage compute times: the mean over the deepest replicas (all, if alike)
     vec = torch.zeros(4 + 3 * Y + len(AXES), dtype=torch.float64)  # filled on CPU, reduced on mesh.device
     vec[0] = float(stop)
     vec[1] = stats.loss if mesh.is_last else 0.0
@@ -176,7 +178,7 @@ def reduce_step(cfg, mesh, step: int, stats, gnorm: float, skipped: int, counter
     vec = vec.to(mesh.device)
     dist.all_reduce(vec, group=mesh.fast)
     vec = vec.cpu()
-    tokens_per_step = X * t.batch_size * cfg.data.seq_len
+    tokens_per_step = cfg.fast_rows * t.batch_size * cfg.data.seq_len
     rec = {"step": step + 1, "loss": vec[1].item() / X, "lr": lr, "grad_norm": vec[2].item(),
            "tokens": (step + 1) * tokens_per_step, "step_s": step_s,
            "tokens_per_s": tokens_per_step / max(step_s, 1e-9), "skipped_steps": round(vec[3].item()),

@@ -33,6 +33,22 @@ class MeshConfig:
     start_method: str = _f("auto", "how the local launcher starts ranks: auto (fork on CPU, spawn on CUDA), fork (fast: the "
                                    "parent loads model and data once; CPU only) or spawn")
     threads_per_rank: int = _f(1, "torch intra-op threads per rank (1: ranks share few cores; OpenMP spin-waiting otherwise)")
+    elastic: bool = _f(False, "elastic fast replicas on torchft (docs/elastic.md): a replica that dies drops out of the next "
+                              "quorum and the others go on; the local launcher starts a lighthouse and restarts dead "
+                              "replicas, which heal from a live one. Off by default")
+    replica_restarts: int = _f(2, "--mesh.elastic, local launcher: restart dead fast replicas up to this many times in all")
+    min_replicas: int = _f(1, "--mesh.elastic: fewest live replicas a step needs; below it a replica waits up to "
+                              "--mesh.quorum-timeout-s, then stops with an error (the last checkpoint stays valid)")
+    quorum_timeout_s: float = _f(60.0, "--mesh.elastic: how long a replica waits for a quorum of --mesh.min-replicas")
+    heartbeat_s: float = _f(2.0, "--mesh.elastic: a replica silent this long (dead, or its link down) is out of the next quorum")
+    join: str = _f("", "--mesh.elastic: start one fast replica (--mesh.replica-id) that joins the running elastic run whose "
+                       "lighthouse is this URL (http://HOST:PORT, printed by its launcher; RUN_DIR/elastic/lighthouse); "
+                       "same config otherwise, and the run's secret (--anchor.secret-file)")
+    replica_id: int = _f(-1, "--mesh.join: which of the mesh's --mesh.rows replicas this one is (its data shard and seed)")
+    local_replicas: list = _f([], "--mesh.elastic: the replica ids this launcher starts (empty: all of 0..rows-1); the "
+                                  "others may join later with --mesh.join")
+    bind: str = _f("127.0.0.1", "--mesh.elastic: the address the lighthouse, each replica's torchft manager, its heal "
+                                "server and its store listen on and advertise (another machine's replicas must reach it)")
 
 
 @dataclass

@@ -55,7 +55,39 @@ def validate(cfg: Config) -> Config:
     _check_anchor(cfg)
     _check_adapter(cfg)
     _check_run(cfg)
+    _check_elastic(cfg)
     return cfg
+
+
+def _check_elastic(cfg: Config) -> None:
+    m, dp = cfg.mesh, cfg.dp
+    _need(not (m.join or m.local_replicas or m.replica_id >= 0) or m.elastic,
+          "--mesh.join, --mesh.local-replicas and --mesh.replica-id belong to an elastic run: add --mesh.elastic")
+    if not m.elastic:
+        return
+    _need(not cfg.anchor.enabled, "--mesh.elastic with --anchor.enabled is not supported yet: the anchor row's world "
+                                  "is formed through the fixed fast circuit's store (docs/elastic.md)")
+    _need(not m.replicas, "--mesh.elastic needs replicas alike (--mesh.rows x --mesh.stages), not --mesh.replicas")
+    _need(dp.mode in ("allreduce", "diloco"), f"--mesh.elastic needs --dp.mode allreduce or diloco, got {dp.mode}")
+    _need(cfg.boundary.codec != "subspace", "--mesh.elastic does not support --boundary.codec subspace (its projector "
+                                            "is broadcast over the whole fast circuit at start)")
+    _need(m.min_replicas >= 1, f"--mesh.min-replicas must be >= 1, got {m.min_replicas}")
+    _need(m.replica_restarts >= 0, f"--mesh.replica-restarts must be >= 0, got {m.replica_restarts}")
+    _need(m.heartbeat_s > 0 and m.quorum_timeout_s > 0, "--mesh.heartbeat-s and --mesh.quorum-timeout-s must be > 0")
+    ids = [int(r) for r in m.local_replicas]
+    _need(all(0 <= r < m.rows for r in ids) and len(set(ids)) == len(ids),
+          f"--mesh.local-replicas {m.local_replicas}: distinct replica ids in 0..{m.rows - 1}")
+    if m.join:
+        _need(m.join.startswith("http://"), f"--mesh.join {m.join!r}: the lighthouse URL, http://HOST:PORT")
+        _need(0 <= m.replica_id < m.rows, f"--mesh.join needs --mesh.replica-id in 0..{m.rows - 1} (the replica it "
+                                          f"stands for: its data shard), got {m.replica_id}")
+    if dp.mode == "diloco":
+        # A quorum is taken only at a step with no fragment sync in flight (orchestration.elastic.replica).
+        offs = sorted({((f + 1) * dp.sync_every // dp.fragments) % dp.sync_every for f in range(dp.fragments)})
+        gap = min([(b - a) for a, b in zip(offs, offs[1:])] + [offs[0] + dp.sync_every - offs[-1]])
+        _need(dp.overlap_steps < gap, f"--mesh.elastic: --dp.overlap-steps {dp.overlap_steps} keeps a fragment sync "
+                                      f"in flight at every step (fragments start every {gap} steps), so no quorum "
+                                      f"could ever form; use fewer --dp.fragments or a smaller overlap")
 
 
 def _check_mesh(cfg: Config) -> None:

@@ -28,7 +28,7 @@ class ReplicaSync:
     def __init__(self, cfg, mesh, stage, make_compressor: Callable[[], object], projector=None):
         self.mode, self.mesh = cfg.dp.mode, mesh
         self.groups: list[tuple[object, list[tuple[str, torch.Tensor]], str]] = []  # (group, named params, key)
-        if cfg.fast_rows > 1 and cfg.dp.mode != "none":
+        if (cfg.fast_rows > 1 or mesh.elastic) and cfg.dp.mode != "none":  # elastic: replicas may join
             if mesh.segments:
                 # Trainable parameters only: a frozen one (the subspace codec's embedding) is
                 # frozen on every replica, so every group member leaves out the same tensors.
@@ -87,6 +87,32 @@ class ReplicaSync:
     def finish(self) -> None:
         for d in self.diloco:
             d.finish()
+
+    def recover(self) -> None:
+        """After a DP collective failed (a peer died inside it; elastic runs): every
+        compressor stream of this rank restarts from zero error and the shared seed, as it
+        does on every other rank that saw the same failure; DiLoCo drops its syncs in flight."""
+        if self.allreduce is not None:
+            for _, _, key in self.groups:
+                self.allreduce.reset_stream(key)
+        for d in self.diloco:
+            d.recover()
+
+    def heal_state(self) -> dict:
+        """What a replica that heals takes from this rank's peer: DiLoCo's state (global
+        copies, outer momentum, counters, compressor) and the all-reduce compressor's."""
+        return {k: None if v is None else v.state_dict() for k, v in self.parts().items()}
+
+    def load_heal_state(self, sd: dict) -> None:
+        """Applies a peer's ``heal_state``; then error feedback is zeroed (the peer's
+        residual is the peer's to send) and DiLoCo restarts from the global copies."""
+        for k, v in self.parts().items():
+            if v is not None and sd.get(k) is not None:
+                v.load_state_dict(sd[k])
+        if self.allreduce is not None:
+            self.allreduce.clear_error_feedback()
+        for d in self.diloco:
+            d.restart_from_global()
 
     # ---- checkpoint parts ----------------------------------------------------------------
     def parts(self) -> dict:

@@ -231,6 +231,7 @@ class Mesh:
     store: object = None  # anchor row: its client of the fast circuit's store
     generation: int = 0   # anchor row: its generation (orchestration.anchor.claim_generation)
     secret: bytes = b""   # anchor row: the run's anchor secret (orchestration.anchor.auth)
+    elastic: bool = False  # --mesh.elastic: this replica is a world of its own (init_replica_world)
 
     @property
     def is_anchor(self) -> bool:
@@ -249,13 +250,13 @@ class Mesh:
         """The previous stage's rank in this rank's torch.distributed world."""
         if self.is_first:
             return None
-        return self.stage - 1 if self.is_anchor else self.rank - 1
+        return self.stage - 1 if self.is_anchor or self.elastic else self.rank - 1
 
     @property
     def next_rank(self) -> int | None:
         if self.is_last:
             return None
-        return self.stage + 1 if self.is_anchor else self.rank + 1
+        return self.stage + 1 if self.is_anchor or self.elastic else self.rank + 1
 
     @property
     def pp_ranks(self) -> list[int]:
@@ -264,6 +265,12 @@ class Mesh:
     @property
     def dp_ranks(self) -> list[int]:
         return [] if self.is_anchor else self.layout.dp_ranks(self.stage)
+
+    @property
+    def fast_replicas(self) -> int:
+        """The replicas whose ranks the ``fast`` group spans (per-step metrics are their mean):
+        every fast replica, or this one alone in an elastic run."""
+        return 1 if self.elastic else self.layout.fast_rows
 
     def describe(self, rank: int | None = None) -> str:
         return self.layout.describe(self.rank if rank is None else rank)
@@ -389,6 +396,35 @@ def init_anchor_row(layout: MeshLayout, stage: int, store, generation: int, *, d
                                 rank=stage, world_size=layout.stages, timeout=timedelta(seconds=timeout_s))
     m = Mesh(layout, layout.anchor_rank(stage), layout.rows - 1, stage, store=store, generation=generation)
     m.device = rank_device(device)
+    return m
+
+
+def init_replica_world(layout: MeshLayout, row: int, *, timeout_s: float = 60.0, device: str = "cpu") -> Mesh:
+    """--mesh.elastic: joins fast replica ``row``'s own world, its stages only (env://
+    rendezvous as set by orchestration.elastic.launcher or torchrun: RANK = the stage,
+    WORLD_SIZE = the replica's stages, MASTER_ADDR/PORT = the replica's own store), so the
+    replica can die and be restarted while the others go on. Groups: ``pp`` = ``fast`` =
+    the replica's world, ``ends`` (tied embedding); ``dp`` is set by the replica's torchft
+    manager (orchestration.elastic.replica). ``rank`` keeps the whole mesh's numbering (for
+    names and checkpoints), neighbours are the world's ranks (= stages)."""
+    stages = layout.stages_of(row)
+    stage = int(os.environ.get("RANK", "0"))
+    if not 0 <= stage < stages:
+        raise ValueError(f"RANK={stage}: replica {row} of the mesh {layout.name} has stages 0..{stages - 1}")
+    tmo = timedelta(seconds=timeout_s)
+    if not dist.is_initialized():
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+            dist.init_process_group("gloo", init_method="env://", rank=stage, world_size=stages, timeout=tmo)
+        else:
+            store = rendezvous_store(stage, stages, timeout_s)
+            dist.init_process_group("gloo", store=dist.PrefixStore("default_pg", store), rank=stage,
+                                    world_size=stages, timeout=tmo)
+    if dist.get_world_size() != stages:
+        raise ValueError(f"WORLD_SIZE={dist.get_world_size()} but replica {row} has {stages} stages")
+    m = Mesh(layout, layout.rank_of(row, stage), row, stage, elastic=True)
+    m.device = rank_device(device)
+    m.pp = m.fast = m.groups[f"pp{row}"] = m.groups["fast"] = dist.new_group(list(range(stages)), timeout=tmo)
+    m.groups[f"ends{row}"] = dist.new_group(sorted({0, stages - 1}), timeout=tmo)
     return m
 
 

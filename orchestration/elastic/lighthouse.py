@@ -1,0 +1,69 @@
+"""torchft's lighthouse (the quorum service of elastic replicas), run in a process of its own.
+
+``python -m orchestration.elastic.lighthouse --bind 127.0.0.1:0 --min-replicas 1`` prints
+``LIGHTHOUSE http://HOST:PORT`` on its first line once it listens, then serves until it
+is killed or its stdin closes (the launcher that started it is gone). Its own process,
+not a thread of the launcher: the launcher forks the replicas' ranks, and a forked child
+must not inherit the lighthouse's Rust runtime threads half-copied.
+
+torchft's ``LighthouseServer.address()`` reports the machine's hostname whatever it is
+bound to; the address printed here is the one bound (``--bind`` host, the port it got).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import threading
+
+
+def start_lighthouse(bind: str, min_replicas: int, heartbeat_s: float, join_timeout_s: float,
+                     timeout_s: float = 60.0) -> tuple[subprocess.Popen, str]:
+    """Starts the lighthouse process; returns (process, "http://host:port"). Raises
+    RuntimeError with its stderr if it does not come up within ``timeout_s``."""
+    proc = subprocess.Popen([sys.executable, "-m", "orchestration.elastic.lighthouse", "--bind", bind,
+                             "--min-replicas", str(min_replicas), "--heartbeat-ms", str(int(heartbeat_s * 1000)),
+                             "--join-timeout-ms", str(int(join_timeout_s * 1000))],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # a Ctrl-C stops the replicas cleanly; it keeps serving them
+    line: list[str] = []
+    reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout_s)
+    if not line or not line[0].startswith("LIGHTHOUSE "):
+        proc.kill()
+        err = proc.stderr.read() if proc.poll() is not None else ""
+        raise RuntimeError(f"the torchft lighthouse did not start on {bind} within {timeout_s:g} s: {err.strip()[-800:]}")
+    # its stderr (torchft logs a line per quorum) must not fill the pipe and block it
+    threading.Thread(target=proc.stderr.read, daemon=True).start()
+    return proc, line[0].split()[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--bind", default="127.0.0.1:0", help="host:port to listen on (port 0: any free one)")
+    p.add_argument("--min-replicas", type=int, default=1, help="fewest replicas a quorum needs")
+    p.add_argument("--heartbeat-ms", type=int, default=2000, help="a replica silent this long is out of the next quorum")
+    p.add_argument("--join-timeout-ms", type=int, default=4000,
+                   help="how long a quorum waits for live replicas that have not asked to join it yet")
+    p.add_argument("--quorum-tick-ms", type=int, default=50, help="how often the lighthouse tries to form a quorum")
+    a = p.parse_args(argv)
+    os.environ.setdefault("RUST_LOG", "warn")  # torchft logs every quorum at INFO otherwise (read at import)
+    from torchft._torchft import LighthouseServer
+
+    host = a.bind.rsplit(":", 1)[0]
+    server = LighthouseServer(bind=a.bind, min_replicas=a.min_replicas, join_timeout_ms=a.join_timeout_ms,
+                              quorum_tick_ms=a.quorum_tick_ms, heartbeat_timeout_ms=a.heartbeat_ms)
+    port = server.address().rsplit(":", 1)[1]
+    print(f"LIGHTHOUSE http://{host}:{port}", flush=True)
+    try:
+        sys.stdin.read()  # returns when the launcher closes our stdin or dies
+    except KeyboardInterrupt:
+        pass
+    server.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,225 @@
+"""One rank's side of torchft: the Manager of its fast replica, the quorum per step, the heal.
+
+Every stage of a fast replica holds one ``ElasticReplica``; together they are ONE torchft
+replica group (``Manager(rank=stage, world_size=stages)``, the stage-0 rank hosts its
+ManagerServer), so the replica joins, leaves and commits as a whole, and each stage gets
+its own reconfigurable Gloo group across the replicas of that stage (``group``: the
+stage's data-parallel group, what the compressors and Streaming DiLoCo sync over).
+
+The step protocol the trainer follows (orchestration.trainer):
+
+    if replica.quorum_due(sync):     allreduce: every step; diloco: no fragment sync in flight
+        replica.begin(step)          quorum of the live replicas; a replica behind heals here
+    ... the step; a DP collective that fails -> replica.failed(err) ...
+    replica.commit()                 False: a peer died inside the step (allreduce: the step is
+                                     retried without its update; diloco: the failed sync is dropped)
+
+Quorums are taken only where no DP collective is in flight, so a membership change never
+aborts a sync of the replicas that stay. A replica that heals (a new one, a restarted
+one, or one whose last commit failed where the others' succeeded) receives from a live
+peer, through ``SecretHTTPTransport`` (the run's secret), what ``state_fn`` returns
+there: the step, the trainable parameters, the inner optimizer and the DP sync state;
+``load_fn`` applies it before the step runs, so its first contribution is computed on
+the current weights (never stale) and carries only its own work (error feedback is
+zeroed, DiLoCo restarts from the global copy: nothing of the peer is sent twice).
+
+Bindings: torchft's ManagerServer binds every interface by default; here it binds the
+host the run names (``--mesh.bind``), as do the heal server and the lighthouse.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+import traceback
+from datetime import timedelta
+
+# torchft's Rust side logs every quorum and commit at INFO to stderr (read at import);
+# its Python side warns on every reconfigure that CPU has no NCCL flight recorder.
+os.environ.setdefault("RUST_LOG", "warn")
+logging.getLogger("torchft").setLevel(logging.ERROR)
+
+import torchft.manager as _tfm  # noqa: E402
+from torchft import Manager, ProcessGroupGloo  # noqa: E402
+from torchft._torchft import ManagerServer as _ManagerServer  # noqa: E402
+
+from orchestration.elastic.errors import HealRefused, QuorumLost  # noqa: E402
+from orchestration.elastic.transport import SecretHTTPTransport  # noqa: E402
+
+_BIND = {"host": "127.0.0.1"}
+DIGESTS_ENV = "MESHKERN_ELASTIC_DIGESTS"  # "1": every step record carries a hash of the synced state
+
+
+def _bound_manager_server(**kw):
+    # torchft's Manager builds ManagerServer(bind=f"[::]:{port}", ...) with keywords only:
+    # keep its port, listen on the run's host instead of every interface.
+    kw["bind"] = f"{_BIND['host']}:{kw['bind'].rsplit(':', 1)[1]}"
+    return _ManagerServer(**kw)
+
+
+_tfm.ManagerServer = _bound_manager_server
+
+
+class ElasticReplica:
+    """This rank's torchft Manager and its record of quorums and heals.
+
+    ``replica_id``: the fast replica's number (its data shard and seed follow from it, not
+    from its rank in the quorum, which changes with membership). ``lighthouse``: the
+    lighthouse URL. ``secret``: the run's secret (orchestration.anchor.auth).
+    ``state_fn() -> dict`` / ``load_fn(dict)``: this rank's heal state (tensors and plain
+    values); set with ``attach`` before the first ``begin``. ``events``: a path this rank
+    appends one JSON line per step to (quorum, participants, heal)."""
+
+    def __init__(self, cfg, mesh, replica_id: int, lighthouse: str, secret: bytes, events: str | None = None):
+        self.cfg, self.mesh, self.replica_id = cfg, mesh, replica_id
+        m = cfg.mesh
+        _BIND["host"] = m.bind
+        tmo = timedelta(seconds=m.timeout_s)
+        self.transport = SecretHTTPTransport(secret, m.bind, tmo)
+        self.group = ProcessGroupGloo(timeout=tmo)
+        self._state_fn = self._load_fn = self._digest_fn = self._save_fn = None
+        self._began = False  # a quorum was had: a step was committed or healed to
+        self.leader = mesh.row == 0  # the replica with the lowest number in the last quorum: it writes checkpoints
+        self.manager = Manager(
+            pg=self.group, load_state_dict=self._load, state_dict=self._state, min_replica_size=m.min_replicas,
+            use_async_quorum=False,  # the heal is applied inside start_quorum: the step then runs on healed weights
+            timeout=tmo, quorum_timeout=timedelta(seconds=m.quorum_timeout_s), connect_timeout=tmo,
+            rank=mesh.stage, world_size=mesh.layout.stages_of(mesh.row),
+            store_addr=os.environ["MASTER_ADDR"], store_port=int(os.environ["MASTER_PORT"]),
+            lighthouse_addr=lighthouse, replica_id=f"replica{replica_id}", hostname=m.bind,
+            checkpoint_transport=self.transport, init_sync=False)  # replicas start alike; a late one heals
+        # The compressors' ring byte counts need this rank's place in the group, which
+        # dist.get_rank cannot tell for a torchft group (meshkern.compress.base).
+        self.group.meshkern_rank = lambda: self.manager.participating_rank() or 0
+        self.incarnation = 0  # restarts of this replica before this process (the launcher's count)
+        self.step = 0  # the step about to run (what a healing peer receives)
+        self.healed_to: int | None = None
+        self._error: BaseException | None = None  # a DP failure since the last commit
+        self._quorum: dict = {}
+        self.stats = {"quorums": 0, "heals": 0, "heal_bytes": 0, "heal_s": 0.0, "failed_commits": 0}
+        self._events = open(events, "a") if events else None
+
+    def attach(self, state_fn, load_fn, digest_fn=None, save_fn=None) -> None:
+        """``digest_fn() -> str``: a hash of what replicas hold alike after a commit (for
+        MESHKERN_ELASTIC_DIGESTS=1 records: the tests check a healed replica against its peers).
+        ``save_fn(step)``: checkpoints this replica at a step boundary (the leader calls it
+        when the quorum is lost, so the run stops with its last committed state saved)."""
+        self._state_fn, self._load_fn, self._save_fn = state_fn, load_fn, save_fn
+        self._digest_fn = digest_fn if os.environ.get(DIGESTS_ENV) == "1" else None
+
+    # ---- torchft callbacks -----------------------------------------------------------------
+    def _state(self) -> dict:
+        return {"step": self.step, **self._state_fn()}
+
+    def _load(self, sd: dict) -> None:
+        self._load_fn(sd)
+        self.healed_to = int(sd["step"])
+
+    # ---- the step protocol -----------------------------------------------------------------
+    @staticmethod
+    def quorum_due(sync) -> bool:
+        """Whether the step about to run starts with a quorum: whenever no DP sync is in
+        flight (DiLoCo's overlap carries a fragment's sync across a step boundary; a quorum
+        there could reconfigure the group under it). The same on every rank of every replica
+        (the schedule is a function of the step alone)."""
+        return not any(d.in_flight for d in sync.diloco)
+
+    def begin(self, step: int) -> int:
+        """Quorum for ``step``; returns the step to run (another one after a heal). Raises
+        HealRefused (the run's secret is not ours), QuorumLost (too few live replicas for
+        --mesh.quorum-timeout-s) or the heal's own error."""
+        self.step, self.healed_to = step, None
+        n0, a0 = len(self.transport.recv_log), self.transport.recv_attempts
+        t0 = time.perf_counter()
+        try:
+            self.manager.start_quorum()
+        except TimeoutError as e:  # torchft's quorum RPC past --mesh.quorum-timeout-s
+            if self.leader and self._began and self._save_fn is not None:
+                self._save_fn(step)  # where it stopped, valid: every step before it was committed
+            raise QuorumLost(f"{self.mesh.describe()}: no quorum of >= {self.cfg.mesh.min_replicas} live replicas "
+                             f"(--mesh.min-replicas) within --mesh.quorum-timeout-s "
+                             f"{self.cfg.mesh.quorum_timeout_s:g}: {e}") from e
+        err = self.manager.errored()
+        if err is not None:
+            cause = err.original_exception
+            if isinstance(cause, HealRefused):
+                raise cause
+            if self.transport.recv_attempts > a0:  # the heal itself failed: this replica's state is behind
+                raise RuntimeError(f"{self.mesh.describe()}: healing from a peer failed: {cause}") from cause
+            self._error = cause  # the group's reconfigure failed: this step will not commit
+        heals = self.transport.recv_log[n0:]
+        self.stats["quorums"] += 1
+        if heals:
+            self.stats["heals"] += 1
+            self.stats["heal_bytes"] += sum(h["heal_bytes"] for h in heals)
+            self.stats["heal_s"] += sum(h["heal_s"] for h in heals)
+        rank = self.manager.participating_rank()
+        self.leader, self._began = rank == 0, True
+        self._quorum = {"quorum_s": time.perf_counter() - t0, "participants": self.manager.num_participants(),
+                        "quorum_id": self.manager._quorum_id, "replica_rank": rank}
+        if heals:
+            self._quorum.update(healed_to=self.healed_to, heal_bytes=sum(h["heal_bytes"] for h in heals),
+                                heal_s=sum(h["heal_s"] for h in heals))
+        return step if self.healed_to is None else self.healed_to
+
+    def failed(self, err: BaseException) -> None:
+        """A DP collective of this step failed (a peer died inside it): no commit, and this
+        rank's group is torn down at once. A live peer whose part of the same collective
+        still waits on this rank then fails now: gloo has no abort, only closing the sockets
+        (dropping the last reference to the group) ends its wait; otherwise it would wait
+        until this rank next reconfigures, fall out of that quorum and heal back. The failed
+        commit makes the next quorum a new one (the lighthouse bumps it), which rebuilds the
+        group on every member; until then a collective on it fails at once (SyncError)."""
+        self._error = RuntimeError(str(err))  # the message: the exception's frames hold the failed work (the group)
+        e: BaseException | None = err
+        while e is not None:
+            if e.__traceback__ is not None:
+                traceback.clear_frames(e.__traceback__)
+            e = e.__cause__ or e.__context__
+        self.group.abort()  # drops torchft's reference to the gloo group
+
+    def commit(self) -> bool:
+        """torchft's should_commit (every stage of the replica must agree): False when any
+        stage saw a failure or the quorum is below --mesh.min-replicas."""
+        if self._error is not None:
+            self.manager.report_error(self._error if isinstance(self._error, Exception) else RuntimeError(str(self._error)))
+            self._error = None
+        ok = self.manager.should_commit()
+        if not ok:
+            self.stats["failed_commits"] += 1
+        return ok
+
+    def record(self, step: int, committed: bool, quorum: bool) -> dict:
+        """This step's quorum facts (also appended to the events file by stage 0)."""
+        rec = {"step": step + 1, "replica": self.replica_id, "stage": self.mesh.stage, "committed": committed,
+               "quorum": quorum, "wall": time.time(), "pid": os.getpid(), "incarnation": self.incarnation}
+        if self._digest_fn is not None:
+            rec["digest"] = self._digest_fn()
+        if quorum:
+            rec.update(self._quorum)
+        if self._events is not None:
+            self._events.write(json.dumps(rec) + "\n")
+            self._events.flush()
+        return rec
+
+    def close(self) -> None:
+        if self._events is not None:
+            self._events.close()
+        try:
+            self.manager.shutdown(wait=False)
+        finally:
+            self.transport.shutdown()
+
+
+def hard_exit_on_error() -> None:
+    """An uncaught exception must end this process at once: a normal interpreter exit joins
+    torchft's quorum thread while its Rust ManagerServer keeps heartbeating, so a half-dead
+    replica would look alive to the lighthouse until the join timeout."""
+    def hook(kind, value, tb):
+        sys.__excepthook__(kind, value, tb)
+        sys.stderr.flush()
+        os._exit(1)
+
+    sys.excepthook = hook
