@@ -97,14 +97,11 @@ class Trainer:
     def _heal_state(self) -> dict:
         """What a healing replica's rank of this stage takes from this one (torchft serializes
         it at once: no copies needed)."""
-        # DiLoCo restarts a healed replica from the global copies (in its sync state): its
-        # own parameters need not travel
-        params = [] if self.sync.diloco else [p.detach() for p in self.params]
+        params = [p.detach() for p in self.params]
         return {"params": params, "optimizer": self.optimizer.state_dict(), "sync": self.sync.heal_state()}
 
     def _load_heal(self, sd: dict) -> None:
-        if sd["params"] and (len(sd["params"]) != len(self.params)
-                             or any(a.shape != p.shape for a, p in zip(sd["params"], self.params))):
+        if len(sd["params"]) != len(self.params) or any(a.shape != p.shape for a, p in zip(sd["params"], self.params)):
             raise ValueError(f"{self.mesh.describe()}: the heal state's parameters do not match this stage's")
         with torch.no_grad():
             for p, v in zip(self.params, sd["params"]):
@@ -221,8 +218,8 @@ class Trainer:
                     break
             stats, gnorm = self.step(step)
             if self.elastic is not None:
-                if self.sync.allreduce is None and quorum:
-                    self.committed = self.elastic.commit()
+                if self.sync.allreduce is None:  # diloco: a commit closes each quorum; a step without one has none
+                    self.committed = self.elastic.commit() if quorum else True
                 self.elastic.record(step, self.committed, quorum)
                 quorum = False
                 if self.sync.allreduce is not None and not self.committed:
@@ -243,8 +240,8 @@ class Trainer:
                 diverged = divergence_report(self.guard, cfg, self.plan, rank, step)
                 break
             due = cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0
-            if self.elastic is not None and self.sync.diloco and step + 1 == cfg.train.steps:
-                self._dp(self.sync.finish)  # every replica completes the last syncs, not just the one that saves
+            if self.elastic is not None and self.sync.diloco and (stopping or step + 1 == cfg.train.steps):
+                self._dp(self.sync.finish)  # every replica completes its syncs in flight, not just the one that saves
             if (due or stopping or step + 1 == cfg.train.steps) and (self.elastic is None or self.elastic.leader):
                 last_ckpt = self._checkpoint(step) or last_ckpt
             step += 1

@@ -7,8 +7,9 @@
   first round, other streams are untouched;
 - ``StreamingDiLoCo.recover``: after a sync failed in flight, nothing is merged, the
   fragment's compressor stream restarts and the instance is usable again;
-- ``StreamingDiLoCo.restart_from_global``: a replica that loaded a peer's state continues
-  from the peer's global copy with zero error feedback;
+- ``StreamingDiLoCo.adopt_peer_parameters``: a replica that took a peer's state and
+  parameters sends, at its next sync of each fragment, only its own progress since (the
+  peer's unsynced progress is not averaged in twice), and its error feedback is zero;
 - the torchft-group rank rule of meshkern.compress.base.
 """
 import concurrent.futures as cf
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 import dp_helpers as H
-from meshkern.compress import Int8, PowerSGD, SparseLoCo, SyncError
+from meshkern.compress import Int8, NoCompression, PowerSGD, SparseLoCo, SyncError
 from meshkern.compress.base import _group_size_rank
 from meshkern.diloco import StreamingDiLoCo
 
@@ -115,22 +116,64 @@ def test_recover_after_a_failed_sync_merges_nothing_and_stays_usable(world1):
     assert d.syncs_done >= 2
 
 
-def test_restart_from_global_takes_the_peers_global_copy_with_zero_error(world1):
+class _Spy(NoCompression):
+    """Records what each sync hands to the compressor."""
+
+    def __init__(self):
+        super().__init__()
+        self.sent = []
+
+    def _all_reduce_mean(self, tensors, group, world, key):
+        self.sent.append((key, [t.clone() for t in tensors]))
+        return super()._all_reduce_mean(tensors, group, world, key)
+
+
+def test_a_replica_that_adopts_a_peers_parameters_sends_only_its_own_progress(world1):
     peer_params = _params(1)
-    peer = StreamingDiLoCo(peer_params, None, sync_every=2, num_fragments=1, compressor=PowerSGD(rank=2))
-    for t in range(1, 6):
+    peer = StreamingDiLoCo(peer_params, None, sync_every=4, num_fragments=2, overlap_steps=0, compressor=PowerSGD(rank=2))
+    for t in range(1, 8):  # syncs ran; the peer holds unsynced progress now
         _drift(peer_params, t)
         peer.step()
+    assert not peer.in_flight
     me_params = _params(2)
-    me = StreamingDiLoCo(me_params, None, sync_every=2, num_fragments=1, compressor=PowerSGD(rank=2))
-    me.load_state_dict(peer.state_dict())
-    me.restart_from_global()
-    assert all(torch.equal(p.detach(), g) for p, g in zip(me_params, peer._global))
-    assert all(torch.equal(a, b) for a, b in zip(me._global, peer._global))
-    assert me.step_count == peer.step_count
-    for st in me.compressor.state_dict()["state"].values():
-        assert all("err" not in g for g in st.values())
-        assert all("q" in g for g in st.values())
+    # overlap 0: each sync runs inside step(), so the spy sees it before the next drift
+    me = StreamingDiLoCo(me_params, None, sync_every=4, num_fragments=2, overlap_steps=0, compressor=_Spy())
+    state = peer.state_dict()
+    state["compressor"] = _Spy().state_dict()
+    me.load_state_dict(state)
+    with torch.no_grad():
+        for m, p in zip(me_params, peer_params):
+            m.copy_(p)
+    at_heal = [p.detach().clone() for p in me_params]
+    assert any(not torch.equal(g, p) for g, p in zip(me._global, at_heal))  # the peer's unsynced progress
+    me.adopt_peer_parameters()
+    seen = {}
+    for t in range(8, 14):  # its own steps; each fragment's next sync must carry them alone
+        _drift(me_params, 100 + t)
+        before = [p.detach().clone() for p in me_params]  # what the sync starting in this step reads
+        n = len(me.compressor.sent)
+        me.step()
+        for key, sent in me.compressor.sent[n:]:
+            f = int(key[len("fragment"):])
+            # the first sync of f after the heal: minus this replica's own progress since the
+            # heal, nothing of the peer's (a plain replica would send global - params)
+            seen.setdefault(f, all(torch.allclose(x, at_heal[i] - before[i], atol=1e-6)
+                                   for x, i in zip(sent, me.fragments[f])))
+    assert seen == {0: True, 1: True}
+    assert me._adopted == {}  # used once per fragment
+
+
+def test_adopt_zeroes_error_feedback_and_keeps_the_shared_q(world1):
+    params = _params(3)
+    d = StreamingDiLoCo(params, None, sync_every=2, num_fragments=1, compressor=PowerSGD(rank=2))
+    for t in range(1, 6):
+        _drift(params, t)
+        d.step()
+    qs = {g: st["q"].clone() for g, st in d.compressor.state_dict()["state"]["fragment0"].items()}
+    d.adopt_peer_parameters()
+    kept = d.compressor.state_dict()["state"]["fragment0"]
+    assert all("err" not in st for st in kept.values())
+    assert all(torch.equal(kept[g]["q"], q) for g, q in qs.items())
 
 
 def test_group_rank_of_a_group_torch_distributed_does_not_register(world1):

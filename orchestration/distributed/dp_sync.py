@@ -104,15 +104,16 @@ class ReplicaSync:
         return {k: None if v is None else v.state_dict() for k, v in self.parts().items()}
 
     def load_heal_state(self, sd: dict) -> None:
-        """Applies a peer's ``heal_state``; then error feedback is zeroed (the peer's
-        residual is the peer's to send) and DiLoCo restarts from the global copies."""
+        """Applies a peer's ``heal_state`` (after the peer's parameters were copied in);
+        then error feedback is zeroed and DiLoCo leaves the peer's unsynced progress out of
+        this replica's next pseudo-gradients (both are the peer's to send, not twice)."""
         for k, v in self.parts().items():
             if v is not None and sd.get(k) is not None:
                 v.load_state_dict(sd[k])
         if self.allreduce is not None:
             self.allreduce.clear_error_feedback()
         for d in self.diloco:
-            d.restart_from_global()
+            d.adopt_peer_parameters()
 
     # ---- checkpoint parts ----------------------------------------------------------------
     def parts(self) -> dict:
