@@ -3,7 +3,8 @@
 # isolation, as a user would) into a fresh venv, then, from outside the source tree, check
 # that the runtime torch is exactly the one the extensions were built for, that every
 # compiled extension loads (no fallback to the pure-torch reference) and that the trainer
-# runs a few steps on a tiny model without the fallback warning. ~2-4 min (one C++ build).
+# runs a few steps on a tiny model without the fallback warning, and elastically with torchft
+# added as a user adds it. ~2-4 min (one C++ build).
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 WORK="$(mktemp -d)"
@@ -47,4 +48,12 @@ if grep -q "extension unavailable" train.err; then
     cat train.err; echo "ci_install_check: the trainer fell back to the pure-torch reference" >&2; exit 1
 fi
 grep -q '"step": 3' runs/ci/metrics.jsonl
-echo "ci_install_check: OK in $((SECONDS - T0)) s (non-editable install, torch $("$PY" -c 'import torch; print(torch.__version__)'), compiled backend in use, 3 trainer steps)"
+# elastic replicas from the installed package: torchft as a user adds it, the lighthouse
+# started as `python -m orchestration.elastic.lighthouse` from the venv, 2 replicas x 2 stages
+"$PY" -m pip install -q torchft==0.2.0 2> >(grep -v "^WARNING: Location" >&2)
+"$PY" -m orchestration.train --model tiny --data data.txt --data.seq-len 32 --data.max-sequences 64 \
+    --train.batch-size 4 --train.microbatches 2 --train.steps 3 --mesh.rows 2 --mesh.stages 2 --mesh.elastic \
+    --boundary.codec mask --run.out-dir runs --run.name ci-elastic --run.progress false --run.eval-sequences 0 \
+    >elastic.out 2>elastic.err || { cat elastic.out elastic.err; echo "ci_install_check: the elastic run failed" >&2; exit 1; }
+grep -q "^elastic: 2-2 replicas per step" elastic.out || { cat elastic.out elastic.err; echo "ci_install_check: no elastic summary" >&2; exit 1; }
+echo "ci_install_check: OK in $((SECONDS - T0)) s (non-editable install, torch $("$PY" -c 'import torch; print(torch.__version__)'), compiled backend in use, 3 trainer steps, 3 elastic steps)"

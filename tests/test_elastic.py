@@ -106,6 +106,44 @@ def _digests_agree(recs):
     return sum(1 for v in by.values() if sum(len(x) for x in v.values()) > 1)
 
 
+def _descendants(pid):
+    """``pid`` and every process below it (from /proc/*/stat parent ids)."""
+    parent = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                parent[int(d)] = int(open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    out, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        out.add(p)
+        todo += [c for c, pp in parent.items() if pp == p and c not in out]
+    return out
+
+
+def _listen_addresses(pids):
+    """The local addresses (hex, as /proc/net/tcp writes them) of every listening TCP socket
+    the processes ``pids`` hold."""
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:["):
+                    inodes.add(link[8:-1])
+        except OSError:
+            pass  # ended meanwhile
+    out = []
+    for f in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in open(f).read().splitlines()[1:]:
+            cols = line.split()
+            if cols[3] == "0A" and cols[9] in inodes:  # LISTEN
+                out.append(cols[1].rsplit(":", 1)[0])
+    return out
+
+
 def _eval_loss(log):
     for line in log.splitlines():
         if line.startswith("held-out loss base -> final"):
@@ -171,6 +209,9 @@ def test_late_join_heals_from_a_peer_and_a_wrong_secret_is_refused(tmp_path):
         # (a replica whose part of a collective waited on a peer that gave up can fall out of
         # a quorum or two and heal back: wait for the three together, not for a step count)
         _wait_for(all_three, [main, good], "replica 0 and the joiner train together")
+        # lighthouse, managers, heal servers, stores, gloo: all on --mesh.bind (127.0.0.1 here)
+        listens = _listen_addresses(_descendants(main.pid) | _descendants(good.pid))
+        assert len(listens) >= 3 * 4 and set(listens) == {"0100007F"}, listens
         main.send_signal(signal.SIGINT)  # stop the run cleanly at the next step boundary (both launchers)
         good.send_signal(signal.SIGINT)
         main.wait(BUDGET_S)

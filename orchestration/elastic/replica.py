@@ -157,7 +157,8 @@ class ElasticReplica:
             self.stats["heal_s"] += sum(h["heal_s"] for h in heals)
         rank = self.manager.participating_rank()
         self.leader, self._began = rank == 0, True
-        self._quorum = {"quorum_s": time.perf_counter() - t0, "participants": self.manager.num_participants(),
+        self._quorum = {"quorum_s": time.perf_counter() - t0, "quorum_wall": time.time(),  # when the quorum (and heal) ended
+                        "participants": self.manager.num_participants(),
                         "quorum_id": self.manager._quorum_id, "replica_rank": rank}
         if heals:
             self._quorum.update(healed_to=self.healed_to, heal_bytes=sum(h["heal_bytes"] for h in heals),
