@@ -1,8 +1,9 @@
 """torchft's lighthouse (the quorum service of elastic replicas), run in a process of its own.
 
 ``python -m orchestration.elastic.lighthouse --bind 127.0.0.1:0 --min-replicas 1`` prints
-``LIGHTHOUSE http://HOST:PORT`` on its first line once it listens, then serves until it
-is killed or its stdin closes (the launcher that started it is gone). Its own process,
+``LIGHTHOUSE http://HOST:PORT`` on its first line once it listens, then serves until
+Ctrl-C / SIGTERM (started by the local launcher: until its stdin closes, i.e. the launcher
+is gone). Its own process,
 not a thread of the launcher: the launcher forks the replicas' ranks, and a forked child
 must not inherit the lighthouse's Rust runtime threads half-copied.
 
@@ -24,7 +25,7 @@ def start_lighthouse(bind: str, min_replicas: int, heartbeat_s: float, join_time
     RuntimeError with its stderr if it does not come up within ``timeout_s``."""
     proc = subprocess.Popen([sys.executable, "-m", "orchestration.elastic.lighthouse", "--bind", bind,
                              "--min-replicas", str(min_replicas), "--heartbeat-ms", str(int(heartbeat_s * 1000)),
-                             "--join-timeout-ms", str(int(join_timeout_s * 1000))],
+                             "--join-timeout-ms", str(int(join_timeout_s * 1000)), "--exit-with-stdin"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)  # a Ctrl-C stops the replicas cleanly; it keeps serving them
     line: list[str] = []
@@ -48,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--join-timeout-ms", type=int, default=4000,
                    help="how long a quorum waits for live replicas that have not asked to join it yet")
     p.add_argument("--quorum-tick-ms", type=int, default=50, help="how often the lighthouse tries to form a quorum")
+    p.add_argument("--exit-with-stdin", action="store_true",
+                   help="stop when stdin closes (the local launcher's pipe; not for a lighthouse started by hand, "
+                        "whose stdin may be /dev/null)")
     a = p.parse_args(argv)
     os.environ.setdefault("RUST_LOG", "warn")  # torchft logs every quorum at INFO otherwise (read at import)
     from torchft._torchft import LighthouseServer
@@ -57,11 +61,18 @@ def main(argv: list[str] | None = None) -> int:
                               quorum_tick_ms=a.quorum_tick_ms, heartbeat_timeout_ms=a.heartbeat_ms)
     port = server.address().rsplit(":", 1)[1]
     print(f"LIGHTHOUSE http://{host}:{port}", flush=True)
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
-        sys.stdin.read()  # returns when the launcher closes our stdin or dies
+        if a.exit_with_stdin:
+            sys.stdin.read()  # returns when the launcher closes our stdin or dies
+        else:
+            threading.Event().wait()
     except KeyboardInterrupt:
         pass
-    server.shutdown()
+    finally:
+        server.shutdown()
     return 0
 
 

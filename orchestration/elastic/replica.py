@@ -219,8 +219,10 @@ def hard_exit_on_error() -> None:
     torchft's quorum thread while its Rust ManagerServer keeps heartbeating, so a half-dead
     replica would look alive to the lighthouse until the join timeout."""
     def hook(kind, value, tb):
-        sys.__excepthook__(kind, value, tb)
-        sys.stderr.flush()
+        # to the real stderr: torch.distributed wraps this hook and buffers sys.stderr around it,
+        # to prefix the rank, and would print the buffer only after the hook returned
+        traceback.print_exception(kind, value, tb, file=sys.__stderr__)
+        sys.__stderr__.flush()
         os._exit(1)
 
     sys.excepthook = hook

@@ -132,5 +132,14 @@ def torchrun_replica(cfg, plan, layout: MeshLayout, rank: int, world: int) -> in
         print(f"error: torchrun started {world} processes, one elastic replica needs {layout.stages} (its stages)",
               file=sys.stderr)
         return 2
+    from orchestration.anchor.auth import load_secret
+
+    try:  # every replica must hold the same secret: nobody creates it under torchrun
+        load_secret(cfg, plan, create=False)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}; under torchrun give every replica the same secret, e.g. "
+              "python -c 'import secrets; print(secrets.token_hex(32))' > run.secret; chmod 600 run.secret; "
+              "then --anchor.secret-file run.secret", file=sys.stderr)
+        return 2
     run_elastic_rank(rank, world, cfg, plan, cfg.mesh.replica_id, cfg.mesh.join)
     return 0
