@@ -24,7 +24,6 @@ Every rank is pinned to one thread (the launcher's --mesh.threads-per-rank 1).
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import signal
@@ -32,14 +31,7 @@ import subprocess
 import sys
 import time
 
-
-def records(run_dir: str) -> dict:
-    out = {}
-    for path in glob.glob(os.path.join(run_dir, "elastic", "replica*_stage*.jsonl")):
-        r, s = os.path.basename(path)[len("replica"):-len(".jsonl")].split("_stage")
-        with open(path) as f:
-            out[(int(r), int(s))] = [json.loads(x) for x in f if x.strip().endswith("}")]
-    return out
+from orchestration.elastic.launcher import read_events
 
 
 def held_out(log: str) -> float | None:
@@ -63,7 +55,7 @@ def run(args, name: str, kill: bool, restarts: int = 2) -> dict:
     try:
         while p.poll() is None:
             if kill and killed_at is None:
-                recs = records(run_dir).get((victim, 0), [])
+                recs = read_events(run_dir).get((victim, 0), [])
                 if recs and recs[-1]["step"] >= args.kill_step:
                     killed_at = time.time()
                     os.kill(recs[-1]["pid"], signal.SIGKILL)
@@ -76,7 +68,7 @@ def run(args, name: str, kill: bool, restarts: int = 2) -> dict:
            "killed_at": killed_at}
     if not kill:
         return out
-    recs = records(run_dir)
+    recs = read_events(run_dir)
     surv = [r for r in recs[(0, 0)]]
     # a record is written when its step ends; its quorum ended at quorum_wall, before the step ran
     before_n = max(x["participants"] for x in surv if x.get("quorum") and x["quorum_wall"] < killed_at)

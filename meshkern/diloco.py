@@ -275,6 +275,11 @@ class StreamingDiLoCo:
         return dropped
 
     @property
+    def global_copies(self) -> list[Tensor]:
+        """The global copies (the last synced values), alike on every replica; read only."""
+        return self._global
+
+    @property
     def in_flight(self) -> bool:
         """True while a sync started at an earlier step has not been merged."""
         return bool(self._pending)

@@ -97,8 +97,7 @@ class Trainer:
     def _heal_state(self) -> dict:
         """What a healing replica's rank of this stage takes from this one (torchft serializes
         it at once: no copies needed)."""
-        params = [p.detach() for p in self.params]
-        return {"params": params, "optimizer": self.optimizer.state_dict(), "sync": self.sync.heal_state()}
+        return {"params": [p.detach() for p in self.params], "optimizer": self.optimizer.state_dict(), "sync": self.sync.heal_state()}
 
     def _load_heal(self, sd: dict) -> None:
         if len(sd["params"]) != len(self.params) or any(a.shape != p.shape for a, p in zip(sd["params"], self.params)):
@@ -115,7 +114,7 @@ class Trainer:
         import hashlib
 
         h = hashlib.sha1()
-        for t in ([g for d in self.sync.diloco for g in d._global] if self.sync.diloco else self.params):
+        for t in ([g for d in self.sync.diloco for g in d.global_copies] if self.sync.diloco else self.params):
             h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
         return h.hexdigest()[:16]
 
@@ -259,10 +258,9 @@ class Trainer:
         if self.elastic is not None:
             out["elastic"] = {**self.elastic.stats, "retried_steps": self.retried, "replica": self.elastic.replica_id,
                               "steps_done": steps_done}
-        if rank == 0 and not history:
-            log.close()  # an elastic replica that healed to the last step: nothing of its own to report
-        elif rank == 0:
+        if rank == 0:
             log.close()
+        if rank == 0 and history:  # (an elastic replica that healed to the last step has none of its own)
             out["summary"] = self._summary(history, elapsed, steps_done, last_ckpt, links_path, diverged)
             out["summary"]["stage_state"] = stage_state
             if cfg.adapter.kind == "lora" and last_ckpt and not diverged:

@@ -8,7 +8,6 @@ in allreduce mode, DiLoCo's global copies) are equal at every committed step, th
 replica's included (bit for bit: every replica applies the same average); the held-out
 loss of an interrupted run is within noise of an uninterrupted one; checkpoints verify.
 """
-import glob
 import json
 import math
 import os
@@ -23,6 +22,7 @@ pytest.importorskip("torchft", reason="torchft (pip install meshkern[elastic]) r
 
 from orchestration.components import checkpoint as ckpt  # noqa: E402
 from orchestration.config import parse_args  # noqa: E402
+from orchestration.elastic.launcher import read_events  # noqa: E402
 
 pytestmark = pytest.mark.slow
 BUDGET_S = 600  # per run: a loaded 2-core machine runs these 5-10x slower than idle
@@ -60,19 +60,7 @@ def _run(cmd, log):
 
 def _records(run_dir):
     """{(replica, stage): [records in file order]}."""
-    out = {}
-    for path in glob.glob(os.path.join(run_dir, "elastic", "replica*_stage*.jsonl")):
-        name = os.path.basename(path)[len("replica"):-len(".jsonl")]
-        r, s = name.split("_stage")
-        recs = []
-        with open(path) as f:
-            for line in f:
-                try:
-                    recs.append(json.loads(line))
-                except ValueError:
-                    pass  # torn by a kill
-        out[(int(r), int(s))] = recs
-    return out
+    return read_events(str(run_dir))
 
 
 def _wait_for(pred, procs, what):

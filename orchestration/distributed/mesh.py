@@ -321,6 +321,21 @@ def rendezvous_store(rank: int, world_size: int, timeout_s: float):
     return store
 
 
+def join_world(backend: str, rank: int, world_size: int, timeout_s: float) -> None:
+    """Joins the env:// world (MASTER_ADDR, MASTER_PORT) as ``rank`` of ``world_size``, unless
+    this process already is in one: under torchrun its agent's store, else ``rendezvous_store``
+    (env:// as torch does it, but the store listens on MASTER_ADDR only: docs/security.md)."""
+    if dist.is_initialized():
+        return
+    tmo = timedelta(seconds=timeout_s)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":  # torchrun's agent holds the store
+        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size, timeout=tmo)
+    else:
+        store = rendezvous_store(rank, world_size, timeout_s)
+        dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=rank,
+                                world_size=world_size, timeout=tmo)
+
+
 def init_mesh(layout: MeshLayout, *, dist_backend: str = "auto", timeout_s: float = 60.0,
               num_layers: int = 0, layers_per_stage: list[int] | None = None, device: str = "cpu") -> Mesh:
     """Joins the fast circuit's world (env:// rendezvous: RANK, MASTER_ADDR, MASTER_PORT,
@@ -337,14 +352,7 @@ def init_mesh(layout: MeshLayout, *, dist_backend: str = "auto", timeout_s: floa
     dist_backend = resolve_dist_backend(dist_backend, device)
     if layout.is_anchor(rank):
         raise ValueError(f"{layout.describe(rank)} is in the anchor row: it joins with init_anchor_row, not init_mesh")
-    if not dist.is_initialized():
-        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":  # torchrun's agent holds the store
-            dist.init_process_group(dist_backend, init_method="env://", rank=rank,
-                                    world_size=layout.fast_world_size, timeout=timedelta(seconds=timeout_s))
-        else:  # env:// as torch does it, but the store listens on MASTER_ADDR only (docs/security.md)
-            store = rendezvous_store(rank, layout.fast_world_size, timeout_s)
-            dist.init_process_group(dist_backend, store=dist.PrefixStore("default_pg", store),
-                                    rank=rank, world_size=layout.fast_world_size, timeout=timedelta(seconds=timeout_s))
+    join_world(dist_backend, rank, layout.fast_world_size, timeout_s)
     world, rank = dist.get_world_size(), dist.get_rank()
     if world != layout.fast_world_size:
         raise ValueError(f"WORLD_SIZE={world} but the fast circuit of the mesh {layout.name} "
@@ -412,13 +420,7 @@ def init_replica_world(layout: MeshLayout, row: int, *, timeout_s: float = 60.0,
     if not 0 <= stage < stages:
         raise ValueError(f"RANK={stage}: replica {row} of the mesh {layout.name} has stages 0..{stages - 1}")
     tmo = timedelta(seconds=timeout_s)
-    if not dist.is_initialized():
-        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
-            dist.init_process_group("gloo", init_method="env://", rank=stage, world_size=stages, timeout=tmo)
-        else:
-            store = rendezvous_store(stage, stages, timeout_s)
-            dist.init_process_group("gloo", store=dist.PrefixStore("default_pg", store), rank=stage,
-                                    world_size=stages, timeout=tmo)
+    join_world("gloo", stage, stages, timeout_s)
     if dist.get_world_size() != stages:
         raise ValueError(f"WORLD_SIZE={dist.get_world_size()} but replica {row} has {stages} stages")
     m = Mesh(layout, layout.rank_of(row, stage), row, stage, elastic=True)

@@ -148,20 +148,30 @@ def wait_for_launch(run_dir: str, replicas: tuple, lighthouse: str, timeout_s: f
             time.sleep(0.05)
 
 
+def read_events(run_dir: str) -> dict[tuple[int, int], list[dict]]:
+    """The event records of an elastic run, {(replica, stage): records in file order}
+    (RUN_DIR/elastic/replica{R}_stage{S}.jsonl; a line torn by a kill is left out)."""
+    out: dict[tuple[int, int], list[dict]] = {}
+    d = events_dir(run_dir)
+    for name in sorted(os.listdir(d)) if os.path.isdir(d) else []:
+        if not (name.startswith("replica") and name.endswith(".jsonl") and "_stage" in name):
+            continue
+        r, s = name[len("replica"):-len(".jsonl")].split("_stage")
+        recs = []
+        with open(os.path.join(d, name)) as f:
+            for line in f:
+                try:
+                    recs.append(json.loads(line))
+                except ValueError:
+                    pass
+        out[(int(r), int(s))] = recs
+    return out
+
+
 def summarize_events(run_dir: str, restarts: list[int] | None = None) -> dict:
     """The elastic part of the run summary, from the replicas' event files: replicas per
     step, drops (a quorum smaller than the one before), heals (count, bytes, seconds)."""
-    d = events_dir(run_dir)
-    recs = []
-    if os.path.isdir(d):
-        for name in sorted(os.listdir(d)):
-            if name.startswith("replica") and name.endswith(".jsonl"):
-                with open(os.path.join(d, name)) as f:
-                    for line in f:
-                        try:
-                            recs.append(json.loads(line))
-                        except ValueError:
-                            pass  # a line torn by a kill
+    recs = [r for rs in read_events(run_dir).values() for r in rs]
     quorums = sorted((r for r in recs if r.get("quorum")), key=lambda r: r["wall"])
     per_step: dict[int, int] = {}
     for r in quorums:

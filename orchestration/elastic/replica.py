@@ -149,20 +149,19 @@ class ElasticReplica:
             if self.transport.recv_attempts > a0:  # the heal itself failed: this replica's state is behind
                 raise RuntimeError(f"{self.mesh.describe()}: healing from a peer failed: {cause}") from cause
             self._error = cause  # the group's reconfigure failed: this step will not commit
-        heals = self.transport.recv_log[n0:]
-        self.stats["quorums"] += 1
-        if heals:
-            self.stats["heals"] += 1
-            self.stats["heal_bytes"] += sum(h["heal_bytes"] for h in heals)
-            self.stats["heal_s"] += sum(h["heal_s"] for h in heals)
         rank = self.manager.participating_rank()
         self.leader, self._began = rank == 0, True
+        self.stats["quorums"] += 1
         self._quorum = {"quorum_s": time.perf_counter() - t0, "quorum_wall": time.time(),  # when the quorum (and heal) ended
                         "participants": self.manager.num_participants(),
                         "quorum_id": self.manager._quorum_id, "replica_rank": rank}
+        heals = self.transport.recv_log[n0:]
         if heals:
-            self._quorum.update(healed_to=self.healed_to, heal_bytes=sum(h["heal_bytes"] for h in heals),
-                                heal_s=sum(h["heal_s"] for h in heals))
+            heal = {"heal_bytes": sum(h["heal_bytes"] for h in heals), "heal_s": sum(h["heal_s"] for h in heals)}
+            self.stats["heals"] += 1
+            for k, v in heal.items():
+                self.stats[k] += v
+            self._quorum.update(healed_to=self.healed_to, **heal)
         return step if self.healed_to is None else self.healed_to
 
     def failed(self, err: BaseException) -> None:
