@@ -54,6 +54,17 @@ def init(rank: int, world: int, port: int, timeout_s: float = 60.0) -> None:
                             timeout=datetime.timedelta(seconds=timeout_s))
 
 
+def shutdown() -> None:
+    """Leave the group together: rank 0 holds the tcp:// store, and a rank 0 that destroys
+    its group and exits while a peer is still finishing its last collective aborted under
+    load ('terminate called without an active exception', exit -6; 1 run in 8 of
+    test_h1_f1 with two busy processes beside it)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def save(path: str, tensors: dict[str, torch.Tensor]) -> None:
     from safetensors.torch import save_file
 
@@ -90,8 +101,6 @@ def inputs(rank: int, step: int, shapes=SHAPES) -> list[torch.Tensor]:
 # ---- rank side of tests/test_compress*.py ---------------------------------------------------
 def compressor_worker(rank: int, world: int, port: int, outdir: str, steps: int) -> None:
     """Runs every compressor scenario; writes {outdir}/rank{rank}.safetensors."""
-    import torch.distributed as dist
-
     from meshkern.compress import Int8, NoCompression, PowerSGD, SparseLoCo
 
     init(rank, world, port)
@@ -131,7 +140,7 @@ def compressor_worker(rank: int, world: int, port: int, outdir: str, steps: int)
         comp.all_reduce_mean(one, None)
         counters(name, comp)
     save(os.path.join(outdir, f"rank{rank}.safetensors"), res)
-    dist.destroy_process_group()
+    shutdown()
 
 
 # ---- rank side of tests/test_diloco*.py ------------------------------------------------------
@@ -148,8 +157,6 @@ def mlp_batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def diloco_equiv_worker(rank: int, world: int, port: int, outdir: str, steps: int) -> None:
     """H=1, F=1, no overlap, no compression: AdamW inner steps + DiLoCo."""
-    import torch.distributed as dist
-
     from meshkern.compress import NoCompression
     from meshkern.diloco import StreamingDiLoCo
 
@@ -167,7 +174,7 @@ def diloco_equiv_worker(rank: int, world: int, port: int, outdir: str, steps: in
     res = {k: v for k, v in model.state_dict().items()}
     res["counters"] = torch.tensor([dl.bytes_sent, dl.bytes_received, dl.syncs_done])
     save(os.path.join(outdir, f"rank{rank}.safetensors"), res)
-    dist.destroy_process_group()
+    shutdown()
 
 
 def llama_lm(seed: int = 0):
@@ -239,7 +246,7 @@ def llama_worker(rank: int, world: int, port: int, outdir: str, steps: int, dilo
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         res[f"{mode}.params"] = flat
     save(os.path.join(outdir, f"rank{rank}.safetensors"), res)
-    dist.destroy_process_group()
+    shutdown()
 
 
 def dying_peer_worker(rank: int, world: int, port: int, outdir: str, how: str) -> None:

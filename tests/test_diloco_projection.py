@@ -317,8 +317,6 @@ def constrained_worker(rank, world, port, outdir, steps):
     trainer's job), Streaming DiLoCo with SparseLoCo; records the largest relative
     out-of-subspace norm of every constrained weight (local and global copy) right after
     each merge, and the final parameters."""
-    import torch.distributed as dist
-
     H.init(rank, world, port)
     U = basis(HID, K)
     P = make_projector(U)
@@ -360,7 +358,7 @@ def constrained_worker(rank, world, port, outdir, steps):
         res[f"{mode}.merges"] = torch.tensor(merges)
         res[f"{mode}.global"] = torch.cat([g.reshape(-1) for g in dl._global])
     H.save(os.path.join(outdir, f"rank{rank}.safetensors"), res)
-    dist.destroy_process_group()
+    H.shutdown()
 
 
 @pytest.mark.slow
