@@ -146,6 +146,7 @@ def cases():
             out.append((f"subspace.encode table {_name(dt)} H={H} k={k}", enc))
             out.append((f"subspace.decode E {_name(dt)} H={H} k={k}", dec))
     out.extend(_pca_cases())
+    out.extend(_pca_nf_cases())
     return out
 
 
@@ -177,6 +178,41 @@ def _pca_cases():
                            _meta(H, **f), _meta(B * T, H, dtype=dt), N, body, 4)
             out.append((f"pca.encode {_name(dt)} H={H} k={k}", enc))
             out.append((f"pca.decode {_name(dt)} H={H} k={k}", dec))
+    return out
+
+
+def _pca_nf_cases():
+    """pca:quant=nf's pack / unpack (meshkern/triton_kernels/pca_nf.py) at each hidden size:
+    the widths calibration allocates at 1/15 and 1/30 of dense fp32 on a SmolLM2-like
+    spectrum (variances ~ i^-1.5, as bench.pca_nf_bench), and the layouts at the kernel's
+    limits: one-bit codes (8 per byte, the longest run) and widths 1..8 in turn (TOP = 8)."""
+    import torch
+
+    from meshkern import pca_nf
+    from meshkern.triton_kernels import pca_nf as tk
+    from orchestration.codecs.pca import nf_code_bytes
+
+    T = 2048
+    N = max(1, ROWS // T) * (T - 1)
+    out = []
+    for H in HIDDEN:
+        layouts = {}
+        for budget in (15, 30):
+            nb = nf_code_bytes(H, budget, True, T)
+            bits = pca_nf.allocate_bits(torch.arange(1, H + 1, dtype=torch.float64) ** -1.5, 8 * nb)
+            layouts[f"1/{budget}"] = (bits[bits > 0], nb)
+        for name, bits in (("ones", torch.ones(H, dtype=torch.int64)), ("1..8", torch.arange(H) % 8 + 1)):
+            layouts[name] = (bits, -(-int(bits.sum()) // 8))
+        for name, (bits, nb) in layouts.items():
+            k, top = bits.numel(), int(bits.max())
+
+            def pack(bits=bits, nb=nb, k=k, top=top):
+                tk.pack(_meta(N, k, dtype=torch.float32), _meta(k, 2 ** top - 1, dtype=torch.float32), bits, nb)
+
+            def unpack(bits=bits, nb=nb, k=k, top=top):
+                tk.unpack(_meta(N, nb, dtype=torch.uint8), _meta(k, 2 ** top, dtype=torch.float32), bits)
+            out.append((f"pca_nf.pack H={H} {name} k={k} B={nb}", pack))
+            out.append((f"pca_nf.unpack H={H} {name} k={k} B={nb}", unpack))
     return out
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU check of meshkern's CUDA and Triton kernels and of the trainer on CUDA, ~5-6 min on one
-# GPU (the steps' caps sum to 400 s on one GPU, plus the build when the CUDA kernels are missing):
+# GPU (the steps' caps sum to 430 s on one GPU, plus the build when the CUDA kernels are missing):
 #   bench/gpu_check.sh OUT_DIR
 # 1. builds meshkern._mask_C and meshkern._spectral_C with their CUDA kernels if they are
 #    missing (MAX_JOBS = all cores; the .cu files are the slow part, ~1-2 min);
@@ -15,10 +15,12 @@
 #    - spectral: SpectralAdamW.step vs AdamW.step (issue 15 goal <= 1.1x on a GPU) and
 #      the batched SVD vs a loop of torch.svd_lowrank (issue 15 item 2's table);
 #    - pca (issue 29): the Triton pca encode / decode vs the unfused torch path and vs the
-#      GEMM of the same size, at H = 576, 2048, 4096 with the codec's k.
+#      GEMM of the same size, at H = 576, 2048, 4096 with the codec's k;
+#    - pca nf (issue 28): quant=nf's encode / decode (Triton pack / unpack, cuBLAS GEMMs) vs
+#      the reference, the GEMM and the fused int4 codec at the same bytes.
 # Writes into OUT_DIR: env.txt, nvidia-smi.txt, build.log, tests.txt (+ junit.xml),
 # mask_bench.txt/.json, mask_bw.txt/.json, spectral_step.txt, spectral_svd.txt,
-# pca_bench.txt/.json, trainer_1gpu.txt (+ trainer_nccl.txt with 2+ GPUs; run folders under runs/), and
+# pca_bench.txt/.json, pca_nf_bench.txt/.json, trainer_1gpu.txt (+ trainer_nccl.txt with 2+ GPUs; run folders under runs/), and
 # status.txt (one line per step: name, exit code, seconds). A step that fails or times
 # out is recorded and the script goes on; summary.txt collects every goal line.
 set -uo pipefail
@@ -62,6 +64,8 @@ step spectral_svd 60 python -u -m bench.spectral_bench --device cuda --only svd 
   > "$out/spectral_svd.txt" 2>&1
 step pca_bench 30 python -u -m bench.pca_bench --device cuda --hidden 576 2048 4096 --tokens 16384 --repeats 20 \
   --json "$out/pca_bench.json" > "$out/pca_bench.txt" 2>&1
+step pca_nf_bench 30 python -u -m bench.pca_nf_bench --device cuda --hidden 576 2048 4096 --tokens 16384 --repeats 20 \
+  --json "$out/pca_nf_bench.json" > "$out/pca_nf_bench.txt" 2>&1
 
 # 4. the trainer on the GPU (issue #29 item 3): the embedded default model, 1 replica x 2
 #    stages, the default pca codec, 40 steps. Both stages share GPU 0 (NCCL refuses two ranks
@@ -80,7 +84,7 @@ fi
   grep -h -E "goal|PASS|FAIL|of peak" "$out/mask_bw.txt" "$out/mask_bench.txt" 2>/dev/null
   grep -h -E "vs AdamW|SpectralAdamW|reused G_proj" "$out/spectral_step.txt" 2>/dev/null
   grep -h -E "PASS|FAIL" "$out/spectral_svd.txt" 2>/dev/null
-  grep -h -E "encode|decode" "$out/pca_bench.txt" 2>/dev/null
+  grep -h -E "encode|decode" "$out/pca_bench.txt" "$out/pca_nf_bench.txt" 2>/dev/null
   tail -n 3 "$out/tests.txt" 2>/dev/null
   grep -h -E "^mesh |train step 40/40|held-out loss|measured tokens|^error" "$out/trainer_1gpu.txt" "$out/trainer_nccl.txt" 2>/dev/null | tail -n 6
 } > "$out/summary.txt"

@@ -1,4 +1,4 @@
-"""pca:quant=nf (meshkern.pca_nf: the C++ pack/unpack and the reference) against the GEMM of the
+"""pca:quant=nf (meshkern.pca_nf: the C++ or Triton pack/unpack and the reference) against the GEMM of the
 same size (the limit) and against the int4 codec's fused ops at the same bytes per token.
 
     python -m bench.pca_nf_bench                       # CPU, 1 thread, 32 x 128 tokens, H = 576
@@ -7,8 +7,9 @@ same size (the limit) and against the int4 codec's fused ops at the same bytes p
 Per hidden size H and budget (1/budget of dense fp32 bytes per token per direction), a
 spectrum like SmolLM2-135M's boundary (variances falling as i^-1.5), the widths allocated
 as calibration allocates them (k = the coordinates that get a bit), fp32 boundary [B, T, H]:
-  nf         encode / decode with the int4 column's backend (cpp: the code search and the
-             bit stream in csrc/pca/pca_nf_cpu.cpp, the GEMMs torch's)
+  nf         encode / decode with the int4 column's backend (the code search and the bit
+             stream: cpp on CPU, csrc/pca/pca_nf_cpu.cpp; triton on CUDA,
+             meshkern/triton_kernels/pca_nf.py; the GEMMs torch's)
   nf ref     encode_reference / decode_reference (searchsorted over per-coordinate tables,
              the stream in 32-bit words; decode: unpacking, code book gathers, GEMM)
   matmul     h @ U [N, H] x [H, k] (encode) and c @ U^T (decode)

@@ -35,11 +35,12 @@ The spec (pure torch, all fp32 unless said):
 Wire: sink=True: [head [..., H] int8, head scale [..., 1] fp32, codes [..., T-1, nbytes]
 uint8, r [..., T-1, 1] fp16]; sink=False: [codes [..., T, nbytes], r [..., T, 1]].
 
-Backends: ``encode`` / ``decode`` take ``backend`` ("auto" | "cpp" | "reference"): on CPU,
-meshkern._pca_C's pca_nf_pack / pca_nf_unpack (csrc/pca/pca_nf_cpu.cpp) do the code search
-and the bit stream in one pass per row (comparisons and shifts: the reference's codes and
-wire bit for bit); the GEMMs are torch's on every backend. No GPU kernel yet: on CUDA the
-reference runs.
+Backends: ``encode`` / ``decode`` take ``backend`` ("auto" | "cpp" | "triton" | "cuda" |
+"reference"): on CPU, meshkern._pca_C's pca_nf_pack / pca_nf_unpack (csrc/pca/pca_nf_cpu.cpp)
+do the code search and the bit stream in one pass per row; on CUDA, Triton's
+(meshkern/triton_kernels/pca_nf.py; "cuda" means the same kernels, there is no CUDA C++
+one). Comparisons and shifts: the reference's codes and wire bit for bit. The GEMMs are
+torch's on every backend.
 """
 from __future__ import annotations
 
@@ -203,22 +204,23 @@ def _tables_cached(bits: tuple, device: str) -> tuple[Tensor, Tensor]:
 
 
 def _which(device: torch.device, backend: str) -> str:
-    """cpp (meshkern._pca_C's pack/unpack) on CPU when built, else the reference (also on
-    CUDA: no GPU kernel yet)."""
+    """cpp (meshkern._pca_C's pack/unpack) on CPU when built; triton on CUDA (there is no
+    CUDA C++ kernel for nf: "cuda" runs Triton's); else the reference."""
     which = _backend.resolve(GROUP, device, None if backend == "auto" else backend)
+    if which == "cuda":
+        which = "triton" if _backend.why_unavailable("triton", GROUP, device) is None else "reference"
     if which == "cpp":
         _backend.extension(GROUP)
         if not hasattr(torch.ops.meshkern_C, "pca_nf_pack"):
             raise RuntimeError("meshkern._pca_C has no pca_nf kernels (stale build): rebuild the extension")
-        return "cpp"
-    return "reference"
+    return which
 
 
 def encode(h: Tensor, U: Tensor, norm: Tensor, bits: Tensor, nbytes: int, *, mean: Tensor | None = None,
            sink: bool = True, backend: str = "auto") -> list[Tensor]:
     """The wire of boundary tensor h [..., T, H] (module doc). The projection, the scale and
-    the division are torch's on every backend; ``cpp`` replaces the code search and the bit
-    packing (the same codes: comparisons only)."""
+    the division are torch's on every backend; ``cpp`` and ``triton`` replace the code
+    search and the bit packing (the same codes: comparisons only)."""
     x = h.detach().float()
     if sink:
         head, x = x[..., 0, :], x[..., 1:, :]
@@ -227,9 +229,14 @@ def encode(h: Tensor, U: Tensor, norm: Tensor, bits: Tensor, nbytes: int, *, mea
     r = torch.where(r > 0, r, torch.ones_like(r)).clamp(_FP16_TINY, _FP16_MAX).half()
     z = c / r.float()
     _, bd = _tables(bits, z.device)
-    if _which(z.device, backend) == "cpp":
-        flat = torch.ops.meshkern_C.pca_nf_pack(z.reshape(-1, z.shape[-1]).contiguous(), bd, bits.long().cpu(),
-                                                int(nbytes))
+    which = _which(z.device, backend)
+    if which in ("cpp", "triton"):
+        flat = z.reshape(-1, z.shape[-1]).contiguous()
+        if which == "cpp":
+            flat = torch.ops.meshkern_C.pca_nf_pack(flat, bd, bits.long().cpu(), int(nbytes))
+        else:
+            from meshkern.triton_kernels import pca_nf as tk  # noqa: PLC0415 (triton is optional)
+            flat = tk.pack(flat, bd, bits, int(nbytes))
         packed = flat.reshape(*z.shape[:-1], int(nbytes))
     else:
         zt = z.reshape(-1, z.shape[-1]).T.contiguous()  # [k, N]: one sorted table per coordinate
@@ -250,9 +257,15 @@ def decode(wire, U: Tensor, norm: Tensor, bits: Tensor, shape, dtype: torch.dtyp
     H = U.shape[0]
     packed, r = wire[2:] if sink else wire
     lv, _ = _tables(bits, packed.device)
-    if _which(packed.device, backend) == "cpp":
-        z = torch.ops.meshkern_C.pca_nf_unpack(packed.reshape(-1, packed.shape[-1]).contiguous(), lv,
-                                               bits.long().cpu()).reshape(*packed.shape[:-1], bits.numel())
+    which = _which(packed.device, backend)
+    if which in ("cpp", "triton"):
+        flat = packed.reshape(-1, packed.shape[-1]).contiguous()
+        if which == "cpp":
+            flat = torch.ops.meshkern_C.pca_nf_unpack(flat, lv, bits.long().cpu())
+        else:
+            from meshkern.triton_kernels import pca_nf as tk  # noqa: PLC0415 (triton is optional)
+            flat = tk.unpack(flat, lv, bits)
+        z = flat.reshape(*packed.shape[:-1], bits.numel())
     else:
         codes = unpack_codes(packed, bits)
         z = lv.gather(1, codes.reshape(-1, codes.shape[-1]).T.contiguous()).T.reshape(codes.shape)

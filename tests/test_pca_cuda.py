@@ -42,3 +42,26 @@ def test_quantizer_bit_identical(bits):
     q, s = tk.quantize_rows(c.to(CUDA), 300, 1050, [300, 300, 0], bits)
     qr, sr = quantize_reference(c, bits)
     assert torch.equal(q.cpu(), qr) and torch.equal(s.cpu(), sr.reshape(-1))
+
+
+@pytest.mark.parametrize("H,budget", [(576, 15), (576, 30), (2048, 15)])
+def test_nf_pack_unpack_bit_identical(H, budget):
+    """pca:quant=nf's compiled Triton pack / unpack against the reference's codes and
+    stream, at calibrated layouts (widths from allocate_bits at 1/budget of dense fp32)."""
+    from meshkern import pca_nf
+    from meshkern.triton_kernels import pca_nf as tk
+    from orchestration.codecs.pca import nf_code_bytes
+
+    nb = nf_code_bytes(H, budget, True, 128)
+    bits = pca_nf.allocate_bits(torch.arange(1, H + 1, dtype=torch.float64) ** -1.5, 8 * nb)
+    bits = bits[bits > 0]
+    lv, bd = pca_nf._tables(bits, "cpu")
+    z = torch.randn(4 * 127, bits.numel(), generator=torch.Generator().manual_seed(1)) * 1.3
+    z[0], z[1] = float("nan"), float("inf")
+    want = pca_nf.pack_codes(torch.minimum(torch.searchsorted(bd, z.T.contiguous()).T, (1 << bits) - 1), bits, nb)
+    got = tk.pack(z.to(CUDA), bd.to(CUDA), bits, nb)
+    assert torch.equal(got.cpu(), want)
+    codes = pca_nf.unpack_codes(want, bits)
+    assert torch.equal(tk.unpack(want.to(CUDA), lv.to(CUDA), bits).cpu(), lv.gather(1, codes.T.contiguous()).T)
+    # the codec path on CUDA picks these kernels ("auto": no CUDA C++ nf kernel)
+    assert pca_nf._which(CUDA, "auto") == "triton"

@@ -223,14 +223,23 @@ def test_nf_codec_trains_through_the_mesh(tiny, tmp_path):
     assert links["pp_bwd:1->0"] == 3 * 2 * per_mb
 
 
-CPP = [b for b in __import__("backend_params").op_backends("pca", triton=False) if b.values[0] == "cpp"]
+KERNELS = [b for b in __import__("backend_params").op_backends("pca") if b.values[0] != "reference"]
 
 
-@pytest.mark.parametrize("backend", CPP)
+def _kernel_ops(backend):
+    """(pack(z, bounds, bits, nbytes), unpack(packed, levels, bits)) of a kernel backend."""
+    if backend == "cpp":
+        return torch.ops.meshkern_C.pca_nf_pack, torch.ops.meshkern_C.pca_nf_unpack
+    from meshkern.triton_kernels import pca_nf as tk
+    return tk.pack, tk.unpack
+
+
+@pytest.mark.parametrize("backend", KERNELS)
 @pytest.mark.parametrize("sink", [True, False])
-def test_cpp_kernels_give_the_reference_wire_and_decode_bit_for_bit(backend, sink):
-    """csrc/pca/pca_nf_cpu.cpp against the pure-torch path: widths 0-8 (random), values on
-    and around the boundaries, +-inf and NaN coordinates (searchsorted's convention)."""
+def test_kernels_give_the_reference_wire_and_decode_bit_for_bit(backend, sink):
+    """csrc/pca/pca_nf_cpu.cpp and meshkern/triton_kernels/pca_nf.py against the pure-torch
+    path: widths 0-8 (random), values on and around the boundaries, +-inf and NaN
+    coordinates (searchsorted's convention)."""
     g = torch.Generator().manual_seed(7)
     H, k, T = 48, 40, 11
     U, _ = torch.linalg.qr(torch.randn(H, k, generator=g, dtype=torch.float64))
@@ -248,25 +257,56 @@ def test_cpp_kernels_give_the_reference_wire_and_decode_bit_for_bit(backend, sin
     assert torch.equal(out, pca_nf.decode(ref, U, norm, bits, h.shape, torch.float32, mean=mean, sink=sink,
                                           backend="reference"))
     # the search itself, on exact boundary values and non-finite ones
+    pack, unpack = _kernel_ops(backend)
     lv, bd = pca_nf._tables(bits, "cpu")
     z = torch.randn(64, k, generator=g) * 2
     z[0] = bd[torch.arange(k), 0]  # exactly on a boundary: not counted (side left)
     z[1], z[2], z[3] = float("inf"), -float("inf"), float("nan")
     want = pca_nf.pack_codes(torch.minimum(torch.searchsorted(bd, z.T.contiguous()).T, (1 << bits) - 1), bits, nbytes)
-    assert torch.equal(torch.ops.meshkern_C.pca_nf_pack(z, bd, bits, nbytes), want)
+    assert torch.equal(pack(z, bd, bits, nbytes), want)
     codes = pca_nf.unpack_codes(want, bits)
-    assert torch.equal(torch.ops.meshkern_C.pca_nf_unpack(want, lv, bits), lv.gather(1, codes.T.contiguous()).T)
+    assert torch.equal(unpack(want, lv, bits), lv.gather(1, codes.T.contiguous()).T)
 
 
-@pytest.mark.parametrize("backend", CPP)
-def test_cpp_kernels_refuse_bad_tables(backend):
+@pytest.mark.parametrize("backend", KERNELS)
+@pytest.mark.parametrize("widths", ["ones", "sevens", "eights", "calibrated"])
+def test_kernels_pack_every_layout_as_the_reference(backend, widths):
+    """Layouts at the packer's edges: 8 one-bit codes per byte (the longest run the Triton
+    packer visits), 7-bit codes that straddle every byte, byte-aligned 8-bit codes, and a
+    layout from allocate_bits at the trainer's size (H = 576, 1/15 of dense fp32)."""
+    g = torch.Generator().manual_seed(3)
+    if widths == "calibrated":
+        var = torch.linspace(0, -9, 576).exp()
+        bits = pca_nf.allocate_bits(var, 8 * 145)
+        bits = bits[bits > 0]
+    else:
+        bits = torch.full((61,), {"ones": 1, "sevens": 7, "eights": 8}[widths])
+    k = bits.numel()
+    nbytes = -(-int(bits.sum()) // 8)
+    pack, unpack = _kernel_ops(backend)
+    lv, bd = pca_nf._tables(bits, "cpu")
+    z = torch.randn(37, k, generator=g) * 1.5
+    want = pca_nf.pack_codes(torch.minimum(torch.searchsorted(bd, z.T.contiguous()).T, (1 << bits) - 1), bits, nbytes)
+    got = pack(z, bd, bits, nbytes)
+    assert got.shape == (37, nbytes) and torch.equal(got, want)
+    codes = pca_nf.unpack_codes(want, bits)
+    assert torch.equal(unpack(got, lv, bits), lv.gather(1, codes.T.contiguous()).T)
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+def test_kernels_refuse_bad_tables(backend):
     from meshkern import _backend
     _backend.extension("pca")
+    pack, unpack = _kernel_ops(backend)
+    err = RuntimeError if backend == "cpp" else ValueError
     bits = torch.tensor([3, 2])
     lv, bd = pca_nf._tables(bits, "cpu")
-    with pytest.raises(RuntimeError, match="do not fit"):
-        torch.ops.meshkern_C.pca_nf_pack(torch.zeros(2, 2), bd, bits, 0)
-    with pytest.raises(RuntimeError, match="does not fit the table"):
-        torch.ops.meshkern_C.pca_nf_pack(torch.zeros(2, 2), bd[:, :2].contiguous(), bits, 1)
-    with pytest.raises(RuntimeError, match="int64"):
-        torch.ops.meshkern_C.pca_nf_unpack(torch.zeros(2, 1, dtype=torch.uint8), lv, bits.int())
+    with pytest.raises(err, match="do not fit"):
+        pack(torch.zeros(2, 2), bd, bits, 0)
+    with pytest.raises(err, match="fit the table"):
+        pack(torch.zeros(2, 2), bd[:, :2].contiguous(), bits, 1)
+    with pytest.raises(err, match="need more than"):
+        unpack(torch.zeros(2, 0, dtype=torch.uint8), lv, bits)
+    if backend == "cpp":  # the C++ op takes int64 widths only; Triton's host code converts
+        with pytest.raises(RuntimeError, match="int64"):
+            unpack(torch.zeros(2, 1, dtype=torch.uint8), lv, bits.int())
