@@ -92,6 +92,11 @@ ROWS: tuple[Row, ...] = (
     Row("pca4-ap", "baseline", "m95-ap", ("--boundary.codec", "pca", "--boundary.options",
                                           '{"bits": 4, "budget": 15, "sink": true}'),
         label="PCA-int4 + sink + anchor + spectral (1/15 of dense)", paper="(not in the paper)"),
+    # The same anchor on top of the per-coordinate nf code (issue #28): does the unmasked
+    # anchor close the rest of pcanf's gap over a long run?
+    Row("pcanf-ap", "baseline", "m95-ap", ("--boundary.codec", "pca", "--boundary.options",
+                                           '{"quant": "nf", "budget": 15, "sink": true, "calib_rows": 64}'),
+        label="PCA-NF + sink + anchor + spectral (1/15 of dense)", paper="(not in the paper)"),
     # The paper's two other baselines, at its 8x forward / 2x backward (vs fp32): at H=192,
     # seq 128, aqsgd sends 96 B of 4-bit delta codes + a 4 B scale per token forward (7.7x)
     # and tahquant ~106 B (3.8 bits on average + per-tile fp16 zero/scale + flags/pivots,
