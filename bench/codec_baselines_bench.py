@@ -54,21 +54,30 @@ def activations(B, T, H, device, seed=0) -> torch.Tensor:
 
 
 def _ours(x: torch.Tensor, B: int, T: int, H: int):
-    """(label, codec, activations) for pca (budget 15, int4, sink; basis fitted to x) and
-    subspace (budget 16, fp32 coordinates; x moved into E[ids] + span(U))."""
+    """(label, codec, activations) for pca (budget 15, sink; the default nf codes and the int4
+    layout; basis fitted to x) and subspace (budget 16, fp32 coordinates; x moved into
+    E[ids] + span(U))."""
+    from meshkern import pca_nf
     from orchestration.codecs import PCABasis, PCACodec
+    from orchestration.codecs.pca import pca_width
     from orchestration.subspace.constraint import make_basis
 
-    pca = PCACodec(bits=4, budget=15, sink=True, seq_len=T, bases={})
     flat = x.reshape(-1, H).float().cpu()
     mean = flat.mean(0)
     _, _, V = torch.linalg.svd(flat - mean, full_matrices=False)
-    from orchestration.codecs.pca import pca_width
+    sd_all = ((flat - mean) @ V.T).std(0).clamp_min(1e-6)
+    nf = PCACodec(budget=15, sink=True, seq_len=T, bases={})
+    bits = pca_nf.allocate_bits(sd_all ** 2, 8 * nf.code_bytes(H))
+    kn = int((bits > 0).sum())  # widths fall with the variance: the coordinates with bits lead
+    nf.bases = {0: PCABasis(mean, V[:kn].T.contiguous(), sd_all[:kn], torch.ones(kn), bits=bits[:kn],
+                            gbits=pca_nf.allocate_bits(torch.ones(kn), 8 * nf.code_bytes(H))).to(x.device)}
+    yield "pca (default: nf, budget=15, sink)", nf, x
+
+    pca = PCACodec(quant="absmax", bits=4, budget=15, sink=True, seq_len=T, bases={})
     k = pca_width(H, bits=4, budget=15, sink=True, seq_len=T)
     U = V[:k].T.contiguous()
-    sd = ((flat - mean) @ U).std(0).clamp_min(1e-6)
-    pca.bases = {0: PCABasis(mean, U, sd, torch.ones(k)).to(x.device)}
-    yield "pca (bits=4, budget=15, sink)", pca, x
+    pca.bases = {0: PCABasis(mean, U, sd_all[:k], torch.ones(k)).to(x.device)}
+    yield "pca:quant=absmax (int4, sink)", pca, x
 
     sub = make_codec("subspace:budget=16")
     V_, ks = 4096, sub.width(H)

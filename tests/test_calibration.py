@@ -24,7 +24,7 @@ def test_codec_forward_equals_the_diagnose_sink_pca_int4_candidate():
     h = torch.randn(3, 16, H, generator=g) @ torch.randn(H, H, generator=g) * 0.3 + 2.0
     h[:, 0] *= 200
     basis = calibration.fit_basis(h_cal, k, sink=True)
-    codec = PCACodec(bits=4, k=k, sink=True, bases={5: basis})
+    codec = PCACodec(quant="absmax", bits=4, k=k, sink=True, bases={5: basis})
     out = apply_codec(codec, h, MaskKey(0, 5, 0, 0))
     rp = dg.calibrate(h_cal, torch.zeros_like(h_cal)).pca_robust
     ref = torch.cat([dg._quant(h[..., :1, :], 8), dg.pca_project(h[..., 1:, :], rp, k, bits=4)], dim=-2)
@@ -80,7 +80,7 @@ def test_pca_codec_trains_through_the_mesh(tiny, tmp_path, start, bwd):
     basis Ug too, and the backward's bytes are span's)."""
     from orchestration.models.loading import load_causal_lm
 
-    cfg, plan, res = run_pca_mesh(tiny, tmp_path, {"seq_len": 32, "calib_rows": 8, "bwd": bwd}, rows=2, start=start)
+    cfg, plan, res = run_pca_mesh(tiny, tmp_path, {"quant": "absmax", "seq_len": 32, "calib_rows": 8, "bwd": bwd}, rows=2, start=start)
     assert all(l == l and l > 0 for l in res[1]["losses"])
     saved = calibration.load(plan.run_dir)
     model, _ = load_causal_lm(tiny / "model")
@@ -143,4 +143,4 @@ def test_a_one_stage_split_has_no_boundary_to_fit():
 
     rows = torch.randint(0, 128, (4, 8))
     assert calibration.boundary_states(_model("llama"), rows, 1, grad_rows=4) == ([], [])
-    assert calibration.fit_model_bases(_model("llama"), rows, PCACodec(k=8), 1, grad_rows=4) == {}
+    assert calibration.fit_model_bases(_model("llama"), rows, PCACodec(quant="absmax", k=8), 1, grad_rows=4) == {}

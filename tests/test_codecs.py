@@ -15,13 +15,18 @@ B, T, H = 2, 6, 64
 def _pca_basis():
     """The generic tests run every codec at boundary KEY.boundary, H: give "pca" a basis
     there (calibrated bases come from orchestration.components.calibration; tests/test_codecs_pca.py)."""
+    from meshkern import pca_nf
     from orchestration import codecs
 
-    k = codecs.pca_width(H)
+    # "pca" is quant=nf: a width per coordinate, allocated within the default budget's bytes
+    nf_bits = 8 * codecs.PCACodec().code_bytes(H)
+    k = H - 8
     g = torch.Generator().manual_seed(3)
     U, _ = torch.linalg.qr(torch.randn(H, k, generator=g, dtype=torch.float64))
-    codecs.PCA_BASES[KEY.boundary] = codecs.PCABasis(torch.randn(H, generator=g), U.float(),
-                                                     torch.rand(k, generator=g) + 0.5, torch.ones(k))
+    sd = (torch.rand(k, generator=g) + 0.5).sort(descending=True).values
+    codecs.PCA_BASES[KEY.boundary] = codecs.PCABasis(torch.randn(H, generator=g), U.float(), sd, torch.ones(k),
+                                                     bits=pca_nf.allocate_bits(sd ** 2, nf_bits),
+                                                     gbits=pca_nf.allocate_bits(torch.ones(k), nf_bits))
     yield
     codecs.PCA_BASES.pop(KEY.boundary, None)
 

@@ -46,7 +46,7 @@ def _ref_bwd(g, b, bits, sink):
 def test_round_trip_and_gradient_match_reference(bits, sink, k):
     H, B, T = 24, 3, 7
     b = _basis(H, k)
-    codec = make_codec("pca", bits=bits, k=k, sink=sink, bases={2: b})
+    codec = make_codec("pca:quant=absmax", bits=bits, k=k, sink=sink, bases={2: b})
     key = MaskKey(1, 2, 5, 0)
     h = torch.randn(B, T, H) * 2 + 1
     h[:, 0] *= 40  # a sink-like first token
@@ -73,7 +73,7 @@ def test_gradient_is_adjoint_of_projection():
     h -> mean + U (U^T (h - mean) / sd) sd, i.e. the exact adjoint, straight through the quantizer."""
     H, k = 16, 4
     b = _basis(H, k, gsd=False)
-    codec = PCACodec(bits=8, k=k, sink=False, bases={0: b})
+    codec = PCACodec(quant="absmax", bits=8, k=k, sink=False, bases={0: b})
     # gradient whose coordinates U^T g are exactly representable on the int8 grid
     coords = torch.tensor([[[127.0, -64.0, 3.0, 0.0]]]) / 127
     g = coords @ b.U.T
@@ -95,7 +95,7 @@ def test_int4_nibble_order():
     H, k = 8, 3
     U = torch.eye(H)[:, :k]
     b = PCABasis(torch.zeros(H), U, torch.ones(k), torch.ones(k))
-    codec = PCACodec(bits=4, k=k, sink=False, bases={0: b})
+    codec = PCACodec(quant="absmax", bits=4, k=k, sink=False, bases={0: b})
     h = torch.zeros(1, 1, H)
     h[0, 0, :3] = torch.tensor([7.0, -7.0, 3.0])  # scale 1: q = 7, -7, 3
     codes, scale = codec.encode_fwd(h, MaskKey(0, 0, 0, 0))[0]
@@ -110,13 +110,13 @@ def test_width_from_budget_matches_diagnose_candidate():
     assert pca_width(576, 4, 15, True, 128) == 288
     assert pca_width(576, 8, 15, True, 128) == 144
     assert pca_width(576, 4, 15, False) == 298
-    codec = make_codec("pca", bits=4, budget=15)
+    codec = make_codec("pca:quant=absmax", bits=4, budget=15)
     assert codec.width(576) == 288
     # bytes/token at [4, 128, 576] stay within 1/15 of dense fp32 (153 B)
     per_tok = codec.wire_bytes((4, 128, 576), torch.float32, "fwd") / (4 * 128)
     assert per_tok == (580 + 127 * (144 + 4)) / 128 <= 153
     with pytest.raises(ValueError):
-        make_codec("pca", k=4, budget=15)
+        make_codec("pca:quant=absmax", k=4, budget=15)
     with pytest.raises(ValueError):
         pca_width(8, 4, 100)
 
@@ -124,7 +124,7 @@ def test_width_from_budget_matches_diagnose_candidate():
 def test_rejects_bad_wire_and_missing_basis():
     H, k = 12, 4
     b = _basis(H, k)
-    codec = PCACodec(bits=4, k=k, bases={0: b})
+    codec = PCACodec(quant="absmax", bits=4, k=k, bases={0: b})
     key = MaskKey(0, 0, 0, 0)
     h = torch.randn(2, 5, H)
     wire, ctx = codec.encode_fwd(h, key)
@@ -149,7 +149,7 @@ def test_rejects_bad_wire_and_missing_basis():
     with pytest.raises(ValueError, match="no basis for boundary 1"):
         codec.encode_fwd(h, MaskKey(0, 1, 0, 0))
     with pytest.raises(ValueError, match="needs"):
-        PCACodec(bits=4, k=k + 1, bases={0: b}).encode_fwd(h, key)
+        PCACodec(quant="absmax", bits=4, k=k + 1, bases={0: b}).encode_fwd(h, key)
     with pytest.raises(ValueError):
         PCABasis(torch.zeros(H), b.U, -b.sd, b.gsd)
 
@@ -160,7 +160,7 @@ def test_bf16_activations_and_default_registry():
     b = _basis(H, k)
     codecs.PCA_BASES[7] = b
     try:
-        codec = make_codec("pca", k=k)  # bases default: the module registry
+        codec = make_codec("pca:quant=absmax", k=k)  # bases default: the module registry
         h = torch.randn(2, 3, H, dtype=torch.bfloat16, requires_grad=True)
         out = apply_codec(codec, h, MaskKey(0, 7, 0, 0))
         assert out.dtype == torch.bfloat16 and out.shape == h.shape
@@ -186,12 +186,12 @@ def _ref_fwd_adapt(h, b, bits, sink):
 def test_adapt_round_trip_matches_reference_and_sends_the_stats(sink):
     H, B, T, k = 24, 3, 7, 6
     b = _basis(H, k)
-    codec = make_codec("pca:adapt=true", bits=4, k=k, sink=sink, bases={2: b})
+    codec = make_codec("pca:quant=absmax,adapt=true", bits=4, k=k, sink=sink, bases={2: b})
     key = MaskKey(1, 2, 5, 0)
     h = torch.randn(B, T, H) * 2 + 1
     wire, ctx = codec.encode_fwd(h, key)
     assert (tuple(wire[-1].shape), wire[-1].dtype) == ((2, k), torch.float32)
-    plain = make_codec("pca", bits=4, k=k, sink=sink, bases={2: b})
+    plain = make_codec("pca:quant=absmax", bits=4, k=k, sink=sink, bases={2: b})
     shape = (B, T, H)
     assert codec.wire_bytes(shape, torch.float32, "fwd") == plain.wire_bytes(shape, torch.float32, "fwd") + 2 * k * 4
     assert codec.wire_bytes(shape, torch.float32, "bwd") == plain.wire_bytes(shape, torch.float32, "bwd")
@@ -224,8 +224,8 @@ def test_adapt_follows_a_model_whose_coordinates_moved_away_from_the_calibration
         body = x[:, 1:]
         return float((out - x)[:, 1:].pow(2).sum() / (body - body.reshape(-1, H).mean(0)).pow(2).sum())
 
-    stale = make_codec("pca", bits=4, k=k, bases={0: b})
-    adapt = make_codec("pca:adapt=true", bits=4, k=k, bases={0: b})
+    stale = make_codec("pca:quant=absmax", bits=4, k=k, bases={0: b})
+    adapt = make_codec("pca:quant=absmax,adapt=true", bits=4, k=k, bases={0: b})
     before = rel_err(adapt, h)
     assert rel_err(stale, moved) > 10 * rel_err(stale, h)  # the stale normalization breaks down
     assert rel_err(adapt, moved) < 2 * before  # adapt does not
@@ -233,7 +233,7 @@ def test_adapt_follows_a_model_whose_coordinates_moved_away_from_the_calibration
 
 def test_adapt_rejects_garbage_stats():
     H, k = 24, 6
-    codec = make_codec("pca:adapt=true", bits=4, k=k, bases={0: _basis(H, k)})
+    codec = make_codec("pca:quant=absmax,adapt=true", bits=4, k=k, bases={0: _basis(H, k)})
     key, shape = MaskKey(0, 0, 0, 0), (2, 5, H)
     wire, _ = codec.encode_fwd(torch.randn(shape), key)
     bad = [t.clone() for t in wire]
@@ -244,7 +244,7 @@ def test_adapt_rejects_garbage_stats():
     with pytest.raises(NonFiniteWire):
         codec.decode_fwd(bad, key, shape, torch.float32)
     with pytest.raises(ValueError, match="adapt must be true or false"):
-        make_codec("pca:adapt=yes")
+        make_codec("pca:quant=absmax,adapt=yes")
 
 
 @pytest.mark.parametrize("sink", [True, False])
@@ -255,8 +255,8 @@ def test_gradient_basis_backward_matches_reference_at_the_same_bytes(sink):
     b = _basis(H, k)
     Ug, _ = torch.linalg.qr(torch.randn(H, k, generator=torch.Generator().manual_seed(9), dtype=torch.float64))
     bg = PCABasis(b.mean, b.U, b.sd, b.gsd, Ug.float())
-    span = make_codec("pca", bits=4, k=k, sink=sink, bases={0: b})
-    gcod = make_codec("pca", bits=4, k=k, sink=sink, bases={0: bg}, bwd="gbasis")
+    span = make_codec("pca:quant=absmax", bits=4, k=k, sink=sink, bases={0: b})
+    gcod = make_codec("pca:quant=absmax", bits=4, k=k, sink=sink, bases={0: bg}, bwd="gbasis")
     key = MaskKey(1, 0, 0, 0)
     h, g = torch.randn(B, T, H), torch.randn(B, T, H)
     wf, ctx = gcod.encode_fwd(h, key)
@@ -267,19 +267,19 @@ def test_gradient_basis_backward_matches_reference_at_the_same_bytes(sink):
     assert gcod.wire_bytes((B, T, H), torch.float32, "bwd") == span.wire_bytes((B, T, H), torch.float32, "bwd")
     assert bg.nbytes() == b.nbytes() + 4 * H * k  # Ug travels once with the basis
     with pytest.raises(ValueError, match="has no gradient basis"):
-        make_codec("pca", bits=4, k=k, sink=sink, bases={0: b}, bwd="gbasis").encode_fwd(h, key)
+        make_codec("pca:quant=absmax", bits=4, k=k, sink=sink, bases={0: b}, bwd="gbasis").encode_fwd(h, key)
 
 
 def test_dense_backward_sends_the_gradient_as_it_is():
     H, k = 24, 6
-    codec = make_codec("pca", bits=4, k=k, bases={0: _basis(H, k)}, bwd="dense")
+    codec = make_codec("pca:quant=absmax", bits=4, k=k, bases={0: _basis(H, k)}, bwd="dense")
     key = MaskKey(1, 0, 0, 0)
     h, g = torch.randn(2, 5, H), torch.randn(2, 5, H)
     wf, ctx = codec.encode_fwd(h, key)
     assert torch.equal(codec.decode_bwd(codec.encode_bwd(g, key, wf), key, ctx), g)
     assert codec.wire_bytes((2, 5, H), torch.float32, "bwd") == 2 * 5 * H * 4
     with pytest.raises(ValueError, match="bwd must be one of span, gbasis, dense"):
-        make_codec("pca", k=k, bwd="full")
+        make_codec("pca:quant=absmax", k=k, bwd="full")
 
 
 def test_calibrated_gradient_basis_is_the_gradients_top_eigenvectors():

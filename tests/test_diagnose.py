@@ -331,7 +331,8 @@ def test_partial_report_is_continued_not_remeasured(tiny_setup):
 def test_default_codecs_include_the_pca_codec_within_budget(tiny_setup):
     model, path, train, held = tiny_setup
     specs = dg.default_codec_specs(40, 15, seq_len=SEQ)
-    assert f"pca:budget=15,seq_len={SEQ}" in specs and f"pca:bits=8,budget=15,seq_len={SEQ}" in specs
+    assert f"pca:budget=15,seq_len={SEQ}" in specs and f"pca:quant=absmax,bits=8,budget=15,seq_len={SEQ}" in specs
+    assert f"pca:quant=absmax,budget=15,seq_len={SEQ}" in specs  # the int4 layout beside the default nf
     s = dg.Settings(stages=[2], codecs=[f"pca:budget=15,seq_len={SEQ}"], candidates=[], pca_sweep=False,
                     anchor=False, eval_rows=4, calib_rows=8, grad_rows=2, seq_len=SEQ)
     rep = dg.run_diagnostics(model, path, train, held, s, progress=lambda m: None)

@@ -19,7 +19,7 @@ def test_activations_in_the_span_and_gradients_outside_it():
     g, U, W, mean, basis = _case()
     h = mean + torch.randn(2, 9, 4, generator=g) @ U.T  # every token in mean + span(U)
     grad = torch.randn(2, 9, 12, generator=g) @ W.T  # every gradient orthogonal to span(U)
-    codec = make_codec("pca", k=4, bits=8, sink=False)
+    codec = make_codec("pca:quant=absmax", k=4, bits=8, sink=False)
     d = drift.boundary_drift(codec, basis, h, grad, 0)
     assert d["act_kept"] == pytest.approx(1.0, abs=1e-6)
     assert d["grad_outside"] == pytest.approx(1.0, abs=1e-6)
@@ -30,7 +30,7 @@ def test_activations_in_the_span_and_gradients_outside_it():
 def test_activations_outside_the_span_are_lost():
     g, U, W, mean, basis = _case(seed=1)
     h = mean + torch.randn(2, 9, 12, generator=g) @ W.T
-    d = drift.boundary_drift(make_codec("pca", k=4), basis, h, torch.randn(2, 9, 4, generator=g) @ U.T, 0)
+    d = drift.boundary_drift(make_codec("pca:quant=absmax", k=4), basis, h, torch.randn(2, 9, 4, generator=g) @ U.T, 0)
     assert d["act_kept"] == pytest.approx(0.0, abs=1e-6) and d["grad_outside"] == pytest.approx(0.0, abs=1e-6)
     # position 0 travels as int8 (sink), the rest is gone: the forward error is the lost energy
     assert d["fwd_err"] == pytest.approx(1.0, abs=0.15) and d["fwd_quant"] < 0.15

@@ -310,3 +310,21 @@ def test_kernels_refuse_bad_tables(backend):
     if backend == "cpp":  # the C++ op takes int64 widths only; Triton's host code converts
         with pytest.raises(RuntimeError, match="int64"):
             unpack(torch.zeros(2, 1, dtype=torch.uint8), lv, bits.int())
+
+
+def test_default_pca_is_nf_and_int4_is_asked_for_by_name():
+    """`pca` means quant=nf on a 64-row basis; the int4 layout is pca:quant=absmax (16 rows),
+    and its options without quant=absmax are refused with the fix in the message."""
+    from orchestration.config import parse_args
+    from orchestration.codecs import codec_for, make_codec
+
+    default = codec_for(parse_args([])[0].boundary)
+    assert (default.quant, default.calib_rows, default.budget) == ("nf", 64, 15.0)
+    int4 = make_codec("pca:quant=absmax")
+    assert (int4.quant, int4.bits, int4.calib_rows) == ("absmax", 4, 16)
+    assert make_codec("pca:quant=absmax,calib_rows=64").calib_rows == 64
+    for spec in ("pca:k=8", "pca:bits=8", "pca:adapt=true", "pca:bwd=gbasis"):
+        with pytest.raises(ValueError, match="only with quant=absmax.*add quant=absmax"):
+            make_codec(spec)
+    preset = codec_for(parse_args(["--preset", "pca4"])[0].boundary)  # the published int4 rows keep int4
+    assert (preset.quant, preset.bits, preset.calib_rows) == ("absmax", 4, 16)

@@ -36,7 +36,7 @@ def test_reference_is_the_codec(bits, sink):
     H, k, shape = 48, 13, (2, 5, 48)  # odd k: the int4 pad nibble
     U, mean, sd = _basis(H, k)
     gsd = torch.rand(k) + 0.5
-    codec = PCACodec(bits=bits, k=k, sink=sink, bases={0: PCABasis(mean, U, sd, gsd)})
+    codec = PCACodec(quant="absmax", bits=bits, k=k, sink=sink, bases={0: PCABasis(mean, U, sd, gsd)})
     key = MaskKey(seed=0, boundary=0, step=0, microbatch=0)
     h = _h(shape)
     wire, meta = codec.encode_fwd(h, key)
@@ -221,6 +221,6 @@ def test_wire_shapes_are_the_codecs(bits, sink):
     from orchestration.codecs.pca import PCACodec
 
     shape = (2, 7, 48)
-    codec = PCACodec(bits=bits, k=13, sink=sink, bases={})
+    codec = PCACodec(quant="absmax", bits=bits, k=13, sink=sink, bases={})
     assert pca.wire_shapes(shape, 13, bits, sink) == [(tuple(s), dt) for s, dt in
                                                       codec.wire_specs(shape, torch.float32, "fwd")]

@@ -1,5 +1,6 @@
 """``pca``: a calibrated per-boundary PCA basis (orchestration.components.calibration fits it) with
-per-token int4/int8 coordinates; ``PCA_BASES`` is the process-wide basis table."""
+per-token coordinates, each on a Gaussian code book of its own width (quant=nf, the default) or
+int4/int8 on the top k (quant=absmax); ``PCA_BASES`` is the process-wide basis table."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -137,7 +138,7 @@ class PCACodec(BoundaryCodec):
     of dense fp32 bytes). The basis of boundary b is ``bases[b]`` (default: the module's
     PCA_BASES, which orchestration.components.calibration fills); ``k`` must equal its width.
     ``calib_rows`` / ``grad_rows``: how many training rows calibration fits the basis on
-    (and of those, how many give the gradient std gsd).
+    (default 64 with quant=nf, 16 with absmax) and of those, how many give the gradient std gsd.
     Wire per direction, for a boundary tensor [..., T, H]:
         sink=False: codes [..., T, ceil(k/2)] uint8 (int4, low nibble = even coordinate) or
                     [..., T, k] int8; scales [..., T, 1] fp32.
@@ -159,14 +160,15 @@ class PCACodec(BoundaryCodec):
                     default model after 60 steps, the stale normalization alone made the
                     forward error 0.59 of the activation energy, 0.013 with fresh mean and
                     sd and the same U). The backward is unchanged.
-        quant:      absmax (default): the int4/int8 layout above. nf: every coordinate its own
+        quant:      nf (default): every coordinate its own
                     code width on a Gaussian code book (meshkern.pca_nf; 1-8 bits, chosen at
                     calibration by reverse water-filling on the coordinates' variances, so
                     the basis keeps every coordinate that gets a bit, k <= H), one fp16 scale
                     per token: codes [..., T', nbytes] uint8 and scales [..., T', 1] fp16
                     with nbytes = nf_code_bytes(H, budget); the backward allocates the same
                     bytes over the same k coordinates by the gradient std gsd. Not with k,
-                    bits, adapt or bwd=gbasis.
+                    bits, adapt or bwd=gbasis. absmax: the int4/int8 layout above (the
+                    default before issue #28's measurements: nf loses less at its bytes).
         basis_dtype: float32 (default) or float16: the basis is rounded to fp16 values at
                     calibration and counted at 2 bytes per value (both ends use the rounded
                     basis).
@@ -175,15 +177,20 @@ class PCACodec(BoundaryCodec):
     name = "pca"
 
     def __init__(self, bits: int = 4, k: int | None = None, budget: float | None = None, sink: bool = True,
-                 seq_len: int = 128, bases: dict | None = None, calib_rows: int = 16, grad_rows: int = 8,
-                 adapt: bool = False, bwd: str = "span", quant: str = "absmax", basis_dtype: str = "float32"):
+                 seq_len: int = 128, bases: dict | None = None, calib_rows: int | None = None, grad_rows: int = 8,
+                 adapt: bool = False, bwd: str = "span", quant: str = "nf", basis_dtype: str = "float32"):
         if quant not in QUANTS:
             raise ValueError(f"pca: quant must be one of {', '.join(QUANTS)}, got {quant!r}")
         if basis_dtype not in BASIS_DTYPES:
             raise ValueError(f"pca: basis_dtype must be one of {', '.join(BASIS_DTYPES)}, got {basis_dtype!r}")
         if quant == "nf" and (k is not None or bits != 4 or adapt or bwd == "gbasis"):
-            raise ValueError("pca: quant=nf chooses every coordinate's width from budget: "
-                             "it takes no k or bits, and no adapt or bwd=gbasis")
+            given = ", ".join(n for n, v in (("k", k is not None), (f"bits={bits}", bits != 4), ("adapt", adapt),
+                                             ("bwd=gbasis", bwd == "gbasis")) if v)
+            raise ValueError(f"pca: {given}: only with quant=absmax (int4/int8 codes on the top k coordinates); "
+                             "the default quant=nf chooses every coordinate's width from budget: add quant=absmax "
+                             "(e.g. --boundary.codec pca:quant=absmax,adapt=true)")
+        if calib_rows is None:  # nf's widths follow the calibrated variances: a 16-row basis overfits them
+            calib_rows = 64 if quant == "nf" else 16
         self.quant, self.basis_dtype = quant, basis_dtype
         if bits not in (4, 8):
             raise ValueError(f"pca: bits must be 4 or 8, got {bits}")

@@ -101,7 +101,7 @@ class TrainConfig:
 
 @dataclass
 class BoundaryConfig:
-    codec: str = _f("pca", "pipeline boundary codec: dense, mask (the paper's; presets m95, m95-ap, m90-ap), topk, int8, int4, bottleneck, pca (the default: calibrated PCA basis, int4 coordinates, 1/15 of dense fp32 bytes; orchestration.components.calibration), aqsgd (AQ-SGD: per-sample delta quantization), tahquant (TAH-Quant: tile-wise, Hadamard on outlier tiles); a name or a spec name:key=value,... e.g. aqsgd:bits=4,gbits=16 or tahquant:bits=3 (options as in --boundary.options; docs/codecs.md)")
+    codec: str = _f("pca", "pipeline boundary codec: dense, mask (the paper's; presets m95, m95-ap, m90-ap), topk, int8, int4, bottleneck, pca (the default: calibrated PCA basis, every coordinate its own code width on a Gaussian code book (quant=nf), 1/15 of dense fp32 bytes; pca:quant=absmax: int4 on the top half of the coordinates; orchestration.components.calibration), aqsgd (AQ-SGD: per-sample delta quantization), tahquant (TAH-Quant: tile-wise, Hadamard on outlier tiles); a name or a spec name:key=value,... e.g. aqsgd:bits=4,gbits=16 or tahquant:bits=3 (options as in --boundary.options; docs/codecs.md)")
     p: float = _f(0.95, "fraction of hidden dims dropped per token (mask; also the ratio target of topk/bottleneck)")
     rescale: bool = _f(False, "mask: scale kept values by 1/(1-p) (dropout-style unbiased estimate)")
     options: dict = _f({}, "extra keyword arguments for the codec, as JSON, e.g. '{\"k\": 64}'")

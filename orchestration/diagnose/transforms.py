@@ -120,5 +120,6 @@ def default_codec_specs(H: int, budget: int, elem: int = 4, seq_len: int = 128) 
     specs += [f"topk:k={max(1, k95 * elem // (elem + idx))}", f"topk:k={max(1, k_budget * elem // (elem + idx))}",
               "bottleneck:p=0.95", f"bottleneck:rank={k_budget}", "int8", "int4"]
     sl = "" if seq_len == 128 else f",seq_len={seq_len}"
-    specs += [f"pca:budget={budget}{sl}", f"pca:bits=8,budget={budget}{sl}"]
+    specs += [f"pca:budget={budget}{sl}", f"pca:quant=absmax,budget={budget}{sl}",
+              f"pca:quant=absmax,bits=8,budget={budget}{sl}"]
     return list(dict.fromkeys(specs))

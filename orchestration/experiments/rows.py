@@ -64,14 +64,14 @@ ROWS: tuple[Row, ...] = (
         label="PCA-int4 + sink forward, dense backward (a bound)", paper="(not in the paper)"),
     # Twice pca4's bytes: k = 558 of 576 coordinates at H = 576 (almost no truncation, only the
     # int4 rounding): how much of pca4's gap is the subspace it leaves out.
-    Row("pca4-b8", "baseline", "pca4", ("--boundary.options", '{"bits": 4, "budget": 8, "sink": true}'),
+    Row("pca4-b8", "baseline", "pca4", ("--boundary.options", '{"quant": "absmax", "bits": 4, "budget": 8, "sink": true}'),
         label="PCA-int4 + sink, 1/8 of dense (almost full rank)", paper="(not in the paper)"),
     # The same bytes as pca4-b8 spent the other way: half the coordinates (k = 279), int8.
-    Row("pca8-b8", "baseline", "pca4", ("--boundary.options", '{"bits": 8, "budget": 8, "sink": true}'),
+    Row("pca8-b8", "baseline", "pca4", ("--boundary.options", '{"quant": "absmax", "bits": 8, "budget": 8, "sink": true}'),
         label="PCA-int8 + sink, 1/8 of dense", paper="(not in the paper)"),
     # pca4 calibrated on 64 rows instead of 16 (the nf rows below use 64: this row tells the
     # better-fitted basis apart from the code books).
-    Row("pca4-c64", "baseline", "pca4", ("--boundary.options", '{"bits": 4, "budget": 15, "sink": true, "calib_rows": 64}'),
+    Row("pca4-c64", "baseline", "pca4", ("--boundary.options", '{"quant": "absmax", "bits": 4, "budget": 15, "sink": true, "calib_rows": 64}'),
         label="PCA-int4 + sink, 1/15 of dense, basis fitted on 64 rows", paper="(not in the paper)"),
     # Per-coordinate code widths on Gaussian code books (quant=nf, meshkern.pca_nf): pca4's
     # bytes spent on every coordinate by its variance instead of int4 on the top half.
@@ -90,7 +90,7 @@ ROWS: tuple[Row, ...] = (
     # The anchor circuit and spectral correction on top of pca4 (issue #12): M95+AP's anchor
     # settings (factored transport, SpectralAdamW) with pca4's boundaries.
     Row("pca4-ap", "baseline", "m95-ap", ("--boundary.codec", "pca", "--boundary.options",
-                                          '{"bits": 4, "budget": 15, "sink": true}'),
+                                          '{"quant": "absmax", "bits": 4, "budget": 15, "sink": true}'),
         label="PCA-int4 + sink + anchor + spectral (1/15 of dense)", paper="(not in the paper)"),
     # The same anchor on top of the per-coordinate nf code (issue #28): does the unmasked
     # anchor close the rest of pcanf's gap over a long run?
