@@ -221,3 +221,21 @@ def test_a_row_started_with_other_flags_does_not_resume(tmp_path):
     rows._write_json(str(run_dir / runner.ROW_FILE), {"trainer_argv": ["--steps", "8"]})
     assert runner.resume_point(str(run_dir), ["--steps", "4"]) is None  # other flags
     assert runner.resume_point(str(run_dir), ["--steps", "8"]) is None  # same flags, no checkpoint yet
+
+
+def test_paired_gaps_subtract_dense_seed_by_seed_at_common_steps():
+    from orchestration.experiments.report import paired_gaps
+
+    def rec(seed, losses):
+        return {"seed": seed, "curve": [{"step": s, "loss": v} for s, v in losses.items()]}
+    by_row = {"dense": [rec(0, {0: 3.0, 10: 2.0, 20: 1.5}), rec(1, {0: 3.2, 10: 2.4, 20: 1.9})],
+              "a": [rec(0, {0: 3.0, 10: 2.1, 20: 1.7}), rec(1, {0: 3.2, 10: 2.7, 20: 2.0}), rec(5, {0: 9.0})],
+              "b": [rec(1, {0: 3.2, 10: 2.5})],  # only step 0 and 10 evaluated
+              "c": [rec(7, {0: 1.0})]}  # no seed in common with dense
+    g = paired_gaps(by_row)
+    assert sorted(g) == ["a", "b"]
+    steps, mean, lo, hi, n = zip(*g["a"])
+    assert steps == (0, 10, 20) and n == (2, 2, 2)
+    assert mean == pytest.approx((0.0, 0.2, 0.15)) and lo == pytest.approx((0.0, 0.1, 0.1))
+    assert hi == pytest.approx((0.0, 0.3, 0.2))
+    assert [(s, round(m, 6), k) for s, m, _, _, k in g["b"]] == [(0, 0.0, 1), (10, 0.1, 1)]

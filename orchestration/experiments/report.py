@@ -210,7 +210,61 @@ def make_plots(by_row: dict[str, list[dict]], fig_dir: str) -> list[str]:
     p = _codec_on_bars(plt, by_row, os.path.join(fig_dir, "codec_on_vs_deployed.png"))
     if p:
         written.append(p)
+    p = _gap_vs_step(plt, by_row, os.path.join(fig_dir, "gap_vs_dense.png"))
+    if p:
+        written.append(p)
     return written
+
+
+def paired_gaps(by_row: dict[str, list[dict]], ref: str = "dense") -> dict[str, list[tuple]]:
+    """Per row (``ref`` excluded): [(step, mean, min, max, n)] of the row's held-out loss
+    minus ``ref``'s at the same step and seed, over the seeds both have, at the steps every
+    such pair evaluated. Rows with no seed in common with ``ref`` are left out."""
+    refs = {r["seed"]: {p["step"]: p["loss"] for p in r["curve"]} for r in by_row.get(ref, [])}
+    out = {}
+    for n, rs in by_row.items():
+        pairs = [({p["step"]: p["loss"] for p in r["curve"]}, refs[r["seed"]]) for r in rs
+                 if n != ref and r["seed"] in refs]
+        if not pairs:
+            continue
+        steps = sorted(set.intersection(*[set(a) & set(b) for a, b in pairs]))
+        pts = []
+        for st in steps:
+            d = [a[st] - b[st] for a, b in pairs]
+            pts.append((st, statistics.fmean(d), min(d), max(d), len(d)))
+        out[n] = pts
+    return out
+
+
+def _gap_vs_step(plt, by_row, path):
+    """Held-out loss minus dense's, same seed, at every evaluation (mean, band = min..max),
+    beside 1% of dense's loss (issue #28's goal line). None without dense and a paired row."""
+    gaps = paired_gaps(by_row)
+    if not gaps:
+        return None
+    dense = {}
+    for r in by_row["dense"]:
+        for p in r["curve"]:
+            dense.setdefault(p["step"], []).append(p["loss"])
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    colors = plt.get_cmap("tab10" if len(gaps) <= 10 else "tab20").colors
+    for i, (n, pts) in enumerate(gaps.items()):
+        st, mean, lo, hi, k = zip(*pts)
+        line, = ax.plot(st, mean, marker="o", ms=3, color=colors[i % len(colors)], label=f"{n} (n={max(k)})")
+        if max(k) > 1:
+            ax.fill_between(st, lo, hi, color=line.get_color(), alpha=0.15)
+    st = sorted(dense)
+    ax.plot(st, [0.01 * statistics.fmean(dense[x]) for x in st], ls="--", color="gray", label="1% of dense's loss")
+    ax.axhline(0, color="black", lw=0.8)
+    ax.set_xlabel("training step")
+    ax.set_ylabel("held-out loss minus dense (same seed)")
+    ax.set_title("gap to dense, paired by seed (mean, band = min..max)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def _codec_on_bars(plt, by_row, path):
