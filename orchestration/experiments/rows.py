@@ -97,6 +97,11 @@ ROWS: tuple[Row, ...] = (
     Row("pcanf-ap", "baseline", "m95-ap", ("--boundary.codec", "pca", "--boundary.options",
                                            '{"quant": "nf", "budget": 15, "sink": true, "calib_rows": 64}'),
         label="PCA-NF + sink + anchor + spectral (1/15 of dense)", paper="(not in the paper)"),
+    # pcanf-b12's bytes with the anchor: do the two (forward error, the anchor's correction)
+    # add up to issue #28's 95% of dense's gain over 200 steps?
+    Row("pcanf-b12-ap", "baseline", "m95-ap", ("--boundary.codec", "pca", "--boundary.options",
+                                               '{"quant": "nf", "budget": 12, "sink": true, "calib_rows": 64}'),
+        label="PCA-NF + sink + anchor + spectral (1/12 of dense)", paper="(not in the paper)"),
     # The paper's two other baselines, at its 8x forward / 2x backward (vs fp32): at H=192,
     # seq 128, aqsgd sends 96 B of 4-bit delta codes + a 4 B scale per token forward (7.7x)
     # and tahquant ~106 B (3.8 bits on average + per-tile fp16 zero/scale + flags/pivots,
