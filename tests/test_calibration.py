@@ -144,3 +144,20 @@ def test_a_one_stage_split_has_no_boundary_to_fit():
     rows = torch.randint(0, 128, (4, 8))
     assert calibration.boundary_states(_model("llama"), rows, 1, grad_rows=4) == ([], [])
     assert calibration.fit_model_bases(_model("llama"), rows, PCACodec(quant="absmax", k=8), 1, grad_rows=4) == {}
+
+
+def test_boundary_gradients_of_a_frozen_model_are_the_trainable_models():
+    """A frozen base (LoRA's, as orchestration.diagnose.drift loads it) has no weight that
+    requires grad before the boundary; its boundary gradients must still be d loss / d h,
+    the same as with every weight trainable (this used to fail in autograd)."""
+    from test_stages import _model
+
+    rows = torch.randint(0, 128, (4, 8), generator=torch.Generator().manual_seed(3))
+    model = _model("llama")
+    hs, gs = calibration.boundary_states(model, rows, 2, grad_rows=4)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    hs_f, gs_f = calibration.boundary_states(model, rows, 2, grad_rows=4)
+    assert len(gs_f) == 1 and gs_f[0] is not None and gs_f[0].abs().sum() > 0
+    torch.testing.assert_close(hs_f[0], hs[0], rtol=0, atol=0)
+    torch.testing.assert_close(gs_f[0], gs[0], rtol=0, atol=0)

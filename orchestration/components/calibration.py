@@ -153,6 +153,10 @@ def boundary_states(model, rows: torch.Tensor, num_stages: int, layers_per_stage
                 for st in stages:
                     x = st(x)
                     if not st.is_last:
+                        if want_grad and not x.requires_grad:
+                            # a frozen base (LoRA's, or a stage with no trainable weight
+                            # before this boundary): the boundary gradient is still wanted
+                            x.requires_grad_()
                         outs.append(x)
                 for b, o in enumerate(outs):
                     hs[b].append(o.detach().float())
