@@ -23,6 +23,12 @@ class Row:
     paper: str = ""     # what the paper reports for this row (method.md), for the table
 
 
+def _nf_options(budget: int, **extra) -> str:
+    """--boundary.options of an nf row at 1/budget of dense fp32 (64-row basis, sink), spelled
+    as the rows' records were run with."""
+    return json.dumps({"quant": "nf", "budget": budget, "sink": True, "calib_rows": 64, **extra})
+
+
 ROWS: tuple[Row, ...] = (
     Row("dense", "main", "dense", label="Dense (dense PP, full DP all-reduce)",
         paper="MedQA 0.280 / HumanEval 0.177; 22.9k B/tok"),
@@ -75,17 +81,15 @@ ROWS: tuple[Row, ...] = (
         label="PCA-int4 + sink, 1/15 of dense, basis fitted on 64 rows", paper="(not in the paper)"),
     # Per-coordinate code widths on Gaussian code books (quant=nf, meshkern.pca_nf): pca4's
     # bytes spent on every coordinate by its variance instead of int4 on the top half.
-    Row("pcanf", "baseline", "pca4", ("--boundary.options", '{"quant": "nf", "budget": 15, "sink": true, "calib_rows": 64}'),
+    Row("pcanf", "baseline", "pca4", ("--boundary.options", _nf_options(15)),
         label="PCA-NF (bits per coordinate) + sink, 1/15 of dense", paper="(not in the paper)"),
     # 1/12 of dense fp32 (190 B/token at H = 576): about pca4-b8's forward error (every
     # coordinate but a few gets a bit) at two thirds of its bytes.
-    Row("pcanf-b12", "baseline", "pca4", ("--boundary.options", '{"quant": "nf", "budget": 12, "sink": true, "calib_rows": 64}'),
+    Row("pcanf-b12", "baseline", "pca4", ("--boundary.options", _nf_options(12)),
         label="PCA-NF + sink, 1/12 of dense", paper="(not in the paper)"),
     # Issue #28's byte goal: 1/30 of dense fp32 (>= 15x less than bf16 dense) each way, the
     # basis sent in fp16.
-    Row("pcanf-b30", "baseline", "pca4", ("--boundary.options",
-                                          '{"quant": "nf", "budget": 30, "sink": true, "calib_rows": 64, '
-                                          '"basis_dtype": "float16"}'),
+    Row("pcanf-b30", "baseline", "pca4", ("--boundary.options", _nf_options(30, basis_dtype="float16")),
         label="PCA-NF + sink, 1/30 of dense (fp16 basis)", paper="(not in the paper)"),
     # The anchor circuit and spectral correction on top of pca4 (issue #12): M95+AP's anchor
     # settings (factored transport, SpectralAdamW) with pca4's boundaries.
@@ -94,13 +98,11 @@ ROWS: tuple[Row, ...] = (
         label="PCA-int4 + sink + anchor + spectral (1/15 of dense)", paper="(not in the paper)"),
     # The same anchor on top of the per-coordinate nf code (issue #28): does the unmasked
     # anchor close the rest of pcanf's gap over a long run?
-    Row("pcanf-ap", "baseline", "m95-ap", ("--boundary.codec", "pca", "--boundary.options",
-                                           '{"quant": "nf", "budget": 15, "sink": true, "calib_rows": 64}'),
+    Row("pcanf-ap", "baseline", "m95-ap", ("--boundary.codec", "pca", "--boundary.options", _nf_options(15)),
         label="PCA-NF + sink + anchor + spectral (1/15 of dense)", paper="(not in the paper)"),
     # pcanf-b12's bytes with the anchor: do the two (forward error, the anchor's correction)
     # add up to issue #28's 95% of dense's gain over 200 steps?
-    Row("pcanf-b12-ap", "baseline", "m95-ap", ("--boundary.codec", "pca", "--boundary.options",
-                                               '{"quant": "nf", "budget": 12, "sink": true, "calib_rows": 64}'),
+    Row("pcanf-b12-ap", "baseline", "m95-ap", ("--boundary.codec", "pca", "--boundary.options", _nf_options(12)),
         label="PCA-NF + sink + anchor + spectral (1/12 of dense)", paper="(not in the paper)"),
     # The paper's two other baselines, at its 8x forward / 2x backward (vs fp32): at H=192,
     # seq 128, aqsgd sends 96 B of 4-bit delta codes + a 4 B scale per token forward (7.7x)
