@@ -31,7 +31,7 @@ import subprocess
 import sys
 import time
 
-from orchestration.elastic.launcher import read_events
+from orchestration.elastic.events import read_events
 
 
 def held_out(log: str) -> float | None:

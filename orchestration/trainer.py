@@ -5,7 +5,10 @@ A ``Trainer`` (torchtitan-like) owns everything a fast rank uses: the mesh, its 
 parameters, the boundary codec and the pipeline executor, the inner optimizer, the DP
 sync (a gradient all-reduce compressor or Streaming DiLoCo), the anchor hook, the
 checkpointer (orchestration.components.checkpoint.Checkpointer: save and load) and the metrics
-(orchestration.components.metrics). One step:
+(orchestration.components.metrics). Its step gate (orchestration.components.gate) decides
+around each step whether it runs, commits or runs again, and who checkpoints: the same
+calls for the fixed mesh and an elastic replica, so the loop has no mode of its own.
+One step:
 
     pipeline step (schedule + codec boundaries, grad accumulation over micro-batches)
     -> tied-embedding grad sync -> DP gradient all-reduce (dp.mode=allreduce)
@@ -26,10 +29,11 @@ import torch
 import torch.distributed as dist
 
 from orchestration.codecs import codec_for
-from orchestration.components.builders import (NullAnchor, lr_at, make_compressor, make_optimizer, replica_mask_seed,
-                                               replica_sampler)
+from orchestration.components.builders import (NullAnchor, RankContext, lr_at, make_compressor, make_optimizer,
+                                               replica_mask_seed, replica_sampler)
 from orchestration.components.checkpoint import Checkpointer, continue_command
 from orchestration.components.divergence import DivergenceGuard, divergence_report
+from orchestration.components.gate import FailPoint, StepGate
 from orchestration.components.metrics import RunLog, reduce_step, summarize, write_link_bytes
 from orchestration.components.run_summary import format_summary
 from orchestration.config import Config
@@ -39,18 +43,15 @@ from orchestration.distributed.pipeline import PipelineExecutor
 from orchestration.distributed.schedule import make_schedule
 from orchestration.distributed.tied import TiedGradSync
 from orchestration.models.scoring import checkpoint_loss
-from meshkern.compress import SyncError
 
 
 class Trainer:
     """A fast rank: built from (rank, cfg, plan, mesh, stage); ``run()`` trains to the end
     (or to a stop request) and returns the rank's record (rank 0: with the summary)."""
 
-    def __init__(self, rank: int, cfg: Config, plan, mesh, stage, elastic=None):
+    def __init__(self, rank: int, cfg: Config, plan, mesh, stage, gate: StepGate | None = None):
         self.rank, self.cfg, self.plan, self.mesh, self.stage = rank, cfg, plan, mesh, stage
-        self.elastic = elastic  # --mesh.elastic: this replica's orchestration.elastic.ElasticReplica
-        if elastic is not None:
-            mesh.dp = elastic.group  # the stage's DP group across the live replicas (reconfigured per quorum)
+        self.gate = gate or StepGate()  # elastic replicas: orchestration.elastic.gate.ElasticGate
         self.params = [p for p in stage.parameters() if p.requires_grad]
         self.counter = LinkCounter()
         self.optimizer = make_optimizer(cfg, stage)
@@ -67,7 +68,7 @@ class Trainer:
         if getattr(plan, "subspace", None) is not None:  # before the DP sync snapshots the weights
             from orchestration.subspace.training import SubspaceRun
 
-            self.subspace = SubspaceRun(self, plan.subspace)
+            self.subspace = SubspaceRun(cfg, mesh, stage, self.codec, plan.subspace)
         self.sync = ReplicaSync(cfg, mesh, stage, lambda: make_compressor(cfg),
                                 projector=self.subspace.projector if self.subspace else None)
         self.tied = TiedGradSync(stage, mesh, self.counter, untie=cfg.model.tied_embeddings == "untie")
@@ -75,10 +76,10 @@ class Trainer:
         if cfg.anchor.enabled:
             from orchestration.anchor import FastHook
 
-            self.hook = FastHook(self)
+            self.hook = FastHook(RankContext(cfg, plan, mesh, stage, self.params, self.counter, self.optimizer))
         self.stop_requested = False
-        self.skipped = 0  # this rank's replica-steps whose update was skipped (non-finite gradient)
-        self.guard = DivergenceGuard(t.max_bad_steps, t.spike_factor, trainer=self)
+        self.guard = DivergenceGuard(t.max_bad_steps, t.spike_factor)  # with this rank's count of skipped updates
+        self.faults = FailPoint(cfg, rank, self.gate.incarnation)
         lora = cfg.adapter.kind == "lora"
         if lora:
             from orchestration.adapters import AdapterState
@@ -88,46 +89,7 @@ class Trainer:
             "optimizer": self.optimizer, **self.sync.parts(),
             "counter": self.counter, "guard": self.guard,
             "anchor": self.hook if cfg.anchor.enabled else None})  # delay mode: what makes a resume exact
-        self.committed = True  # elastic: whether the last step's update was committed
-        self.retried = 0  # elastic, allreduce mode: steps run again because a peer died inside them
-        if elastic is not None:
-            elastic.attach(self._heal_state, self._load_heal, self._synced_digest, save_fn=self.save)
-
-    # ------------------------------------------------------------------ elastic healing
-    def _heal_state(self) -> dict:
-        """What a healing replica's rank of this stage takes from this one (torchft serializes
-        it at once: no copies needed)."""
-        return {"params": [p.detach() for p in self.params], "optimizer": self.optimizer.state_dict(), "sync": self.sync.heal_state()}
-
-    def _load_heal(self, sd: dict) -> None:
-        if len(sd["params"]) != len(self.params) or any(a.shape != p.shape for a, p in zip(sd["params"], self.params)):
-            raise ValueError(f"{self.mesh.describe()}: the heal state's parameters do not match this stage's")
-        with torch.no_grad():
-            for p, v in zip(self.params, sd["params"]):
-                p.copy_(v)
-        self.optimizer.load_state_dict(sd["optimizer"])
-        self.sync.load_heal_state(sd["sync"])
-
-    def _synced_digest(self) -> str:
-        """A hash of what every replica holds alike after a commit: the parameters
-        (allreduce mode) or DiLoCo's global copies."""
-        import hashlib
-
-        h = hashlib.sha1()
-        for t in ([g for d in self.sync.diloco for g in d.global_copies] if self.sync.diloco else self.params):
-            h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-        return h.hexdigest()[:16]
-
-    def _dp(self, fn) -> None:
-        """Runs a DP sync call; in an elastic run a failed collective (a peer died inside
-        it) is reported to torchft and the sync state recovered, instead of ending the rank."""
-        try:
-            fn()
-        except SyncError as e:
-            if self.elastic is None:
-                raise
-            self.elastic.failed(e)
-            self.sync.recover()
+        self.gate.attach(params=self.params, optimizer=self.optimizer, sync=self.sync, save=self.save)
 
     # ------------------------------------------------------------------ one step
     def step(self, step: int):
@@ -139,14 +101,11 @@ class Trainer:
                                    sample_ids=self.sampler.indices(step))
         self.tied.sync()
         if self.sync.allreduce is not None:
-            self._dp(self.sync.all_reduce_grads)
+            self.gate.sync(self.sync.all_reduce_grads, self.sync)
             self.counter.set_total("dp", self.sync.bytes_sent)
-            if self.elastic is not None:
-                self.committed = self.elastic.commit()
-                if not self.committed:  # a peer died inside this step: run it again, without this update
-                    opt.zero_grad(set_to_none=True)
-                    self.sync.recover()
-                    return stats, float("nan")
+            if not self.gate.commit_grads(self.sync):  # the update is dropped (the gate runs the step again)
+                opt.zero_grad(set_to_none=True)
+                return stats, float("nan")
         if self.subspace is not None:
             self.subspace.project_grads()  # every split (and the unsplit model) gives AdamW the same gradient
         # The last stage's copy of a tied weight holds the same summed gradient as the first
@@ -160,10 +119,10 @@ class Trainer:
         else:
             # Non-finite gradient anywhere in this replica (the norm is all-reduced over its
             # stages, so every stage agrees): skip the update rather than corrupt the weights.
-            self.skipped += 1
+            self.guard.skipped += 1
         opt.zero_grad(set_to_none=True)
         if self.sync.diloco:
-            self._dp(self.sync.step)
+            self.gate.sync(self.sync.step, self.sync)
             if self.subspace is not None:
                 self.subspace.after_update()  # whatever --dp.projection did, the codec needs the constraint
             # Read while a fragment's sync may still run in the background: its bytes count
@@ -199,31 +158,20 @@ class Trainer:
 
         signal.signal(signal.SIGINT, on_stop)
         signal.signal(signal.SIGTERM, on_stop)  # a scheduler's / container's stop: same clean stop
-        quorum = False
-        if self.elastic is not None:  # the first quorum: a replica that joins late heals here
-            start = self.elastic.begin(start)
-            quorum = True
+        start = self.gate.start(start)  # (elastic: the first quorum; a replica that joins late heals here)
         log = RunLog(cfg, plan, start, active=rank == 0)
         history: list[dict] = []
         last_ckpt = plan.resume_from
         t_start = t_last = time.perf_counter()
         steps_done, step, interrupted, diverged = 0, start, False, ""
         while step < cfg.train.steps:
-            if rank == cfg.run.fail_rank and step == cfg.run.fail_step and not getattr(self.elastic, "incarnation", 0):
-                os.kill(os.getpid(), signal.SIGKILL)  # fault injection (tests): die like a crashed node
-            if self.elastic is not None and not quorum and self.elastic.quorum_due(self.sync):
-                step, quorum = self.elastic.begin(step), True
-                if step >= cfg.train.steps:
-                    break
+            self.faults.check(step)
+            step = self.gate.before_step(step, self.sync)  # (elastic: a heal may move it on)
+            if step >= cfg.train.steps:
+                break
             stats, gnorm = self.step(step)
-            if self.elastic is not None:
-                if self.sync.allreduce is None:  # diloco: a commit closes each quorum; a step without one has none
-                    self.committed = self.elastic.commit() if quorum else True
-                self.elastic.record(step, self.committed, quorum)
-                quorum = False
-                if self.sync.allreduce is not None and not self.committed:
-                    self.retried += 1  # the same step again, on the next quorum's replicas
-                    continue
+            if not self.gate.end_step(step, self.sync):  # its update did not count: the same step again
+                continue
             now = time.perf_counter()
             rec, stopping = self._record(step, stats, gnorm, now - t_last)
             steps_done += 1
@@ -239,9 +187,9 @@ class Trainer:
                 diverged = divergence_report(self.guard, cfg, self.plan, rank, step)
                 break
             due = cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0
-            if self.elastic is not None and self.sync.diloco and (stopping or step + 1 == cfg.train.steps):
-                self._dp(self.sync.finish)  # every replica completes its syncs in flight, not just the one that saves
-            if (due or stopping or step + 1 == cfg.train.steps) and (self.elastic is None or self.elastic.leader):
+            if stopping or step + 1 == cfg.train.steps:
+                self.gate.settle(self.sync)
+            if (due or stopping or step + 1 == cfg.train.steps) and self.gate.leader:
                 last_ckpt = self._checkpoint(step) or last_ckpt
             step += 1
             if stopping:
@@ -255,9 +203,7 @@ class Trainer:
         out = {"rank": rank, "losses": [h["loss"] for h in history], "bytes": self.counter.totals(),
                "by_link": self.counter.by_link(), "interrupted": interrupted, "checkpoint": last_ckpt,
                "diverged": diverged}
-        if self.elastic is not None:
-            out["elastic"] = {**self.elastic.stats, "retried_steps": self.retried, "replica": self.elastic.replica_id,
-                              "steps_done": steps_done}
+        out.update(self.gate.summary(steps_done))
         if rank == 0:
             log.close()
         if rank == 0 and history:  # (an elastic replica that healed to the last step has none of its own)
@@ -307,7 +253,7 @@ class Trainer:
     def _record(self, step: int, stats, gnorm: float, step_s: float) -> tuple[dict, bool]:
         """The step's record, reduced over the fast ranks, and whether any rank asked to stop."""
         cfg = self.cfg
-        rec, stopping = reduce_step(cfg, self.mesh, step, stats, gnorm, self.skipped, self.counter,
+        rec, stopping = reduce_step(cfg, self.mesh, step, stats, gnorm, self.guard.skipped, self.counter,
                                     self.stop_requested, step_s, lr_at(step, cfg))
         rec.update({f"anchor_{k}": v for k, v in self.hook.stats().items()})
         if hasattr(self.optimizer, "anchor_stats") and cfg.anchor.enabled:

@@ -12,7 +12,7 @@ import torch
 from orchestration import anchor as A
 from orchestration.components import checkpoint as ckpt
 from orchestration.config import parse_args, validate
-from orchestration.distributed.launch import run_local
+from orchestration.launch.processes import run_local
 from orchestration.distributed.mesh import MeshLayout
 from orchestration.components.metrics import read_jsonl
 from orchestration.train import prepare, run_rank
@@ -521,7 +521,7 @@ def test_anchor_that_outlives_the_fast_circuit_says_so():
 
     import torch.distributed as dist
 
-    from orchestration.distributed.launch import free_port
+    from orchestration.launch.processes import free_port
 
     port = free_port()
     ready = mp.get_context("fork").Event()
@@ -555,7 +555,7 @@ def test_generations_form_whatever_the_start_order():
 
     import torch.distributed as dist
 
-    from orchestration.distributed.launch import free_port
+    from orchestration.launch.processes import free_port
 
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,

@@ -21,7 +21,8 @@ import torch.distributed as dist
 from orchestration import anchor as A
 from orchestration.components import checkpoint as ckpt
 from orchestration.anchor import auth, wire
-from orchestration.distributed.launch import free_port
+from orchestration.distributed import secret
+from orchestration.launch.processes import free_port
 from orchestration.distributed.mesh import listen_socket, rendezvous_store
 
 KEY = b"0123456789abcdef0123456789abcdef"
@@ -58,7 +59,7 @@ def _hook(tmp_path, monkeypatch, transport):
     from meshkern.optim import SpectralAdamW
 
     monkeypatch.setattr("orchestration.anchor.hook.FastLink", _NoLink)
-    monkeypatch.delenv(auth.SECRET_ENV, raising=False)
+    monkeypatch.delenv(secret.SECRET_ENV, raising=False)
     stage = _Stage()
     params = list(stage.parameters())
     opt = SpectralAdamW(params, lr=1e-2, rank=4)
@@ -69,7 +70,7 @@ def _hook(tmp_path, monkeypatch, transport):
                                      snapshot_codec="full", secret_file=""),
         train=types.SimpleNamespace(steps=10_000, spectral_rank=4), mesh=types.SimpleNamespace(timeout_s=5.0))
     ctx = types.SimpleNamespace(cfg=cfg, mesh=types.SimpleNamespace(stage=0, row=1, rank=1), optimizer=opt,
-                                params=params, stage=stage, plan=types.SimpleNamespace(run_dir=str(tmp_path)),
+                                params=params, stage=stage, plan=types.SimpleNamespace(run_dir=str(tmp_path), secret=KEY),
                                 counter=types.SimpleNamespace(extra={}))
     return A.FastHook(ctx), opt, params
 
@@ -209,26 +210,36 @@ def test_out_of_scale_orthonormal_factors_are_rejected_for_their_magnitude(tmp_p
 
 # ------------------------------------------------------------------ the secret and the store keys
 def test_secret_file_is_private_and_shared(tmp_path, monkeypatch, capfd):
-    monkeypatch.delenv(auth.SECRET_ENV, raising=False)
+    monkeypatch.delenv(secret.SECRET_ENV, raising=False)
     path = str(tmp_path / "run" / "anchor.secret")
-    k1 = auth.ensure_secret(path)
+    k1 = secret.ensure_secret(path)
     assert os.stat(path).st_mode & 0o777 == 0o600 and len(k1) >= 32
-    assert auth.ensure_secret(path) == k1  # a second process reads the first one's
-    monkeypatch.setenv(auth.SECRET_ENV, KEY.hex())
-    plan = types.SimpleNamespace(run_dir=str(tmp_path / "run"))
+    assert secret.ensure_secret(path) == k1  # a second process reads the first one's
+    run_dir = str(tmp_path / "run")
     cfg = types.SimpleNamespace(anchor=types.SimpleNamespace(secret_file="", join=True),
-                                run=types.SimpleNamespace(out_dir=str(tmp_path), name="run"))
-    assert auth.load_secret(cfg, plan, create=False) == KEY == auth.anchor_secret(cfg)
-    monkeypatch.delenv(auth.SECRET_ENV)
-    assert auth.anchor_secret(cfg) == k1  # --config RUN/config.yaml --anchor.join finds RUN/anchor.secret
-    cfg.run.name = "other"
+                                mesh=types.SimpleNamespace(join=""))
+    monkeypatch.setenv(secret.SECRET_ENV, KEY.hex())
+    assert secret.run_secret(cfg, run_dir, create=False) == KEY  # the environment wins
+    monkeypatch.delenv(secret.SECRET_ENV)
+    assert secret.run_secret(cfg, run_dir, create=False) == k1  # --config RUN/config.yaml --anchor.join finds it
     with pytest.raises(FileNotFoundError, match="--anchor.secret-file"):
-        auth.anchor_secret(cfg)
+        secret.run_secret(cfg, str(tmp_path / "other"), create=False)  # a joiner never makes one
     cfg.anchor.secret_file = path  # another machine: a copy passed with --anchor.secret-file
-    assert auth.anchor_secret(cfg) == k1
+    assert secret.run_secret(cfg, str(tmp_path / "other"), create=False) == k1
     os.chmod(path, 0o644)
-    assert auth.anchor_secret(cfg) == k1  # still used, with a warning
+    assert secret.run_secret(cfg, run_dir, create=False) == k1  # still used, with a warning
     assert "readable by others" in capfd.readouterr().err
+
+
+def test_only_the_local_launcher_of_a_new_run_creates_the_secret():
+    def cfg(anchor_join=False, mesh_join=""):
+        return types.SimpleNamespace(anchor=types.SimpleNamespace(join=anchor_join),
+                                     mesh=types.SimpleNamespace(join=mesh_join))
+
+    assert secret.creates_secret(cfg(), under_torchrun=False)
+    assert not secret.creates_secret(cfg(), under_torchrun=True)  # every host would make its own
+    assert not secret.creates_secret(cfg(anchor_join=True), under_torchrun=False)
+    assert not secret.creates_secret(cfg(mesh_join="http://h:1"), under_torchrun=False)
 
 
 def test_generation_announces_need_the_secret():
@@ -366,7 +377,7 @@ def _gated_rank(rank, world, cfg, plan, gate):
     """run_rank, where fast rank 0 waits before step 3 until ``gate`` exists (fork: the
     patch stays in this rank). By step 3 the anchor row has linked (delay mode), so
     whatever the test does before creating ``gate`` happens to a running, linked mesh."""
-    from orchestration.train import run_rank
+    from orchestration.launch.rank import run_rank
     from orchestration.trainer import Trainer
 
     orig = Trainer.step

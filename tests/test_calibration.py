@@ -49,7 +49,7 @@ def run_pca_mesh(tiny, tmp_path, options: dict, rows: int, start: str = "fork", 
     """A ``rows`` x 2 mesh of the tiny model trained ``steps`` steps with preset pca4 and
     --boundary.options ``options``: (cfg, plan, per-rank results)."""
     from orchestration.config import parse_args
-    from orchestration.distributed.launch import run_local
+    from orchestration.launch.processes import run_local
     from orchestration.distributed.mesh import MeshLayout
     from orchestration.train import prepare, run_rank
 

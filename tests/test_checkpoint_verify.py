@@ -11,7 +11,7 @@ import torch
 
 from orchestration.components import checkpoint as ckpt
 from orchestration import train
-from orchestration.distributed.launch import MeshFailure
+from orchestration.launch.processes import MeshFailure
 
 from test_train import _args, _run
 

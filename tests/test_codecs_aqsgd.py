@@ -225,7 +225,7 @@ def mesh_run(tiny, tmp_path, codec: str, options: str, steps: int, max_sequences
     """Trains the tiny model on a 1x2 mesh (one boundary) through ``codec``; returns
     (plan, the last stage's record)."""
     from orchestration.config import parse_args
-    from orchestration.distributed.launch import run_local
+    from orchestration.launch.processes import run_local
     from orchestration.distributed.mesh import MeshLayout
     from orchestration.train import prepare, run_rank
 

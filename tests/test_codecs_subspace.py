@@ -262,7 +262,7 @@ def _pipe_worker(rank, world, model, ids, E, U):
 
 @pytest.mark.slow
 def test_pipeline_executor_with_the_subspace_codec_equals_the_unsplit_model():
-    from orchestration.distributed.launch import run_local
+    from orchestration.launch.processes import run_local
 
     model = _model()
     U = make_basis(H, K, seed=3)

@@ -22,7 +22,7 @@ pytest.importorskip("torchft", reason="torchft (pip install meshkern[elastic]) r
 
 from orchestration.components import checkpoint as ckpt  # noqa: E402
 from orchestration.config import parse_args  # noqa: E402
-from orchestration.elastic.launcher import read_events  # noqa: E402
+from orchestration.elastic.events import read_events  # noqa: E402
 
 pytestmark = pytest.mark.slow
 BUDGET_S = 600  # per run: a loaded 2-core machine runs these 5-10x slower than idle

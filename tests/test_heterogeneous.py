@@ -5,7 +5,7 @@ import torch
 
 from orchestration.components import checkpoint as ckpt
 from orchestration.config import parse_args
-from orchestration.distributed.launch import run_local
+from orchestration.launch.processes import run_local
 from orchestration.distributed.mesh import MeshLayout, SyncSegment, param_unit, stage_units
 from orchestration.train import prepare, run_rank
 

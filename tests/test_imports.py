@@ -137,3 +137,65 @@ def test_the_package_graph_lifts_module_imports():
     g = {"orchestration.a.x": {"orchestration.b.y", "orchestration.a.z"}, "orchestration.a.z": set(),
          "orchestration.b.y": {"meshkern.k"}, "orchestration.train": {"orchestration.a"}, "meshkern.k": set()}
     assert package_graph(g) == {"a": {"b"}, "b": set(), "train": {"a"}}
+
+
+def _reaches(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for d in graph.get(todo.pop(), ()):
+            if d not in seen:
+                seen.add(d)
+                todo.append(d)
+    return seen
+
+
+def test_reachability_follows_arrows():
+    assert _reaches({"a": {"b"}, "b": {"c"}, "c": set(), "d": {"a"}}, "a") == {"b", "c"}
+
+
+def test_elastic_sits_below_the_trainer_and_the_launchers():
+    """What runs inside a replica (orchestration/elastic/) never reaches up to the Trainer,
+    the launchers or the entry points: they use it, not the other way round."""
+    pkgs = package_graph(import_graph())
+    assert not _reaches(pkgs, "elastic") & {"trainer", "launch", "train"}, _reaches(pkgs, "elastic")
+    assert not _reaches(pkgs, "trainer") & {"launch", "train"}, "the Trainer must not know how it was launched"
+
+
+def _calls(name: str) -> set[str]:
+    """The orchestration modules that call ``name(...)`` (a bare name or an attribute)."""
+    out = set()
+    for mod, path in _modules().items():
+        if not mod.startswith("orchestration"):
+            continue
+        with open(path) as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call):
+                fn = node.func
+                if (isinstance(fn, ast.Name) and fn.id == name) or (isinstance(fn, ast.Attribute) and fn.attr == name):
+                    out.add(mod)
+    return out
+
+
+def test_one_rank_entry():
+    """Every way a run starts reaches a rank through orchestration.launch.rank.run_rank: it
+    alone builds a Trainer or runs an anchor rank."""
+    assert _calls("Trainer") == {"orchestration.launch.rank"}
+    assert _calls("run_anchor_rank") == {"orchestration.launch.rank"}
+    assert _calls("exit_code") <= {"orchestration.launch.local", "orchestration.launch.torchrun",
+                                   "orchestration.launch.elastic"}
+
+
+def test_the_trainer_loop_names_no_launch_or_fault_tolerance_mode():
+    """Trainer.step and Trainer.run call the step gate the same way in every mode: no name
+    of a mode (elastic, quorum, heal, commit, torchrun, incarnation) in their code."""
+    path = os.path.join(ROOT, "orchestration", "trainer.py")
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Trainer")
+    words = ("elastic", "quorum", "heal", "torchrun", "incarnation", "lighthouse", "replica_id")
+    for fn in (n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name in ("step", "run")):
+        names = {n.id for n in ast.walk(fn) if isinstance(n, ast.Name)} | \
+                {n.attr for n in ast.walk(fn) if isinstance(n, ast.Attribute)}
+        named = sorted(x for x in names for w in words if w in x.lower())
+        assert not named, f"Trainer.{fn.name} names {named}: put it behind the step gate"

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from orchestration.components import checkpoint as ckpt
-from orchestration.distributed.launch import MeshFailure
+from orchestration.launch.processes import MeshFailure
 from orchestration.components.metrics import read_jsonl
 
 from test_train import _args, _run

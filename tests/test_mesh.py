@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from orchestration.distributed.launch import MeshFailure, run_local
+from orchestration.launch.processes import MeshFailure, run_local
 from orchestration.distributed.mesh import MeshLayout, destroy_mesh, init_anchor_row, init_mesh
 
 

@@ -8,7 +8,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import meshkern
 from meshkern.mask import MaskKey, kept_dims
 from orchestration.codecs import make_codec
-from orchestration.distributed.launch import run_local
+from orchestration.launch.processes import run_local
 from orchestration.distributed.mesh import MeshLayout, destroy_mesh, init_mesh
 from orchestration.distributed.link_counter import LinkCounter
 from orchestration.distributed.pipeline import PipelineExecutor

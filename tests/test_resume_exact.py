@@ -7,7 +7,7 @@ import torch
 
 from orchestration import anchor as A
 from orchestration.components import checkpoint as ckpt
-from orchestration.distributed.launch import MeshFailure
+from orchestration.launch.processes import MeshFailure
 from orchestration.components.metrics import read_jsonl
 
 from test_train import _args, _run

@@ -10,7 +10,7 @@ import torch
 
 from orchestration.components import checkpoint as ckpt
 from orchestration.config import parse_args
-from orchestration.distributed.launch import MeshFailure, run_local
+from orchestration.launch.processes import MeshFailure, run_local
 from orchestration.distributed.mesh import MeshLayout
 from orchestration.components.builders import replica_sampler
 from orchestration.train import main, prepare, run_rank
@@ -108,12 +108,12 @@ def test_main_reports_a_dead_rank(tiny, tmp_path, capsys):
     (["--boundary.codec", "zip"], "--boundary.codec must be one of"),
 ])
 def test_bad_input_is_refused_before_spawning(tiny, tmp_path, capsys, monkeypatch, extra, message):
-    import orchestration.train as train_mod
+    import orchestration.launch.local as local_launch
 
     def no_spawn(*a, **k):
         raise AssertionError("a process was spawned")
 
-    monkeypatch.setattr(train_mod, "run_local", no_spawn)
+    monkeypatch.setattr(local_launch, "run_local", no_spawn)
     assert main(_args(tiny, tmp_path, *extra)) == 2
     assert message in capsys.readouterr().err
 
@@ -149,10 +149,10 @@ def test_pruning_never_deletes_the_checkpoint_just_written(tmp_path):
     assert sorted(os.listdir(root)) == ["step_00000003", "step_00000010"]
 
 
-def test_model_without_weights_and_join_without_fast_circuit_are_refused(tiny, tmp_path, capsys):
+def test_model_without_weights_and_join_without_fast_circuit_are_refused(tiny, tmp_path, capsys, monkeypatch):
     import shutil
 
-    from orchestration.distributed.launch import free_port
+    from orchestration.launch.processes import free_port
 
     bare = tmp_path / "noweights"
     bare.mkdir()
@@ -161,9 +161,14 @@ def test_model_without_weights_and_join_without_fast_circuit_are_refused(tiny, t
             shutil.copy(tiny / "model" / f, bare / f)
     assert main(_args(tiny, tmp_path, "--model.path", str(bare))) == 2
     assert "cannot load the model weights" in capsys.readouterr().err
+    join = _args(tiny, tmp_path, "--mesh.rows", "2", "--anchor.enabled", "--train.optimizer", "spectral",
+                 "--anchor.join", "--anchor.store", f"127.0.0.1:{free_port()}")
+    monkeypatch.delenv("MESHKERN_ANCHOR_SECRET", raising=False)
+    assert main(join) == 2  # a joiner never makes the run's secret: it must be given one
+    assert "needs the run's secret" in capsys.readouterr().err
+    monkeypatch.setenv("MESHKERN_ANCHOR_SECRET", "ab" * 32)
     t0 = time.monotonic()
-    assert main(_args(tiny, tmp_path, "--mesh.rows", "2", "--anchor.enabled", "--train.optimizer", "spectral",
-                      "--anchor.join", "--anchor.store", f"127.0.0.1:{free_port()}")) == 2
+    assert main(join) == 2
     assert "cannot connect" in capsys.readouterr().err and time.monotonic() - t0 < 30
 
 

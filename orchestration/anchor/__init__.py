@@ -3,15 +3,14 @@ docs/anchor.md).
 
     wire       message header, GRAD payload layout (Layout), send/recv on a pair link
     bounds     magnitude / orthonormality bounds on a decoded GRAD payload
-    auth       the run's secret, MAC'd store keys, the pair-link handshake (docs/security.md)
+    auth       MAC'd store keys and the pair-link handshake with the run's secret (docs/security.md)
     links      the fast circuit's store, anchor-row generations, pair links, join
     snapshot   replica 0 -> anchor snapshot stream (full or int8 deltas)
     node       the anchor rank's loop (run_anchor_rank), fault injection, saved state
     fastlink   a fast rank's link thread (FastLink)
     hook       a fast rank's per-step hook on the trainer's thread (FastHook)
 """
-from orchestration.anchor.auth import (SECRET_ENV, AuthError, anchor_handshake, anchor_secret, ensure_secret,
-                                       fast_handshake, generation_value, load_secret, parse_generation, secret_path)
+from orchestration.anchor.auth import AuthError, anchor_handshake, fast_handshake, generation_value, parse_generation
 from orchestration.anchor.bounds import check_entries
 from orchestration.anchor.fastlink import Arrival, FastLink
 from orchestration.anchor.hook import FastHook
@@ -25,8 +24,8 @@ from orchestration.anchor.wire import (AUTH, F_DTYPE, F_KIND, F_LAYOUT, F_MAGIC,
                                        GRAD, HEADER_LEN, MAGIC, REQ, SNAP, STOP, TRANSPORTS, Layout, ProtocolError,
                                        Rejected, eligible_params, layout_hash)
 
-__all__ = ["AUTH", "SECRET_ENV", "AuthError", "anchor_handshake", "anchor_secret", "ensure_secret", "fast_handshake",
-           "generation_value", "load_secret", "parse_generation", "secret_path", "check_entries",
+__all__ = ["AUTH", "AuthError", "anchor_handshake", "fast_handshake",
+           "generation_value", "parse_generation", "check_entries",
            "announced_generation", "ANCHOR", "FAST", "PREFIX", "Arrival", "FastCircuitGone", "FastHook", "FastLink", "Layout",
            "ProtocolError", "Rejected", "SNAPSHOT_CHUNK", "SNAP_DELTA", "SNAP_FULL", "SnapshotCoder", "TRANSPORTS",
            "F_DTYPE", "F_KIND", "F_LAYOUT", "F_MAGIC", "F_NUMEL", "F_TRANSPORT", "F_VERSION", "GRAD", "HEADER_LEN",

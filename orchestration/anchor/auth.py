@@ -2,12 +2,8 @@
 store keys the protocol trusts, and a challenge-response on every pair link before any
 weight is sent or any update is listened to.
 
-The secret: MESHKERN_ANCHOR_SECRET (hex, or any string of >= 16 characters) if set, else
-the file ``--anchor.secret-file`` (default RUN_DIR/anchor.secret), created by the fast
-circuit with mode 0600 the first time it is needed (atomically: whoever links the file
-first wins, every process reads the same bytes). An anchor row started by the run's own
-launcher may create it too (same machine, same run directory); one that joins with
-``--anchor.join`` must be given it.
+The secret and the one rule of who creates it: orchestration.distributed.secret (the
+elastic replicas use the same secret). Every process receives it in its Plan.
 
 Handshake on a fresh pair link (fast end F, anchor end A; G generation, s stage, r
 replica; every MAC is HMAC-SHA256(secret, "meshkern-anchor|<role>|G|s|r|" + nonce)):
@@ -26,113 +22,23 @@ import hashlib
 import hmac
 import os
 import re
-import sys
 from datetime import timedelta
 
 import torch
 
+from orchestration.distributed.failures import LinkFailure
 from orchestration.anchor.wire import (AUTH, F_KIND, F_MAGIC, F_NUMEL, F_ROUND, F_VERSION, HEADER_LEN, MAGIC, TAG,
                                        header, send)
 
 _FAST, _ANCHOR = 0, 1  # links.FAST, links.ANCHOR (links imports this module)
-SECRET_ENV = "MESHKERN_ANCHOR_SECRET"
-SECRET_FILE = "anchor.secret"
 NONCE_BYTES = MAC_BYTES = 32
-MIN_SECRET_BYTES = 16
 DOMAIN = b"meshkern-anchor|"
 
 
-class AuthError(RuntimeError):
+class AuthError(LinkFailure):
     """The other end of a pair link did not prove the run's secret (or sent garbage
-    instead). A link failure (links.is_link_failure): the link is dropped, nothing was
-    sent or used."""
-
-
-def secret_path(cfg, plan) -> str:
-    """Where the run's secret lives: ``--anchor.secret-file`` or RUN_DIR/anchor.secret."""
-    return getattr(cfg.anchor, "secret_file", "") or os.path.join(plan.run_dir, SECRET_FILE)
-
-
-def _from_env() -> bytes | None:
-    v = os.environ.get(SECRET_ENV, "")
-    if not v:
-        return None
-    key = bytes.fromhex(v) if re.fullmatch(r"(?:[0-9a-fA-F]{2})+", v) else v.encode()
-    if len(key) < MIN_SECRET_BYTES:
-        raise ValueError(f"{SECRET_ENV} holds {len(key)} bytes; the anchor secret needs >= {MIN_SECRET_BYTES}")
-    return key
-
-
-def _read(path: str) -> bytes:
-    with open(path, "rb") as f:
-        key = f.read().strip()
-    if len(key) < MIN_SECRET_BYTES:
-        raise ValueError(f"{path} holds {len(key)} bytes; the anchor secret needs >= {MIN_SECRET_BYTES}")
-    mode = os.stat(path).st_mode & 0o777
-    if mode & 0o077:
-        print(f"[anchor] warning: the anchor secret {path} is readable by others (mode {mode:o}); "
-              "chmod 600 it", file=sys.stderr, flush=True)
-    return key
-
-
-def ensure_secret(path: str) -> bytes:
-    """The secret in ``path``, created (32 random bytes, hex, mode 0600) if there is none.
-    Race-free between processes: the file is written in full under a temporary name, then
-    linked into place (a link never replaces an existing file)."""
-    if not os.path.exists(path):
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        tmp = f"{path}.tmp{os.getpid()}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.write(fd, os.urandom(32).hex().encode() + b"\n")
-        finally:
-            os.close(fd)
-        try:
-            os.link(tmp, path)
-        except FileExistsError:
-            pass  # another process was first: use its secret
-        finally:
-            os.unlink(tmp)
-    return _read(path)
-
-
-def load_secret(cfg, plan, *, create: bool) -> bytes:
-    """The run's secret (see the module docstring). ``create``: make the file if missing
-    (the fast circuit, or an anchor row of the same local launch); otherwise a missing
-    file is a FileNotFoundError that says how to pass it."""
-    key = _from_env()
-    if key is not None:
-        return key
-    path = secret_path(cfg, plan)
-    if create:
-        return ensure_secret(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"the anchor needs the fast circuit's secret, {path} does not exist: copy the run's "
-                                f"{SECRET_FILE} (mode 0600) and pass --anchor.secret-file PATH, or set {SECRET_ENV}")
-    return _read(path)
-
-
-def anchor_secret(cfg) -> bytes:
-    """An anchor rank's secret, from its config alone (the rank has no Plan when it joins):
-    MESHKERN_ANCHOR_SECRET, else ``--anchor.secret-file``, else RUN_DIR/anchor.secret with
-    RUN_DIR = --run.out-dir/--run.name (what the fast circuit's config.yaml names). An
-    anchor row of the run's own launch may create the file (whichever side comes first);
-    one started with ``--anchor.join`` must find it."""
-    key = _from_env()
-    if key is not None:
-        return key
-    path = getattr(cfg.anchor, "secret_file", "")
-    if not path:
-        if not cfg.run.name:
-            raise FileNotFoundError(f"the anchor needs the fast circuit's secret: pass --anchor.secret-file PATH "
-                                    f"(the run's {SECRET_FILE}), set {SECRET_ENV}, or --run.name")
-        path = os.path.join(cfg.run.out_dir, cfg.run.name, SECRET_FILE)
-    if not cfg.anchor.join:
-        return ensure_secret(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"the anchor needs the fast circuit's secret, {path} does not exist: copy the run's "
-                                f"{SECRET_FILE} (mode 0600) and pass --anchor.secret-file PATH, or set {SECRET_ENV}")
-    return _read(path)
+    instead). A link failure (orchestration.distributed.failures): the link is dropped,
+    nothing was sent or used."""
 
 
 def mac(secret: bytes, *parts) -> bytes:

@@ -17,7 +17,7 @@ import warnings
 
 import torch
 
-from orchestration.anchor.auth import SECRET_ENV, load_secret, secret_path
+from orchestration.distributed.secret import SECRET_ENV, secret_path
 from orchestration.anchor.bounds import check_entries
 from orchestration.anchor.fastlink import Arrival, FastLink
 from orchestration.anchor.wire import Layout, Rejected, eligible_params
@@ -76,9 +76,11 @@ class FastHook:
         self.kept: dict[int, torch.Tensor] = {}
         self.resumed_versions: set[int] = set()
         self.version = None  # of the parameters after the last step (after_step)
-        secret = load_secret(cfg, ctx.plan, create=True)
+        secret = ctx.plan.secret  # the run's (orchestration.distributed.secret), resolved before the ranks started
+        if secret is None:
+            raise ValueError("--anchor.enabled: the plan holds no run secret (orchestration.launch.prepare resolves it)")
         if mesh.rank == 0 and not os.environ.get(SECRET_ENV):
-            print(f"[anchor] anchor rows authenticate with this run's secret {secret_path(cfg, ctx.plan)} (mode 0600); "
+            print(f"[anchor] anchor rows authenticate with this run's secret {secret_path(cfg, ctx.plan.run_dir)} (mode 0600); "
                   f"an anchor row on another machine needs a copy: --anchor.secret-file PATH (or {SECRET_ENV})",
                   file=sys.stderr, flush=True)
         self.link = FastLink(stage=mesh.stage, row=mesh.row, layout=self.layout,

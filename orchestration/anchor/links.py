@@ -1,6 +1,7 @@
 """Side links between the anchor row and the fast circuit (docs/anchor.md, "Worlds and
 links"): the fast circuit's rendezvous store, anchor-row generations, the two-process gloo
-pair links, and which errors mean "the link is gone" (``is_link_failure``)."""
+pair links. Which errors mean "the link is gone": orchestration.distributed.failures
+(``is_link_failure``, re-exported here)."""
 from __future__ import annotations
 
 import os
@@ -10,9 +11,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from orchestration.anchor.auth import AuthError, anchor_handshake, anchor_secret, generation_value, parse_generation
-from orchestration.anchor.wire import ProtocolError
-from orchestration.distributed.launch import is_peer_error
+from orchestration.anchor.auth import anchor_handshake, generation_value, parse_generation
+from orchestration.distributed.failures import LinkFailure, is_link_failure, is_store_error  # noqa: F401 (re-exported)
 
 # Keys under PREFIX in the fast circuit's rendezvous store, per stage column s (anyone who
 # reaches the store can write any key: the ones the protocol trusts are authenticated or
@@ -35,7 +35,7 @@ FAST, ANCHOR = 0, 1  # the two ends of a pair link
 
 def store_address(cfg=None) -> tuple[str, int]:
     """(host, port) of the fast circuit's rendezvous store: ``--anchor.store host:port``
-    if given, else MASTER_ADDR / MASTER_PORT (what orchestration.distributed.launch or torchrun set)."""
+    if given, else MASTER_ADDR / MASTER_PORT (what orchestration.launch.processes or torchrun set)."""
     spec = cfg.anchor.store if cfg is not None else ""
     if spec:  # checked by orchestration.config.validate
         host, _, port = spec.rpartition(":")
@@ -59,20 +59,7 @@ def side_store(address: tuple[str, int], timeout_s: float):
                               f"({type(e).__name__}: {str(e).splitlines()[0][:160]})") from None
 
 
-def is_store_error(e: BaseException) -> bool:
-    """A store wait that timed out or a store that went away."""
-    return type(e).__name__ in ("DistStoreError", "DistNetworkError") or "timeout" in str(e).lower()
-
-
-def is_link_failure(e: BaseException) -> bool:
-    """True for what a broken or misbehaving link raises (a closed connection, a timeout, a
-    store that went away, a peer that broke the protocol); False for a programming error,
-    which must surface instead of passing for "anchor lost"."""
-    return (isinstance(e, (ProtocolError, AuthError, ConnectionError, TimeoutError, FastCircuitGone))
-            or is_peer_error(e) or is_store_error(e))
-
-
-class FastCircuitGone(RuntimeError):
+class FastCircuitGone(LinkFailure):
     """The fast circuit's store closed its connection: the fast circuit finished (or
     failed) before this anchor process got where it was going. Not a timeout: the store
     went away, nothing was waited out."""
@@ -177,15 +164,13 @@ def claim_generation(store, stage: int, timeout_s: float, *, secret: bytes) -> i
         time.sleep(0.2)  # polling, not a timed-out store.wait: c10d logs every timeout
 
 
-def join_anchor_row(layout, rank: int, cfg, secret: bytes | None = None):
+def join_anchor_row(layout, rank: int, cfg, secret: bytes):
     """Anchor rank ``rank``: connects to the fast circuit's store, takes the next
     generation of its stage and joins that generation's anchor-row world; returns the
     orchestration.distributed.mesh.Mesh (``store``, ``generation`` and ``secret`` set). ``secret``:
-    the run's (default: auth.anchor_secret(cfg))."""
+    the run's (orchestration.distributed.secret, handed over in the rank's Plan)."""
     from orchestration.distributed.mesh import init_anchor_row
 
-    if secret is None:
-        secret = anchor_secret(cfg)
     _, stage = layout.coords(rank)
     store = side_store(store_address(cfg), cfg.mesh.timeout_s)
     generation = claim_generation(store, stage, cfg.mesh.timeout_s, secret=secret)

@@ -22,7 +22,7 @@ from orchestration.anchor.wire import (CODE_DTYPES, F_DTYPE, F_KIND, F_LAYOUT, F
                                        ProtocolError, eligible_params, header, recv, send)
 from orchestration.codecs import make_codec
 from orchestration.data.sampling import BatchSampler
-from orchestration.distributed.launch import is_peer_error
+from orchestration.distributed.failures import is_peer_error
 from orchestration.distributed.pipeline import PipelineExecutor
 from orchestration.distributed.schedule import make_schedule
 

@@ -11,6 +11,7 @@ from datetime import timedelta
 import torch
 
 from orchestration.config import ANCHOR_TRANSPORTS
+from orchestration.distributed.failures import LinkFailure
 
 MAGIC = 0x4D4B414E  # "MKAN"
 HEADER_LEN = 16
@@ -45,7 +46,7 @@ def layout_hash(shapes) -> int:
     return h
 
 
-class ProtocolError(RuntimeError):
+class ProtocolError(LinkFailure):
     """The peer sent something this end cannot follow (a wrong header, an impossible size):
     the link is unusable, the same as a broken connection."""
 

@@ -48,7 +48,8 @@ def replica_sampler(cfg: Config, plan, row: int) -> BatchSampler:
 
 @dataclass
 class RankContext:
-    """What an anchor rank holds (orchestration.anchor.run_anchor_rank's argument)."""
+    """What a rank's parts are built from: orchestration.anchor.run_anchor_rank's argument
+    on an anchor rank, the anchor hook's (orchestration.anchor.FastHook) on a fast rank."""
 
     cfg: Config
     plan: object
@@ -56,6 +57,7 @@ class RankContext:
     stage: object
     params: list
     counter: LinkCounter = field(default_factory=LinkCounter)
+    optimizer: object = None  # a fast rank's inner optimizer
 
 
 def build_stage(cfg: Config, plan, mesh):
@@ -102,7 +104,7 @@ def _untie(stage) -> None:
 class NullAnchor:
     """The anchor hook when the anchor is off: never anything to fold in.
 
-    The contract ``orchestration.anchor.FastHook(trainer)`` implements on fast ranks
+    The contract ``orchestration.anchor.FastHook(ctx)`` implements on fast ranks
     (polled once per fast step, on the critical path, so it must never block on the
     anchor): ``poll(step)`` hands whatever arrived to the trainer's optimizer itself
     (``SpectralAdamW.observe_anchor_update``, both transports) before the inner step, and

@@ -35,7 +35,7 @@ leaves only a .tmp directory, which is never read: the previous checkpoint stays
 and loadable.
 
 Verification: ``verify`` checks every file against meta.json's sha256 and size.
-``resolve`` (resume, in train.prepare, before any process starts) and
+``resolve`` (resume, in orchestration.launch.prepare, before any process starts) and
 orchestration.evaluate run it; a corrupt checkpoint is a CheckpointError naming the
 file. ``--checkpoint.resume latest`` whose ``latest`` is corrupt falls back to the
 newest valid checkpoint and says so. Weights that are not finite are never saved

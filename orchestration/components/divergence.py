@@ -27,8 +27,9 @@ class DivergenceGuard:
 
     WINDOW = 50
 
-    def __init__(self, max_bad: int, spike_factor: float, trainer=None):
-        self.max_bad, self.spike_factor, self.trainer = max_bad, spike_factor, trainer
+    def __init__(self, max_bad: int, spike_factor: float):
+        self.max_bad, self.spike_factor = max_bad, spike_factor
+        self.skipped = 0  # this rank's replica-steps whose update was skipped (non-finite gradient)
         self.good: deque = deque(maxlen=self.WINDOW)
         self.streak = 0
         self.first_bad = 0  # record step (1-based) of the streak's first bad step
@@ -73,14 +74,13 @@ class DivergenceGuard:
     def state_dict(self) -> dict:
         return {"good": list(self.good), "streak": self.streak, "first_bad": self.first_bad,
                 "bad_total": self.bad_total, "skipped_seen": self.skipped_seen,
-                "skipped": 0 if self.trainer is None else self.trainer.skipped}
+                "skipped": self.skipped}
 
     def load_state_dict(self, sd: dict) -> None:
         self.good = deque((float(x) for x in sd["good"]), maxlen=self.WINDOW)
         self.streak, self.first_bad = int(sd["streak"]), int(sd["first_bad"])
         self.bad_total, self.skipped_seen = int(sd["bad_total"]), int(sd["skipped_seen"])
-        if self.trainer is not None:
-            self.trainer.skipped = int(sd["skipped"])
+        self.skipped = int(sd["skipped"])
 
 
 def divergence_report(guard: DivergenceGuard, cfg, plan, rank: int, step: int) -> str:

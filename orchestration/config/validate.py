@@ -1,7 +1,7 @@
 """``validate(cfg)``: the one place for every rule on the configuration itself (shapes of
 the mesh, divisibility of the batch, names of codecs/compressors, ranges, the optimizer's
 and the anchor's settings). It checks and never changes the config; every problem is a
-ValueError that names the flag. ``orchestration.train.prepare`` then checks the config
+ValueError that names the flag. ``orchestration.launch.prepare`` then checks the config
 against the model and data it reads, before any rank starts.
 """
 from __future__ import annotations
@@ -215,7 +215,7 @@ def _check_anchor(cfg: Config) -> None:
 
 
 def _check_adapter(cfg: Config) -> None:
-    """The adapter flags on their own; orchestration.train.prepare checks --adapter.targets
+    """The adapter flags on their own; orchestration.launch.prepare checks --adapter.targets
     against the model's layers."""
     a = cfg.adapter
     _need(a.kind in ADAPTERS, f"--adapter must be one of {', '.join(ADAPTERS)}, got {a.kind!r}")

@@ -78,12 +78,12 @@ def boundary_drift(codec, basis, h: torch.Tensor, g: torch.Tensor, boundary: int
 def measure_run(run_dir: str, rows: int = 16, basis_file: str | None = None, codec_spec: str | None = None,
                 progress=print) -> list[dict]:
     """The module doc's measures for the base model and every checkpoint of ``run_dir``."""
-    from orchestration import train
+    from orchestration.launch.prepare import prepare
     from orchestration.config import parse_args
     from orchestration.models.loading import load_causal_lm
 
     cfg, _ = parse_args(["--config", os.path.join(run_dir, "config.yaml"), "--checkpoint.resume", ""])
-    plan = train.prepare(cfg, load_model=False)  # the run's own held-out split
+    plan = prepare(cfg, load_model=False)  # the run's own held-out split
     if codec_spec:
         codec = codecs.make_codec(codec_spec)
     elif cfg.boundary.codec == "pca":

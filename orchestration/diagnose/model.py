@@ -27,7 +27,7 @@ def pick_rows(rows: torch.Tensor, n: int, seed: int, skip: int = 0) -> torch.Ten
 
 def load_data(model_path: str, source: str, seq_len: int, *, eval_fraction: float = EVAL_FRACTION,
               split_seed: int = SPLIT_SEED, max_sequences: int = 0, token_cache: str | None = "auto"):
-    """(train_rows, held_out_rows) exactly as ``orchestration.train.prepare`` builds them."""
+    """(train_rows, held_out_rows) exactly as ``orchestration.launch.prepare`` builds them."""
     from orchestration.data import tokens as data_mod
     from orchestration.models import loading as models
 

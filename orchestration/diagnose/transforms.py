@@ -49,7 +49,8 @@ def parse_codec_spec(spec: str) -> tuple[str, dict]:
     if name == "subspace":  # lossless only on a model trained under its constraint
         raise UsageError("--codecs subspace: the subspace codec is exact on a model whose output projections are "
                          "constrained to its basis, which only the trainer does (--boundary.codec subspace); what "
-                         "the constraint costs an unconstrained model: python bench/subspace_constraint_probe.py")
+                         "the constraint costs an unconstrained model: docs/heterogeneous.md, section "
+                         "'What the constraint costs a pretrained model'")
     try:
         return parse_spec(spec)
     except ValueError as e:

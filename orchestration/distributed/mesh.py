@@ -9,7 +9,7 @@ norm + head) by the ranks that hold them, one rank per replica, whatever the spl
 
 Two torch.distributed worlds. The fast circuit's world holds the fast ranks only
 (ranks 0 .. fast_world_size-1, env:// rendezvous as set by torchrun or
-orchestration.distributed.launch). The anchor row is a world of its own (``init_anchor_row``),
+orchestration.launch.processes). The anchor row is a world of its own (``init_anchor_row``),
 formed through the fast world's rendezvous store under a generation prefix, so that an
 anchor row can die and a new one can join the running fast circuit later: a
 torch.distributed world is fixed at init, and a process outside it can never enter its
@@ -285,7 +285,7 @@ _KEEP: list = []  # the store rank 0 holds: anchor rows and side links use it af
 def store_bind_address() -> str:
     """The address the fast circuit's store listens on: MESHKERN_STORE_BIND if set (e.g.
     0.0.0.0 behind a NAT whose MASTER_ADDR is not a local address), else MASTER_ADDR:
-    loopback only when MASTER_ADDR is 127.0.0.1 / localhost, as orchestration.distributed.launch sets."""
+    loopback only when MASTER_ADDR is 127.0.0.1 / localhost, as orchestration.launch.processes sets."""
     return os.environ.get(STORE_BIND_ENV) or os.environ["MASTER_ADDR"]
 
 
@@ -339,7 +339,7 @@ def join_world(backend: str, rank: int, world_size: int, timeout_s: float) -> No
 def init_mesh(layout: MeshLayout, *, dist_backend: str = "auto", timeout_s: float = 60.0,
               num_layers: int = 0, layers_per_stage: list[int] | None = None, device: str = "cpu") -> Mesh:
     """Joins the fast circuit's world (env:// rendezvous: RANK, MASTER_ADDR, MASTER_PORT,
-    as set by torchrun or orchestration.distributed.launch; its size is ``layout.fast_world_size``) and
+    as set by torchrun or orchestration.launch.processes; its size is ``layout.fast_world_size``) and
     creates every group. Fast ranks only: the anchor row joins with ``init_anchor_row``.
     A heterogeneous layout needs ``num_layers`` (and the run's ``layers_per_stage``): its DP
     groups are the ``layout.sync_segments`` (``Mesh.segments``), not stage columns.
@@ -409,7 +409,7 @@ def init_anchor_row(layout: MeshLayout, stage: int, store, generation: int, *, d
 
 def init_replica_world(layout: MeshLayout, row: int, *, timeout_s: float = 60.0, device: str = "cpu") -> Mesh:
     """--mesh.elastic: joins fast replica ``row``'s own world, its stages only (env://
-    rendezvous as set by orchestration.elastic.launcher or torchrun: RANK = the stage,
+    rendezvous as set by orchestration.launch.replicas or torchrun: RANK = the stage,
     WORLD_SIZE = the replica's stages, MASTER_ADDR/PORT = the replica's own store), so the
     replica can die and be restarted while the others go on. Groups: ``pp`` = ``fast`` =
     the replica's world, ``ends`` (tied embedding); ``dp`` is set by the replica's torchft

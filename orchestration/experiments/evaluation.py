@@ -16,14 +16,14 @@ _PLANS: dict = {}
 def _plan_for(argv: list[str]):
     """The trainer's own (cfg, plan) for these flags: config parsing + held-out split, no
     model load. Cached by what determines the split (data, model, seq_len, split seed)."""
-    from orchestration import train
+    from orchestration.launch.prepare import prepare
     from orchestration.config import parse_args
 
     cfg, _ = parse_args(argv)
     key = (cfg.data.source, cfg.model.path, cfg.data.seq_len, cfg.data.max_sequences,
            cfg.data.eval_fraction, cfg.data.split_seed, cfg.mesh.rows, cfg.train.batch_size)
     if key not in _PLANS:
-        _PLANS[key] = train.prepare(cfg, load_model=False)
+        _PLANS[key] = prepare(cfg, load_model=False)
     return cfg, _PLANS[key]
 
 

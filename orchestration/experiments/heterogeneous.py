@@ -89,7 +89,7 @@ def run_one(a, row: str, flags: list[str], seed: int) -> dict:
     from orchestration.components import checkpoint as ckpt
     from orchestration.config import parse_args
     from orchestration.components.metrics import read_jsonl
-    from orchestration.train import prepare
+    from orchestration.launch.prepare import prepare
     from orchestration.models.scoring import checkpoint_loss
 
     name = f"{row}-s{seed}-{time.strftime('%Y%m%d-%H%M%S')}"

@@ -53,8 +53,7 @@ class SubspaceRun:
     the optimizer step and after the DP outer step; ``projector`` for DiLoCo (None on an
     unconstrained replica)."""
 
-    def __init__(self, trainer, init: dict):
-        cfg, mesh, stage = trainer.cfg, trainer.mesh, trainer.stage
+    def __init__(self, cfg, mesh, stage, codec, init: dict):
         U = init["U"].to(torch.float32).contiguous()
         if dist.is_initialized() and dist.get_world_size(mesh.fast) > 1:  # one U, bit for bit, on every rank
             buf = U.to(mesh.device)
@@ -63,8 +62,8 @@ class SubspaceRun:
         self.U, self.E = U, init["E"]
         self.stage = stage
         self.constrained = cfg.replica_codec(mesh.row) == "subspace"
-        if hasattr(trainer.codec, "attach"):
-            trainer.codec.attach(self.E, self.U)
+        if hasattr(codec, "attach"):
+            codec.attach(self.E, self.U)
         self.projector = sub.make_projector(self.U) if self.constrained else None
         if self.constrained:
             sub.constrain_(stage, self.U)

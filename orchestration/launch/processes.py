@@ -1,4 +1,4 @@
-"""Local launcher: runs ``fn(rank, world_size, *args)`` in one process per rank and
+"""Local processes: runs ``fn(rank, world_size, *args)`` in one process per rank and
 watches them, so that a rank that dies ends the whole run with an error naming it.
 
 The same worker code runs under ``torchrun`` (multi-node): there, torchrun sets the
@@ -32,6 +32,8 @@ import time
 import traceback
 from multiprocessing.connection import wait
 
+from orchestration.distributed.failures import is_peer_error
+
 
 STOP_REPEAT_S = 2.0  # a second stop signal within this many seconds of the first is the same request
 
@@ -43,24 +45,6 @@ class MeshFailure(RuntimeError):
         super().__init__(message)
         self.rank = rank
         self.details = details
-
-
-class PeerFailure(RuntimeError):
-    """Raised inside a rank when a peer it depends on is gone (see ``is_peer_error``)."""
-
-
-_PEER_MARKERS = ("connection closed", "connection reset", "broken pipe", "timed out", "timeout",
-                 "connection refused", "peer", "socket", "gloo", "nccl", "closed by")
-
-
-def is_peer_error(exc: BaseException) -> bool:
-    """True if ``exc`` looks like a consequence of another rank failing (a communication error)."""
-    if isinstance(exc, PeerFailure):
-        return True
-    if type(exc).__name__ in ("DistBackendError", "DistNetworkError", "DistStoreError"):
-        return True
-    msg = str(exc).lower()
-    return isinstance(exc, RuntimeError) and any(m in msg for m in _PEER_MARKERS)
 
 
 def free_port() -> int:
@@ -133,7 +117,7 @@ def run_local(fn, world_size: int, args: tuple = (), *, start_method: str = "for
     describe = describe or (lambda r: f"rank {r}")
     if start_method == "fork" and sys.platform != "linux":
         start_method = "spawn"
-    ranks = _LocalRanks(fn, world_size, args, mp.get_context(start_method), port or free_port(), threads,
+    ranks = LocalRanks(fn, world_size, args, mp.get_context(start_method), port or free_port(), threads,
                         describe, optional, restarts)
     ranks.start_all()
     old = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -153,9 +137,10 @@ def run_local(fn, world_size: int, args: tuple = (), *, start_method: str = "for
     return ranks.outcome(silent, timeout_s)
 
 
-class _LocalRanks:
-    """The processes of one ``run_local`` call and what each reported: starts them, watches
-    their pipes and exits, restarts the optional group, and ends them all."""
+class LocalRanks:
+    """The processes of one ``run_local`` call (or of one elastic replica,
+    orchestration.launch.replicas) and what each reported: starts them, watches their
+    pipes and exits, restarts the optional group, and ends them all."""
 
     def __init__(self, fn, world_size, args, ctx, port, threads, describe, optional, restarts):
         self.fn, self.world_size, self.args, self.ctx = fn, world_size, args, ctx

@@ -1,0 +1,111 @@
+"""An elastic replica's step gate (the protocol: orchestration.components.gate): the
+quorum before a step, the heal of a replica that is behind, the commit after it, and the
+retry of a step whose update a dead peer broke, all on this rank's ElasticReplica.
+
+What a healing replica's rank receives from a live peer of its stage (``_heal_state``):
+the trainable parameters, the inner optimizer's state and the DP sync's state.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from meshkern.compress import SyncError
+from orchestration.components.gate import StepGate
+
+
+class ElasticGate(StepGate):
+    """Wraps ``replica`` (orchestration.elastic.replica.ElasticReplica); the stage's DP
+    group becomes the replica's torchft group (reconfigured per quorum)."""
+
+    def __init__(self, replica, mesh):
+        self.replica, self.mesh = replica, mesh
+        mesh.dp = replica.group
+        self.incarnation = replica.incarnation
+        self.committed = True  # whether the last step's update was committed
+        self.retried = 0  # allreduce mode: steps run again because a peer died inside them
+        self._quorum = False  # the step about to run (or running) began with a quorum
+        self.params = self.optimizer = self._sync = None
+
+    @property
+    def leader(self) -> bool:
+        return self.replica.leader
+
+    def attach(self, *, params, optimizer, sync, save) -> None:
+        self.params, self.optimizer, self._sync = params, optimizer, sync
+        self.replica.attach(self._heal_state, self._load_heal, self._synced_digest, save_fn=save)
+
+    # ------------------------------------------------------------------ heal state
+    def _heal_state(self) -> dict:
+        """What a healing replica's rank of this stage takes from this one (torchft serializes
+        it at once: no copies needed)."""
+        return {"params": [p.detach() for p in self.params], "optimizer": self.optimizer.state_dict(),
+                "sync": self._sync.heal_state()}
+
+    def _load_heal(self, sd: dict) -> None:
+        if len(sd["params"]) != len(self.params) or any(a.shape != p.shape for a, p in zip(sd["params"], self.params)):
+            raise ValueError(f"{self.mesh.describe()}: the heal state's parameters do not match this stage's")
+        with torch.no_grad():
+            for p, v in zip(self.params, sd["params"]):
+                p.copy_(v)
+        self.optimizer.load_state_dict(sd["optimizer"])
+        self._sync.load_heal_state(sd["sync"])
+
+    def _synced_digest(self) -> str:
+        """A hash of what every replica holds alike after a commit: the parameters
+        (allreduce mode) or DiLoCo's global copies."""
+        h = hashlib.sha1()
+        sync = self._sync
+        for t in ([g for d in sync.diloco for g in d.global_copies] if sync.diloco else self.params):
+            h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()[:16]
+
+    # ------------------------------------------------------------------ the step protocol
+    def start(self, step: int) -> int:
+        """The first quorum: a replica that joins late heals here."""
+        step = self.replica.begin(step)
+        self._quorum = True
+        return step
+
+    def before_step(self, step: int, sync) -> int:
+        if not self._quorum and self.replica.quorum_due(sync):
+            step = self.replica.begin(step)
+            self._quorum = True
+        return step
+
+    def sync(self, fn, sync) -> None:
+        """A failed collective (a peer died inside it) is reported to torchft and the sync
+        state recovered, instead of ending the rank."""
+        try:
+            fn()
+        except SyncError as e:
+            self.replica.failed(e)
+            sync.recover()
+
+    def commit_grads(self, sync) -> bool:
+        self.committed = self.replica.commit()
+        if not self.committed:  # a peer died inside this step: it runs again, without this update
+            sync.recover()
+        return self.committed
+
+    def end_step(self, step: int, sync) -> bool:
+        if sync.allreduce is None:  # diloco: a commit closes each quorum; a step without one has none
+            self.committed = self.replica.commit() if self._quorum else True
+        self.replica.record(step, self.committed, self._quorum)
+        self._quorum = False
+        if sync.allreduce is not None and not self.committed:
+            self.retried += 1  # the same step again, on the next quorum's replicas
+            return False
+        return True
+
+    def settle(self, sync) -> None:
+        if sync.diloco:  # every replica completes its syncs in flight, not just the one that saves
+            self.sync(sync.finish, sync)
+
+    def summary(self, steps_done: int) -> dict:
+        return {"elastic": {**self.replica.stats, "retried_steps": self.retried, "replica": self.replica.replica_id,
+                            "steps_done": steps_done}}
+
+    def close(self) -> None:
+        self.replica.close()
