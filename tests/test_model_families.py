@@ -239,5 +239,33 @@ def test_pca_calibrates_on_the_split_and_trains(family):
         loss = causal_lm_loss(logits, ids)
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0], losses
+
+
+@pytest.mark.parametrize("name,published", [("mixtral-8x7b", 46.70e9), ("qwen3-30b-a3b", 30.53e9),
+                                            ("gemma-2-2b", 2.614e9)])
+def test_memory_table_holds_every_expert_and_the_large_vocab(name, published):
+    """The table counts every expert's weights (the published totals: Mixtral 8x7B 46.7B,
+    Qwen3-30B-A3B 30.5B, Gemma 2 2B 2.6B with its 256k tied vocabulary counted once), while an
+    MoE token's activations follow its top-k experts only."""
+    from orchestration.components import memory
+    from orchestration.config.job_config import AdapterConfig
+
+    hf = memory.geometry_config(name)
+    rows = memory.stage_memory(hf, 2, dtype="bfloat16", adapter=None, seq_len=16)
+    total = sum(r.params for r in rows) - (hf.vocab_size * hf.hidden_size if hf.tie_word_embeddings else 0)
+    assert abs(total / published - 1) < 0.005, total
+    if "gemma" in name:  # soft-capping keeps three more [T, V] tensors on the last stage
+        hf.final_logit_softcapping = None
+        plain = memory.stage_memory(hf, 2, dtype="bfloat16", adapter=None, seq_len=16)
+        assert rows[-1].activations - plain[-1].activations == 3 * hf.vocab_size * 16 * 2  # bf16, one micro-batch in flight
+        assert rows[0].activations == plain[0].activations
+    else:  # all experts held, k of them computed: far below a dense layer of all experts' width
+        E = getattr(hf, "num_local_experts", None) or hf.num_experts
+        width = getattr(hf, "moe_intermediate_size", None) or hf.intermediate_size
+        per_token = rows[0].activations / (rows[0].layers[1] - rows[0].layers[0]) / 16 / 2 / 2  # bf16, 2 in flight
+        assert memory.act_per_token(hf.hidden_size, hf.num_experts_per_tok * width, 0) < per_token
+        assert per_token < memory.act_per_token(hf.hidden_size, E * width, 0) / 2
+    lora = memory.stage_memory(hf, 2, adapter=AdapterConfig(kind="lora", rank=4), seq_len=16)
+    assert all(r.trainable > 0 for r in lora)  # the family's default targets exist (attention for MoE)
