@@ -262,7 +262,7 @@ def test_errors_are_clear(tmp_path, cache, monkeypatch):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ValueError, match="architecture 'gpt2' is not supported; meshkern splits llama"):
+    with pytest.raises(ValueError, match="architecture 'gpt2' is not supported; --model FILE.gguf takes GGUFs of gemma2"):
         model_paths.resolve_model(str(tmp_path / "gpt2.gguf"))
     with pytest.raises(FileNotFoundError, match="built-ins: smollm2-135m"):
         model_paths.resolve_model("smollm3-135m")

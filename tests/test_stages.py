@@ -138,7 +138,7 @@ def test_bad_input_gives_clear_errors():
         split_model(m, 2, [0, 4])
     with pytest.raises(ValueError, match="2 stages"):
         split_model(m, 2, [1, 1, 2])
-    with pytest.raises(ValueError, match="supported architectures"):
+    with pytest.raises(ValueError, match="supported families"):
         split_model(torch.nn.Linear(2, 2), 1)
     st = split_model(m, 2)
     with pytest.raises(TypeError, match="input_ids"):

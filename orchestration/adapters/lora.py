@@ -33,26 +33,47 @@ def lora_config(acfg, base_path: str = ""):
 
 
 def layer_linear_names(hf_config) -> list[str]:
-    """Names of the linear layers of one decoder layer of the model ``hf_config`` describes
-    (q_proj, ..., down_proj for Llama), read from a copy built on the meta device: no weights
-    are allocated, so an 8B config costs nothing."""
+    """Names of the linear layers of the decoder layers of the model ``hf_config`` describes
+    (q_proj, ..., down_proj for Llama; qkv_proj, o_proj, gate_up_proj, down_proj for Phi-3),
+    over all layers (a Qwen3-MoE's dense layers have an MLP the sparse ones lack), read from a
+    copy built on the meta device: no weights are allocated, so an 8B config costs nothing."""
     return _meta_model_layers(hf_config)[1]
 
 
 def _meta_model_layers(hf_config) -> tuple[str, list[str]]:
-    """(architecture, linear layer names of a decoder layer) of a meta-device copy."""
+    """(architecture, linear layer names of the decoder layers) of a meta-device copy."""
     from orchestration.models.loading import meta_model
 
     model = meta_model(hf_config)
-    layer = model.model.layers[0]
-    return type(model).__name__, sorted({n.rsplit(".", 1)[-1] for n, m in layer.named_modules()
-                                         if isinstance(m, torch.nn.Linear)})
+    return type(model).__name__, sorted({n.rsplit(".", 1)[-1] for layer in model.get_decoder().layers
+                                         for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear)})
+
+
+def _flag_default_targets() -> str:
+    from orchestration.config.job_config import AdapterConfig
+
+    return AdapterConfig.targets
+
+
+def resolve_targets(acfg, hf_config) -> list[str]:
+    """The targets a run adapts: --adapter.targets as given, or, when the flag keeps its
+    default, the model family's default targets (orchestration.models.families: Phi-3's
+    fused qkv_proj / gate_up_proj, the attention projections of MoE families whose experts
+    are fused 3-D parameters, not linear layers). Writes them into ``acfg.targets`` so every
+    later reader (apply_lora, the PEFT config, the memory table, the resume check) sees one
+    list; returns it."""
+    from orchestration.models.families import default_targets
+
+    if acfg.targets == _flag_default_targets():
+        acfg.targets = ",".join(default_targets(hf_config))
+    return acfg.target_list()
 
 
 def check_targets(acfg, hf_config) -> None:
     """ValueError (one line) if --adapter.targets names a layer the model's decoder layers
-    do not have. Every stage holds whole decoder layers, so a target every layer has is on
-    every stage."""
+    do not have. Every stage holds whole decoder layers, so a target the layers have is on
+    every stage. Resolves the family's default targets first (``resolve_targets``)."""
+    resolve_targets(acfg, hf_config)
     arch, known = _meta_model_layers(hf_config)
     unknown = [t for t in acfg.target_list() if t not in known]
     if unknown:

@@ -16,7 +16,15 @@ allocated, so an 8B config costs nothing). What is assumed:
   tokens, per decoder layer and token: ACT_PER_TOKEN(H, I, kv) values in the model's dtype
   (the inputs of the norms, projections, attention and MLP: 10 H + 2 kv + 4 I for
   scaled-dot-product attention, which keeps no T x T matrix), plus, on the last stage,
-  the fp32 logits and their gradient (2 x V per token). A stage holds the activations of
+  the fp32 logits and their gradient (2 x V per token), and one more V per token in the
+  model's dtype for each transform of the logits a family applies (Gemma's soft-capping
+  keeps three: divided, tanh, multiplied; Granite's scaling one). A vocabulary of 256k
+  (Gemma) makes these the largest activations by far: give the last stage fewer layers
+  (--mesh.layers-per-stage).
+- MoE layers (Mixtral, Qwen-MoE): every expert's weights are held (the parameter count is
+  exact), but a token computes through its top-k experts only (plus a shared expert), so I
+  above is the active width ``families.active_intermediate`` (k x the expert width), plus
+  the router's E logits and probabilities per token. A stage holds the activations of
   the micro-batches in flight: under 1F1B stage s of S keeps min(S - s, M) of them, under
   GPipe all M.
 Not counted: the framework's own footprint (CUDA context, allocator slack; ~0.3-1 GB per
@@ -32,7 +40,16 @@ from dataclasses import dataclass
 import torch
 
 # Published geometries (config.json of the Hugging Face checkpoints): plan without downloading.
-GEOMETRIES = {
+GEOMETRIES = {  # model_type defaults to llama
+    "gemma-2-2b": dict(model_type="gemma2", hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                       num_attention_heads=8, num_key_value_heads=4, head_dim=256, vocab_size=256000,
+                       tie_word_embeddings=True, final_logit_softcapping=30.0),
+    "mixtral-8x7b": dict(model_type="mixtral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, vocab_size=32000, num_local_experts=8,
+                         num_experts_per_tok=2, tie_word_embeddings=False),
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                          num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                          vocab_size=151936, num_experts=128, num_experts_per_tok=8, tie_word_embeddings=False),
     "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                          num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True, head_dim=64),
     "llama-3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -43,12 +60,16 @@ GEOMETRIES = {
 
 
 def geometry_config(name: str):
-    """The LlamaConfig of a published geometry (GEOMETRIES)."""
-    from transformers import LlamaConfig
+    """The config of a published geometry (GEOMETRIES)."""
+    from transformers import AutoConfig
+
+    from orchestration.models.families import FAMILIES
 
     if name not in GEOMETRIES:
         raise ValueError(f"unknown geometry {name!r}; known: {', '.join(GEOMETRIES)}")
-    return LlamaConfig(**GEOMETRIES[name], architectures=["LlamaForCausalLM"])
+    kw = dict(GEOMETRIES[name])
+    mtype = kw.pop("model_type", "llama")
+    return AutoConfig.for_model(mtype, **kw, architectures=[FAMILIES[mtype].causal_lm])
 
 
 def act_per_token(hidden: int, intermediate: int, kv: int) -> int:
@@ -78,6 +99,7 @@ def stage_memory(hf_config, stages: int, *, layers_per_stage=None, dtype: str = 
     """Bytes per stage (module doc). ``adapter``: an AdapterConfig with kind lora, or None
     (full fine-tuning)."""
     from orchestration.distributed.stages import replica_split, split_model
+    from orchestration.models.families import active_intermediate, family_of
     from orchestration.models.loading import meta_model
 
     model = meta_model(hf_config)
@@ -85,9 +107,17 @@ def stage_memory(hf_config, stages: int, *, layers_per_stage=None, dtype: str = 
     parts = split_model(model, stages, split)
     b = torch.empty((), dtype=getattr(torch, dtype)).element_size()
     lora = adapter is not None and adapter.kind == "lora"
+    if lora:
+        from orchestration.adapters import resolve_targets
+
+        resolve_targets(adapter, hf_config)  # the flags' default means the family's own targets
     targets = set(adapter.target_list()) if lora else set()
-    H, I = hf_config.hidden_size, hf_config.intermediate_size
-    kv = hf_config.num_key_value_heads * getattr(hf_config, "head_dim", H // hf_config.num_attention_heads)
+    fam = family_of(hf_config)
+    H, I = hf_config.hidden_size, active_intermediate(hf_config)
+    kv = hf_config.num_key_value_heads * (getattr(hf_config, "head_dim", None) or H // hf_config.num_attention_heads)
+    router = 2 * int(getattr(hf_config, fam.experts)) if fam.experts else 0  # router logits + probabilities
+    logit_copies = {"softcap": 3 if getattr(hf_config, "final_logit_softcapping", None) else 0,
+                    "granite": 1}.get(fam.logits, 0)
     out = []
     for st in parts:
         params = sum(p.numel() for p in {id(p): p for p in st.parameters()}.values())
@@ -97,9 +127,9 @@ def stage_memory(hf_config, stages: int, *, layers_per_stage=None, dtype: str = 
         state_b = 4 if lora else b
         in_flight = microbatches if schedule == "gpipe" else min(stages - st.index, microbatches)
         tokens = micro_batch * seq_len
-        act = len(st.layers) * act_per_token(H, I, kv) * tokens * b
+        act = len(st.layers) * (act_per_token(H, I, kv) + router) * tokens * b
         if st.is_last:
-            act += 2 * hf_config.vocab_size * tokens * 4
+            act += 2 * hf_config.vocab_size * tokens * 4 + logit_copies * hf_config.vocab_size * tokens * b
         out.append(StageMemory(st.index, st.layer_range, params + lora_n, trainable,
                                weights=params * b + lora_n * 4, grads=trainable * state_b,
                                optimizer=2 * trainable * state_b, activations=act * in_flight))

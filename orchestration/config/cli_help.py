@@ -57,6 +57,13 @@ def builtin_models() -> list[tuple[str, str]]:
     return out + [(n, m.description) for n, m in sorted(BUILTIN_MODELS.items())]
 
 
+def families_help() -> str:
+    """The model families the stage splitter takes, from its own table (orchestration.models.families)."""
+    from orchestration.models.families import supported_families
+
+    return ", ".join(supported_families())
+
+
 def epilog_builtins() -> str:
     def block(title, rows):
         w = max(len(k) for k, _ in rows)
@@ -64,7 +71,9 @@ def epilog_builtins() -> str:
                                      for k, v in rows])
 
     return (block("built-in data sources (--data; or a text file/dir, .jsonl, saved HF dataset):", builtin_sources())
-            + "\n\n" + block("built-in models (--model; or a HF checkpoint directory, a .gguf file):", builtin_models()))
+            + "\n\n" + block("built-in models (--model; or a HF checkpoint directory, a .gguf file):", builtin_models())
+            + "\n\n" + textwrap.fill(families_help(), 98, initial_indent="  ", subsequent_indent="  ").join(
+                ["model families that split into pipeline stages (--model DIR of one of these):\n", ""]))
 
 
 class Formatter(argparse.RawDescriptionHelpFormatter):

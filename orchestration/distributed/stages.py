@@ -1,4 +1,4 @@
-"""Cut a Hugging Face Llama-family causal LM into pipeline stages by decoder layers.
+"""Cut a Hugging Face causal LM into pipeline stages by decoder layers.
 
 ``split_model(model, num_stages, layers_per_stage=None) -> list[Stage]``
 
@@ -18,11 +18,22 @@ cross a stage boundary, which is what makes the boundary compressible.
     causal_lm_loss(logits, labels, num_items_in_batch=None) -> scalar loss
         the unsplit model's loss (``model(input_ids, labels=labels).loss``).
 
-Guarantees (tested in tests/test_stages.py): running the stages one after the other
-gives bit-identical logits to the unsplit model, and the same gradients, for
-LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM and MistralForCausalLM, including
-grouped-query attention and sliding-window layers. The stages share their modules (hence their parameters) with ``model``;
-``copy.deepcopy(model)`` first if you need an independent original.
+The backbone is found through transformers' conventions (``get_input_embeddings``, the
+decoder's ``layers`` / ``norm`` / ``rotary_emb``, ``get_output_embeddings``); what a
+family's forward does outside its layers (Gemma's logit soft-capping, Granite's
+multipliers, which mask and which rope each layer gets, an MoE router's loss) is stated per
+family in orchestration.models.families, and a family not listed there is refused in one
+line (``check_splittable``). Guarantees (tests/test_stages.py, tests/test_model_families.py):
+running the stages one after the other gives bit-identical logits to the unsplit model, and
+the same gradients, for every family of ``supported_families()``, including grouped-query
+attention, sliding-window and local/global layers. The stages share their modules (hence
+their parameters) with ``model``; ``copy.deepcopy(model)`` first if you need an independent
+original.
+
+MoE families with ``config.output_router_logits`` on: each stage records its layers'
+router logits during ``forward`` (``Stage.router_logits``); the unsplit model's auxiliary
+loss over all of them is orchestration.models.routing (``router_aux_loss`` in one process,
+``router_stats`` / ``stage_aux_term`` across processes). With it off nothing is recorded.
 
 Tied embeddings (``lm_head.weight is embed_tokens.weight``): with one stage nothing
 changes. With several stages the input embedding lives on the first stage and the
@@ -40,6 +51,7 @@ block the main use case.
 from __future__ import annotations
 
 import copy
+import inspect
 from typing import Sequence
 
 import torch
@@ -47,25 +59,18 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-# Architectures whose decoder layers take (hidden, attention_mask, position_ids,
-# position_embeddings) and whose backbone is embed_tokens -> layers -> norm with one
-# shared rotary_emb: exactly the contract Stage relies on. Others (Gemma scales the
-# embeddings, Phi-3 fuses projections differently, ...) are refused rather than split
-# silently wrong; add one here only together with a test in tests/test_stages.py.
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+from orchestration.models.families import (Family, check_splittable, family_of, finalize_logits,
+                                          layer_attention_types, scale_embeddings, supported_architectures,
+                                          supported_families, uses_router_loss)
+from orchestration.models.routing import router_class
 
-_FULL, _SLIDING = "full_attention", "sliding_attention"
+# Kept for callers that still check class names (train.py until it calls check_splittable):
+# computed from the family table, never edited by hand.
+SUPPORTED_ARCHITECTURES = supported_architectures()
 
-
-def _layer_attention_types(config) -> list[str]:
-    """Attention kind of every decoder layer, as the unsplit model chooses it."""
-    n = config.num_hidden_layers
-    types = getattr(config, "layer_types", None)
-    if types is not None:  # Qwen2 (and most 5.x configs) list it per layer
-        return list(types)[:n]
-    # Mistral: one sliding window for every layer when config.sliding_window is set.
-    sliding = getattr(config, "sliding_window", None) is not None
-    return [_SLIDING if sliding else _FULL] * n
+_SLIDING = "sliding_attention"
+__all__ = ["Stage", "split_model", "run_stages", "causal_lm_loss", "balanced_layers", "replica_split",
+           "tied_weight_pairs", "hf_name", "check_splittable", "supported_families", "SUPPORTED_ARCHITECTURES"]
 
 
 def replica_split(num_layers: int, num_stages: int, layers_per_stage=None) -> list[int]:
@@ -108,10 +113,12 @@ class Stage(nn.Module):
     def __init__(self, index: int, num_stages: int, config, layers: Sequence[nn.Module],
                  layer_range: tuple[int, int], rotary_emb: nn.Module,
                  embed_tokens: nn.Module | None = None, norm: nn.Module | None = None,
-                 lm_head: nn.Module | None = None, tied_lm_head: bool = False):
+                 lm_head: nn.Module | None = None, tied_lm_head: bool = False,
+                 family: Family | None = None, router: tuple[type, int] | None = None):
         super().__init__()
         self.index, self.num_stages = index, num_stages
         self.config = config
+        self.family = family or family_of(config)
         self.tied_embed = False  # set by split_model
         self.layer_range = layer_range
         self.is_first, self.is_last = index == 0, index == num_stages - 1
@@ -122,7 +129,11 @@ class Stage(nn.Module):
         self.norm = norm
         self.lm_head = lm_head
         self.rotary_emb = rotary_emb
-        self._attn_types = _layer_attention_types(config)[layer_range[0]:layer_range[1]]
+        self._attn_types = layer_attention_types(config, self.family)[layer_range[0]:layer_range[1]]
+        # Gemma 3: one rotary module, a rope per layer type (local layers use their own base)
+        self._rope_per_type = "layer_type" in inspect.signature(rotary_emb.forward).parameters
+        self._router = router if uses_router_loss(config) else None
+        self.router_logits: list[torch.Tensor] = []  # this stage's layers', from the last forward (MoE only)
 
     def _masks(self, hidden: torch.Tensor, attention_mask, position_ids) -> dict:
         kw = dict(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask,
@@ -132,6 +143,12 @@ class Stage(nn.Module):
             out[kind] = (create_sliding_window_causal_mask if kind == _SLIDING else create_causal_mask)(**kw)
         return out
 
+    def _rope(self, hidden: torch.Tensor, position_ids) -> dict:
+        if self._rope_per_type:
+            return {kind: self.rotary_emb(hidden, position_ids, kind) for kind in set(self._attn_types)}
+        pe = self.rotary_emb(hidden, position_ids=position_ids)
+        return {kind: pe for kind in set(self._attn_types)}
+
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Run this stage. See the module docstring for shapes; raises on wrong input kind."""
@@ -139,7 +156,7 @@ class Stage(nn.Module):
             if x.dtype.is_floating_point or x.dim() != 2:
                 raise TypeError(f"stage 0 takes input_ids [B, T] of an integer dtype, "
                                 f"got {x.dtype} of shape {tuple(x.shape)}")
-            hidden = self.embed_tokens(x)
+            hidden = scale_embeddings(self.family, self.config, self.embed_tokens(x))
         else:
             if not x.dtype.is_floating_point or x.dim() != 3 or x.shape[-1] != self.hidden_size:
                 raise TypeError(f"stage {self.index} takes hidden states [B, T, {self.hidden_size}] "
@@ -148,13 +165,32 @@ class Stage(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         masks = self._masks(hidden, attention_mask, position_ids)
-        position_embeddings = self.rotary_emb(hidden, position_ids=position_ids)
-        for layer, kind in zip(self.layers, self._attn_types):
-            hidden = layer(hidden, attention_mask=masks[kind], position_ids=position_ids,
-                           position_embeddings=position_embeddings)
+        rope = self._rope(hidden, position_ids)
+        hooks = self._record_routers() if self._router is not None else []
+        try:
+            for layer, kind in zip(self.layers, self._attn_types):
+                hidden = layer(hidden, attention_mask=masks[kind], position_ids=position_ids,
+                               position_embeddings=rope[kind])
+                if not isinstance(hidden, torch.Tensor):  # the contract: a layer passes on its hidden state only
+                    raise TypeError(f"{type(layer).__name__} returned {type(hidden).__name__}, not the hidden "
+                                    "state: this transformers version's layers do not fit the splitter")
+        finally:
+            for h in hooks:
+                h.remove()
         if self.is_last:
-            hidden = self.lm_head(self.norm(hidden))
+            hidden = finalize_logits(self.family, self.config, self.lm_head(self.norm(hidden)))
         return hidden
+
+    def _record_routers(self) -> list:
+        """Forward hooks that collect this stage's router logits in layer order (what
+        transformers' OutputRecorder collects for the unsplit model); removed after the forward."""
+        cls, idx = self._router
+        self.router_logits = []
+
+        def keep(_mod, _inp, out):
+            self.router_logits.append(out[idx] if isinstance(out, tuple) else out)
+
+        return [m.register_forward_hook(keep) for layer in self.layers for m in layer.modules() if isinstance(m, cls)]
 
     def hf_name(self, name: str) -> str:
         """The unsplit model's name of this stage's parameter/buffer ``name``."""
@@ -206,18 +242,22 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int
 
 def split_model(model: nn.Module, num_stages: int,
                 layers_per_stage: Sequence[int] | None = None) -> list[Stage]:
-    """Split ``model`` (one of SUPPORTED_ARCHITECTURES) into ``num_stages`` stages.
+    """Split ``model`` (a causal LM of a family in ``supported_families()``) into ``num_stages`` stages.
 
     layers_per_stage: decoder layers per stage (positive ints summing to
-    ``config.num_hidden_layers``); default ``balanced_layers``. Raises ValueError for an
-    unknown architecture, more stages than layers, or a bad ``layers_per_stage``; all
-    before touching the model.
+    ``config.num_hidden_layers``); default ``balanced_layers``. Raises ValueError (one line)
+    for a model that cannot be split exactly (``check_splittable``), more stages than
+    layers, or a bad ``layers_per_stage``; all before touching the model.
     """
-    arch = type(model).__name__
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"cannot split {arch}: supported architectures are "
-                         f"{', '.join(SUPPORTED_ARCHITECTURES)}")
-    config = model.config
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "get_decoder"):
+        raise ValueError(f"cannot split {type(model).__name__}: not a Hugging Face causal LM; supported "
+                         f"families: {', '.join(supported_families())}")
+    check_splittable(config)
+    fam = family_of(config)
+    if type(model).__name__ != fam.causal_lm:
+        raise ValueError(f"cannot split {type(model).__name__}: the {fam.name} causal LM is {fam.causal_lm}")
+    backbone, embed, head = _backbone(model)
     n = config.num_hidden_layers
     if not isinstance(num_stages, int) or num_stages < 1:
         raise ValueError(f"num_stages must be a positive int, got {num_stages!r}")
@@ -232,27 +272,43 @@ def split_model(model: nn.Module, num_stages: int,
         if any(k < 1 for k in layers_per_stage) or sum(layers_per_stage) != n:
             raise ValueError(f"layers_per_stage {layers_per_stage} must be positive and sum to the "
                              f"model's {n} decoder layers")
-    backbone = model.model
-    tied = model.lm_head.weight is backbone.embed_tokens.weight
+    tied = head.weight is embed.weight
+    router = router_class(backbone)
     stages, lo = [], 0
     for i, k in enumerate(layers_per_stage):
         first, last = i == 0, i == num_stages - 1
         lm_head = None
         if last:
-            lm_head = model.lm_head
+            lm_head = head
             if tied and not first:  # untie: a separate copy on the last stage (module doc)
-                lm_head = copy.deepcopy(model.lm_head)
-                lm_head.weight = nn.Parameter(backbone.embed_tokens.weight.detach().clone(),
-                                              requires_grad=backbone.embed_tokens.weight.requires_grad)
+                lm_head = copy.deepcopy(head)
+                lm_head.weight = nn.Parameter(embed.weight.detach().clone(), requires_grad=embed.weight.requires_grad)
         stages.append(Stage(
             i, num_stages, config, list(backbone.layers[lo:lo + k]), (lo, lo + k),
             rotary_emb=copy.deepcopy(backbone.rotary_emb),
-            embed_tokens=backbone.embed_tokens if first else None,
+            embed_tokens=embed if first else None,
             norm=backbone.norm if last else None, lm_head=lm_head,
-            tied_lm_head=tied and last and not first))
+            tied_lm_head=tied and last and not first, family=fam, router=router))
         lo += k
     stages[0].tied_embed = tied and num_stages > 1
     return stages
+
+
+def _backbone(model) -> tuple[nn.Module, nn.Module, nn.Module]:
+    """(decoder, input embedding, output head) of a causal LM, found through transformers'
+    accessors, checked to sit where the unsplit checkpoint names them (``model.embed_tokens``,
+    ``model.layers``, ``model.norm``, ``lm_head``): stage parameter names, checkpoints and
+    PEFT folders rely on those names."""
+    decoder, embed, head = model.get_decoder(), model.get_input_embeddings(), model.get_output_embeddings()
+    names = {id(m): n for n, m in model.named_modules()}
+    want = {"model": decoder, "model.embed_tokens": embed, "lm_head": head,
+            "model.layers": getattr(decoder, "layers", None), "model.norm": getattr(decoder, "norm", None),
+            "model.rotary_emb": getattr(decoder, "rotary_emb", None)}
+    off = [f"{k} (found {names.get(id(m), 'none')})" for k, m in want.items() if m is None or names.get(id(m)) != k]
+    if off:
+        raise ValueError(f"cannot split {type(model).__name__}: its backbone is not laid out as the splitter "
+                         f"expects: {', '.join(off)}")
+    return decoder, embed, head
 
 
 def tied_weight_pairs(stages: Sequence[Stage]) -> list[tuple[int, str, int, str]]:

@@ -15,8 +15,9 @@ used like any local checkpoint from then on:
   float32 safetensors under a config that no longer carries the GGUF quantization
   marker (``save_pretrained`` refuses a model loaded from GGUF), plus the tokenizer.
 
-Only families that ``orchestration.distributed.stages`` can split are accepted (llama, mistral,
-qwen2, qwen3). Converting needs the ``gguf`` and ``accelerate`` packages (pyproject's
+Only families that both transformers' GGUF reader and ``orchestration.distributed.stages``
+handle are accepted (``GGUF_MODEL_TYPES``: llama, mistral, qwen2, qwen3, their MoE variants,
+phi3, gemma2, gemma3). Converting needs the ``gguf`` and ``accelerate`` packages (pyproject's
 ``real`` extra); without them it raises :class:`MissingDependencyError` naming the pip
 command, before writing anything to the cache.
 """
@@ -43,11 +44,30 @@ CACHE_SUBDIR = "gguf"
 METADATA_FILE = "meshkern_gguf.json"
 INSTALL_EXTRA = "pip install gguf accelerate"  # = pyproject's "real" extra
 
-# GGUF model types (as transformers names them after reading the file) whose HF class
-# orchestration.distributed.stages can split. transformers knows more GGUF families (gpt2, phi3,
-# gemma, ...); converting those would only fail later, in the trainer.
-SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                         "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# GGUF architectures (a file's general.architecture) whose transformers model the stage
+# splitter takes (orchestration.models.families), with the model_type transformers gives the
+# converted config (its GGUF reader renames qwen2moe, qwen3moe and gemma3). transformers
+# reads more GGUF families (gpt2, falcon, bloom, ...); converting those would only fail
+# later, in the splitter. Mixtral GGUFs are written as "llama" with expert tensors, which
+# transformers' reader does not map to Mixtral: not accepted.
+GGUF_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
+                    "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "phi3": "phi3",
+                    "gemma2": "gemma2", "gemma3": "gemma3_text"}
+
+
+def _causal_lms() -> dict:
+    from orchestration.models.families import FAMILIES
+
+    return {m: FAMILIES[m].causal_lm for m in GGUF_MODEL_TYPES.values()}
+
+
+# model_type -> the causal LM class transformers must build from such a GGUF
+SUPPORTED_MODEL_TYPES = _causal_lms()
+
+
+def gguf_families_line() -> str:
+    """The GGUF architectures --model FILE.gguf takes (one line, for errors and docs)."""
+    return ", ".join(sorted(GGUF_MODEL_TYPES))
 
 
 class MissingDependencyError(ImportError, ValueError):
@@ -164,9 +184,10 @@ def gguf_architecture(gguf_file: str | os.PathLike) -> str:
 
 
 def _check_architecture(src, arch: str) -> None:
-    if arch not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"{src}: GGUF architecture {arch!r} is not supported; meshkern splits "
-                         f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))}")
+    """``arch``: a GGUF architecture, or the model_type transformers read from it."""
+    if arch not in GGUF_MODEL_TYPES and arch not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"{src}: GGUF architecture {arch!r} is not supported; --model FILE.gguf takes "
+                         f"GGUFs of {gguf_families_line()}")
 
 
 def convert_gguf(gguf_file: str | os.PathLike, out_dir: str | os.PathLike, *, sha256: str | None = None) -> dict:
@@ -198,7 +219,9 @@ def convert_gguf(gguf_file: str | os.PathLike, out_dir: str | os.PathLike, *, sh
     except (ValueError, OSError, KeyError) as e:
         raise ValueError(f"{src}: transformers cannot read this GGUF's config ({_short(e)})") from None
     mtype = getattr(gcfg, "model_type", "?")  # llama files named "mistral" become mistral here
-    _check_architecture(src, mtype)
+    if mtype not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"{src}: transformers reads this GGUF as model type {mtype!r}, which is not supported; "
+                         f"--model FILE.gguf takes GGUFs of {gguf_families_line()}")
     try:
         loaded = AutoModelForCausalLM.from_pretrained(str(src.parent), dtype=torch.float32, **kw)
         tok = AutoTokenizer.from_pretrained(str(src.parent), **kw)
