@@ -60,17 +60,13 @@ from torch import nn
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from orchestration.models.families import (Family, check_splittable, family_of, finalize_logits,
-                                          layer_attention_types, scale_embeddings, supported_architectures,
+                                          layer_attention_types, scale_embeddings,
                                           supported_families, uses_router_loss)
 from orchestration.models.routing import router_class
 
-# Kept for callers that still check class names (train.py until it calls check_splittable):
-# computed from the family table, never edited by hand.
-SUPPORTED_ARCHITECTURES = supported_architectures()
-
 _SLIDING = "sliding_attention"
 __all__ = ["Stage", "split_model", "run_stages", "causal_lm_loss", "balanced_layers", "replica_split",
-           "tied_weight_pairs", "hf_name", "check_splittable", "supported_families", "SUPPORTED_ARCHITECTURES"]
+           "tied_weight_pairs", "hf_name", "check_splittable", "supported_families"]
 
 
 def replica_split(num_layers: int, num_stages: int, layers_per_stage=None) -> list[int]:

@@ -80,7 +80,7 @@ def checked_model(cfg: Config):
     """(path, HF config, architecture) of --model.path, checked against the mesh's split."""
     from transformers import AutoConfig
 
-    from orchestration.distributed.stages import SUPPORTED_ARCHITECTURES, replica_split
+    from orchestration.distributed.stages import check_splittable, replica_split
     from orchestration.models import paths as model_paths
 
     path = model_paths.resolve_model(cfg.model.path, progress=True)  # default, built-in name, .gguf or a directory
@@ -91,9 +91,17 @@ def checked_model(cfg: Config):
     except (ValueError, KeyError, OSError) as e:
         raise ValueError(f"--model.path {path}: unreadable or unknown architecture in config.json ({e})") from None
     arch = (getattr(hf_cfg, "architectures", None) or [type(hf_cfg).__name__])[0]
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"--model.path {path}: architecture {arch} cannot be split into stages; "
-                         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    try:
+        check_splittable(hf_cfg)  # one line saying why: encoder-decoder, vision tower, unknown family, ...
+    except ValueError as e:
+        raise ValueError(f"--model.path {path}: cannot be split into stages: {e}") from None
+    from orchestration.models.families import uses_router_loss
+
+    if uses_router_loss(hf_cfg):  # MoE configs ship with it off; training on without it would differ silently
+        raise ValueError(f"--model.path {path}: config.json turns output_router_logits on, and the pipeline does not "
+                         "add the router's load-balancing loss across stages yet (it needs every stage's routing "
+                         "totals of the whole batch before any backward); set output_router_logits to false in "
+                         "config.json to train without it, as the model's defaults do")
     n_layers = hf_cfg.num_hidden_layers
     lps = cfg.mesh.layers_per_stage
     if lps and sum(lps) != n_layers:
