@@ -1,4 +1,4 @@
-"""meshkern.pca_nf and PCACodec(quant="nf"): Gaussian code books, per-coordinate bit
+"""meshkern.pca_nf and PCANFCodec (pca:quant=nf): Gaussian code books, per-coordinate bit
 allocation, the bit stream, the codec's wire and its calibration, each against a known
 answer or an independent reference."""
 import heapq
@@ -11,7 +11,7 @@ import torch
 from meshkern import pca_nf
 from meshkern.mask import MaskKey
 from orchestration import codecs
-from orchestration.codecs import NonFiniteWire, PCACodec
+from orchestration.codecs import NonFiniteWire, PCACodec, PCANFCodec
 from orchestration.components import calibration
 
 
@@ -125,7 +125,7 @@ def _nearest_level_reference(x, U, norm, bits, mean, sink):
 def test_codec_round_trip_equals_the_nearest_level_reference(sink):
     H, T = 24, 9
     b = _basis(H)
-    codec = PCACodec(quant="nf", budget=96 / 20, sink=sink, seq_len=T, bases={3: b})  # B = 20 bytes per token
+    codec = PCANFCodec(budget=96 / 20, sink=sink, seq_len=T, bases={3: b})  # B = 20 bytes per token
     nb = codec.code_bytes(H)
     assert nb == 20 - (-(-(H + 4) // T) if sink else 0) - 2
     b = _basis(H, nf_bits=8 * nb)
@@ -149,21 +149,21 @@ def test_codec_round_trip_equals_the_nearest_level_reference(sink):
 def test_codec_rejects_bad_options_bases_and_wires():
     for bad in ({"k": 8}, {"bits": 8}, {"adapt": True}, {"bwd": "gbasis", "grad_rows": 4}):
         with pytest.raises(ValueError, match="quant=nf"):
-            PCACodec(quant="nf", **bad)
+            PCANFCodec(**bad)
     with pytest.raises(ValueError, match="quant must be"):
-        PCACodec(quant="nf4")
+        PCANFCodec(quant="nf4")
     with pytest.raises(ValueError, match="basis_dtype"):
-        PCACodec(basis_dtype="bfloat16")
+        PCANFCodec(basis_dtype="bfloat16")
     H, T = 24, 9
     b = _basis(H)
     plain = codecs.PCABasis(b.mean, b.U, b.sd, b.gsd)
     key = MaskKey(0, 0, 0, 0)
     h = torch.randn(1, T, H)
     with pytest.raises(ValueError, match="not a quant=nf basis"):
-        PCACodec(quant="nf", budget=4, seq_len=T, bases={0: plain}).encode_fwd(h, key)
-    with pytest.raises(ValueError, match="quant=nf"):  # an nf basis in an int4 codec
+        PCANFCodec(budget=4, seq_len=T, bases={0: plain}).encode_fwd(h, key)
+    with pytest.raises(ValueError, match=r"\[24, 20\] \(quant=nf\), this codec needs"):  # an nf basis in an int4 codec
         PCACodec(k=20, seq_len=T, bases={0: b}).encode_fwd(h, key)
-    codec = PCACodec(quant="nf", budget=4, seq_len=T, bases={0: b})
+    codec = PCANFCodec(budget=4, seq_len=T, bases={0: b})
     wire, _ = codec.encode_fwd(h, key)
     bad = list(wire)
     bad[-1] = -bad[-1]
