@@ -328,3 +328,56 @@ def test_default_pca_is_nf_and_int4_is_asked_for_by_name():
             make_codec(spec)
     preset = codec_for(parse_args(["--preset", "pca4"])[0].boundary)  # the published int4 rows keep int4
     assert (preset.quant, preset.bits, preset.calib_rows) == ("absmax", 4, 16)
+
+
+def _op_args(sink, seed=11, H=24, k=20, T=5):
+    """(h, mean, U, norm, bits, nbytes) with widths 0-8 (random) and two spare bytes."""
+    g = torch.Generator().manual_seed(seed)
+    U, _ = torch.linalg.qr(torch.randn(H, k, generator=g, dtype=torch.float64))
+    bits = torch.randint(0, 9, (k,), generator=g)
+    return (torch.randn(2, T, H, generator=g) * 2, torch.randn(H, generator=g), U.float().contiguous(),
+            torch.rand(k, generator=g) + 0.2, bits, -(-int(bits.sum()) // 8) + 2)
+
+
+@pytest.mark.parametrize("backend", __import__("backend_params").op_backends("pca"))
+@pytest.mark.parametrize("sink", [True, False])
+def test_opcheck(backend, sink):
+    """meshkern::pca_nf_encode / pca_nf_decode: schema, fake kernels (shapes, dtypes) and
+    AOT dispatch agree with the real op, forward (mean) and backward (no mean) direction."""
+    h, mean, U, norm, bits, nbytes = _op_args(sink)
+    checks = ("test_schema", "test_faketensor", "test_aot_dispatch_static")
+    for m in (mean, None):
+        torch.library.opcheck(torch.ops.meshkern.pca_nf_encode, (h, m, U, norm, bits, nbytes, sink, backend),
+                              test_utils=checks)
+        wire = pca_nf.encode(h, U, norm, bits, nbytes, mean=m, sink=sink, backend="reference")
+        torch.library.opcheck(torch.ops.meshkern.pca_nf_decode,
+                              (wire, m, U, norm, bits, list(h.shape), torch.bfloat16, sink, backend), test_utils=checks)
+
+
+def test_op_errors():
+    h, mean, U, norm, bits, nbytes = _op_args(True)
+    with pytest.raises(TypeError, match="int64"):
+        pca_nf.encode(h, U, norm, bits.int(), nbytes)
+    with pytest.raises(ValueError, match=r"bits must be \[k=20\]"):
+        pca_nf.encode(h, U, norm, bits[:-1], nbytes)
+    with pytest.raises(ValueError, match=r"code widths in 0\.\.8"):
+        pca_nf.encode(h, U, norm, torch.full_like(bits, 9), 200)
+    with pytest.raises(ValueError, match="do not fit"):
+        pca_nf.encode(h, U, norm, bits, nbytes - 3)
+    with pytest.raises(ValueError, match="nbytes must be >= 0"):
+        pca_nf.encode(h, U, norm, bits, -1)
+    with pytest.raises(TypeError, match="U must have dtype float32"):
+        pca_nf.encode(h, U.double(), norm, bits, nbytes)
+    with pytest.raises(ValueError, match=r"mean must be \[H=24\]"):
+        pca_nf.encode(h, U, norm, bits, nbytes, mean=mean[:-1])
+    wire = pca_nf.encode(h, U, norm, bits, nbytes, mean=mean)
+    with pytest.raises(ValueError, match=r"wire\[2\] must be"):
+        pca_nf.decode(wire[:2] + [wire[2][..., 1:, :], wire[3]], U, norm, bits, h.shape, h.dtype, mean=mean)
+    bad = list(wire)
+    bad[3] = -bad[3]
+    with pytest.raises(ValueError, match="non-positive scales"):
+        pca_nf.decode(bad, U, norm, bits, h.shape, h.dtype, mean=mean)
+    with pytest.raises(ValueError, match="do not fit"):  # the stream is too short for the widths
+        pca_nf.decode(wire, U, norm, torch.full_like(bits, 8), h.shape, h.dtype, mean=mean)
+    with pytest.raises(TypeError, match="dtype"):
+        pca_nf.decode(wire, U, norm, bits, h.shape, torch.int32, mean=mean)
