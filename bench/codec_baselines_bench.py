@@ -58,7 +58,7 @@ def _ours(x: torch.Tensor, B: int, T: int, H: int):
     layout; basis fitted to x) and subspace (budget 16, fp32 coordinates; x moved into
     E[ids] + span(U))."""
     from meshkern import pca_nf
-    from orchestration.codecs import PCABasis, PCACodec
+    from orchestration.codecs import PCABasis, PCACodec, PCANFCodec
     from orchestration.codecs.pca import pca_width
     from orchestration.subspace.constraint import make_basis
 
@@ -66,7 +66,7 @@ def _ours(x: torch.Tensor, B: int, T: int, H: int):
     mean = flat.mean(0)
     _, _, V = torch.linalg.svd(flat - mean, full_matrices=False)
     sd_all = ((flat - mean) @ V.T).std(0).clamp_min(1e-6)
-    nf = PCACodec(budget=15, sink=True, seq_len=T, bases={})
+    nf = PCANFCodec(budget=15, sink=True, seq_len=T, bases={})
     bits = pca_nf.allocate_bits(sd_all ** 2, 8 * nf.code_bytes(H))
     kn = int((bits > 0).sum())  # widths fall with the variance: the coordinates with bits lead
     nf.bases = {0: PCABasis(mean, V[:kn].T.contiguous(), sd_all[:kn], torch.ones(kn), bits=bits[:kn],

@@ -190,7 +190,7 @@ def _pca_nf_cases():
 
     from meshkern import pca_nf
     from meshkern.triton_kernels import pca_nf as tk
-    from orchestration.codecs.pca import nf_code_bytes
+    from orchestration.codecs.pca_nf import nf_code_bytes
 
     T = 2048
     N = max(1, ROWS // T) * (T - 1)

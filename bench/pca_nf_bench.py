@@ -27,7 +27,8 @@ import torch
 from bench.pca_bench import parser, setup
 from bench.subspace_bench import rotated_medians
 from meshkern import pca, pca_nf
-from orchestration.codecs.pca import nf_code_bytes, pca_width
+from orchestration.codecs.pca import pca_width
+from orchestration.codecs.pca_nf import nf_code_bytes
 
 
 def _case(B, T, H, budget, device, repeats, clock, be):

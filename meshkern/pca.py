@@ -96,7 +96,11 @@ def wire_shapes(shape, k: int, bits: int = 4, sink: bool = True) -> list[tuple[t
 
 
 def _check_wire(wire, shape, k, bits, sink) -> None:
-    want = wire_shapes(shape, k, bits, sink)
+    _match_wire(wire, wire_shapes(shape, k, bits, sink))
+
+
+def _match_wire(wire, want) -> None:
+    """ValueError unless ``wire`` is a list of tensors of the (shape, dtype) pairs ``want``."""
     if not isinstance(wire, (list, tuple)) or len(wire) != len(want):
         raise ValueError(f"wire must be a list of {len(want)} tensors, got {type(wire).__name__} "
                          f"of {len(wire) if isinstance(wire, (list, tuple)) else '?'}")

@@ -41,6 +41,13 @@ do the code search and the bit stream in one pass per row; on CUDA, Triton's
 (meshkern/triton_kernels/pca_nf.py; "cuda" means the same kernels, there is no CUDA C++
 one). Comparisons and shifts: the reference's codes and wire bit for bit. The GEMMs are
 torch's on every backend.
+
+Ops: ``encode`` / ``decode`` are the custom ops meshkern::pca_nf_encode / pca_nf_decode
+(fake kernels for torch.compile; not differentiable: the codes are integers, and the
+codec's backward encodes the incoming gradient itself, as meshkern.pca's). bits: int64
+[k] on any device (the widths are read on the CPU). Raises TypeError / ValueError for bad
+dtypes, shapes, devices, widths, and for widths that do not fit ``nbytes`` or (decode)
+non-finite or non-positive scales, on every backend.
 """
 from __future__ import annotations
 
@@ -51,7 +58,10 @@ import torch
 from torch import Tensor
 
 from meshkern import _backend
-from meshkern.pca import GROUP, dequantize_reference, quantize_reference
+from meshkern._checks import as_int, float_tensor
+from meshkern._checks import backend_arg as _backend_arg
+from meshkern.pca import (GROUP, _check_basis, _check_scales, _check_shape, _match_wire, dequantize_reference,
+                          quantize_reference)
 
 __all__ = ["lloyd_max", "distortion", "allocate_bits", "pack_codes", "unpack_codes", "encode", "decode",
            "encode_reference", "decode_reference", "wire_shapes", "MAX_BITS"]
@@ -216,11 +226,53 @@ def _which(device: torch.device, backend: str) -> str:
     return which
 
 
-def encode(h: Tensor, U: Tensor, norm: Tensor, bits: Tensor, nbytes: int, *, mean: Tensor | None = None,
-           sink: bool = True, backend: str = "auto") -> list[Tensor]:
-    """The wire of boundary tensor h [..., T, H] (module doc). The projection, the scale and
-    the division are torch's on every backend; ``cpp`` and ``triton`` replace the code
-    search and the bit packing (the same codes: comparisons only)."""
+# ----------------------------------------------------------------------- checks
+def _check_widths(bits, k: int) -> None:
+    """bits: an int64 tensor [k] (any device: the widths are read on the CPU)."""
+    if not isinstance(bits, Tensor) or bits.dtype != torch.int64:
+        got = bits.dtype if isinstance(bits, Tensor) else type(bits).__name__
+        raise TypeError(f"bits must be an int64 tensor of code widths, got {got}")
+    if tuple(bits.shape) != (k,):
+        raise ValueError(f"bits must be [k={k}] code widths, got shape {tuple(bits.shape)}")
+
+
+def _check_budget(bits: Tensor, nbytes: int) -> None:
+    """Widths in 0..MAX_BITS whose sum fits ``nbytes`` bytes (data-dependent: eager only)."""
+    if bits.numel() and (int(bits.min()) < 0 or int(bits.max()) > MAX_BITS):
+        raise ValueError(f"bits must be code widths in 0..{MAX_BITS}, got {int(bits.min())}..{int(bits.max())}")
+    if int(bits.sum()) > 8 * nbytes:
+        raise ValueError(f"pca_nf: {int(bits.sum())} bits do not fit {nbytes} bytes per token")
+
+
+def _check_encode(h, mean, U, norm, bits, nbytes) -> int:
+    float_tensor("h", h, min_dim=2)
+    _check_shape(h.shape)
+    if nbytes < 0:
+        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+    k = _check_basis(h.shape[-1], U, norm, mean, h.device)
+    _check_widths(bits, k)
+    return k
+
+
+def _check_decode(wire, mean, U, norm, bits, shape, dtype, sink) -> None:
+    shape = _check_shape(shape)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+    float_tensor("U", U, (torch.float32,))
+    _check_widths(bits, _check_basis(shape[-1], U, norm, mean, U.device))
+    codes = wire[-2] if isinstance(wire, (list, tuple)) and len(wire) >= 2 else None
+    nbytes = codes.shape[-1] if isinstance(codes, Tensor) and codes.dim() else 0  # the codes' width: any
+    _match_wire(wire, wire_shapes(shape, nbytes, sink))
+    for i, t in enumerate(wire):
+        if t.device != U.device:
+            raise ValueError(f"wire[{i}] must be on U's device {U.device}, got {t.device}")
+
+
+# ------------------------------------------------------------------ the math
+def _encode_impl(h, mean, U, norm, bits, nbytes, sink, which) -> list[Tensor]:
+    """The wire (module doc). The projection, the scale and the division are torch's on
+    every backend; ``cpp`` and ``triton`` replace the code search and the bit packing (the
+    same codes: comparisons only)."""
     x = h.detach().float()
     if sink:
         head, x = x[..., 0, :], x[..., 1:, :]
@@ -229,7 +281,6 @@ def encode(h: Tensor, U: Tensor, norm: Tensor, bits: Tensor, nbytes: int, *, mea
     r = torch.where(r > 0, r, torch.ones_like(r)).clamp(_FP16_TINY, _FP16_MAX).half()
     z = c / r.float()
     _, bd = _tables(bits, z.device)
-    which = _which(z.device, backend)
     if which in ("cpp", "triton"):
         flat = z.reshape(-1, z.shape[-1]).contiguous()
         if which == "cpp":
@@ -250,14 +301,10 @@ def encode(h: Tensor, U: Tensor, norm: Tensor, bits: Tensor, nbytes: int, *, mea
     return wire
 
 
-def decode(wire, U: Tensor, norm: Tensor, bits: Tensor, shape, dtype: torch.dtype, *,
-           mean: Tensor | None = None, sink: bool = True, backend: str = "auto") -> Tensor:
-    """h_hat [shape] of ``dtype`` from ``encode``'s wire (same U, norm, bits, mean, sink)."""
-    shape = tuple(shape)
+def _decode_impl(wire, mean, U, norm, bits, shape, dtype, sink, which) -> Tensor:
     H = U.shape[0]
     packed, r = wire[2:] if sink else wire
     lv, _ = _tables(bits, packed.device)
-    which = _which(packed.device, backend)
     if which in ("cpp", "triton"):
         flat = packed.reshape(-1, packed.shape[-1]).contiguous()
         if which == "cpp":
@@ -275,6 +322,58 @@ def decode(wire, U: Tensor, norm: Tensor, bits: Tensor, shape, dtype: torch.dtyp
     if sink:
         x = torch.cat([dequantize_reference(wire[0], wire[1], H, 8).unsqueeze(-2), x], dim=-2)
     return x.reshape(shape).to(dtype)
+
+
+# -------------------------------------------------------------------------- ops
+@torch.library.custom_op("meshkern::pca_nf_encode", mutates_args=())
+def _encode_op(h: Tensor, mean: Tensor | None, U: Tensor, norm: Tensor, bits: Tensor, nbytes: int, sink: bool,
+               backend: str) -> list[Tensor]:
+    _check_encode(h, mean, U, norm, bits, nbytes)
+    _check_budget(bits, nbytes)
+    return _encode_impl(h, mean, U, norm, bits, nbytes, sink, _which(h.device, backend))
+
+
+@_encode_op.register_fake
+def _(h, mean, U, norm, bits, nbytes, sink, backend):
+    _check_encode(h, mean, U, norm, bits, nbytes)
+    return [h.new_empty(s, dtype=dt) for s, dt in wire_shapes(h.shape, nbytes, sink)]
+
+
+@torch.library.custom_op("meshkern::pca_nf_decode", mutates_args=())
+def _decode_op(wire: list[Tensor], mean: Tensor | None, U: Tensor, norm: Tensor, bits: Tensor, shape: list[int],
+               dtype: torch.dtype, sink: bool, backend: str) -> Tensor:
+    _check_decode(wire, mean, U, norm, bits, shape, dtype, sink)
+    _check_scales(wire)
+    _check_budget(bits, wire[-2].shape[-1])
+    return _decode_impl(wire, mean, U, norm, bits, tuple(shape), dtype, sink, _which(U.device, backend))
+
+
+@_decode_op.register_fake
+def _(wire, mean, U, norm, bits, shape, dtype, sink, backend):
+    _check_decode(wire, mean, U, norm, bits, shape, dtype, sink)
+    return U.new_empty(tuple(shape), dtype=dtype)
+
+
+# -------------------------------------------------------------------- public API
+def encode(h: Tensor, U: Tensor, norm: Tensor, bits: Tensor, nbytes: int, *, mean: Tensor | None = None,
+           sink: bool = True, backend: str | None = "auto") -> list[Tensor]:
+    """The wire of boundary tensor h [..., T, H] (module doc): [codes, scales], or with
+    ``sink`` [head codes, head scale, codes, scales]."""
+    return _encode_op(h, mean, U, norm, bits, _nbytes(nbytes), bool(sink), _backend_arg(backend))
+
+
+def decode(wire, U: Tensor, norm: Tensor, bits: Tensor, shape, dtype: torch.dtype, *,
+           mean: Tensor | None = None, sink: bool = True, backend: str | None = "auto") -> Tensor:
+    """h_hat [shape] of ``dtype`` from ``encode``'s wire (same U, norm, bits, mean, sink)."""
+    return _decode_op(list(wire), mean, U, norm, bits, list(_check_shape(shape)), dtype, bool(sink),
+                      _backend_arg(backend))
+
+
+def _nbytes(nbytes) -> int:
+    n = as_int(nbytes)
+    if n is None:
+        raise TypeError(f"nbytes must be an int, got {type(nbytes).__name__}")
+    return n
 
 
 def encode_reference(h: Tensor, U: Tensor, norm: Tensor, bits: Tensor, nbytes: int, *,

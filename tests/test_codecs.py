@@ -19,7 +19,7 @@ def _pca_basis():
     from orchestration import codecs
 
     # "pca" is quant=nf: a width per coordinate, allocated within the default budget's bytes
-    nf_bits = 8 * codecs.PCACodec().code_bytes(H)
+    nf_bits = 8 * codecs.PCANFCodec().code_bytes(H)
     k = H - 8
     g = torch.Generator().manual_seed(3)
     U, _ = torch.linalg.qr(torch.randn(H, k, generator=g, dtype=torch.float64))

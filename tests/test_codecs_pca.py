@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from meshkern.mask import MaskKey
-from orchestration.codecs import (NonFiniteWire, PCABasis, PCACodec, apply_codec, make_codec, pca_width)
+from orchestration.codecs import (CODECS, NonFiniteWire, PCABasis, PCACodec, PCANFCodec, apply_codec, codec_class,
+                                  make_codec, pca_width)
 
 
 def _basis(H=24, k=6, seed=0, gsd=True):
@@ -302,3 +303,52 @@ def test_calibrated_gradient_basis_is_the_gradients_top_eigenvectors():
     assert kept(b.Ug) >= kept(b.U) - 1e-9
     torch.testing.assert_close(b.gsd.double(), (flat @ b.Ug.double()).pow(2).mean(0).sqrt(), rtol=1e-5, atol=0)
     assert fit_basis(h, k, sink=True, grads=grads).Ug is None
+
+
+@pytest.mark.parametrize("spec,options,cls", [
+    ("pca", {}, PCANFCodec), ("pca:quant=nf", {}, PCANFCodec), ("pca:budget=12", {}, PCANFCodec),
+    ("pca:quant=absmax", {}, PCACodec), ("pca:quant=absmax,adapt=true", {}, PCACodec),
+    ("pca", {"quant": "absmax"}, PCACodec), ("pca:quant=absmax", {"quant": "nf"}, PCANFCodec),  # options win
+])
+def test_the_registry_picks_the_layout_class_by_quant(spec, options, cls):
+    assert codec_class(spec, options) is cls
+    codec = make_codec(spec, **options)
+    assert type(codec) is cls and codec.quant == {PCANFCodec: "nf", PCACodec: "absmax"}[cls]
+
+
+def test_every_cli_spelling_builds_its_layout_and_a_class_is_one_layout():
+    from orchestration.config import parse_args
+    from orchestration.codecs import codec_for
+
+    def built(*argv):
+        return type(codec_for(parse_args(list(argv))[0].boundary))
+
+    assert built() is PCANFCodec  # the default
+    assert built("--boundary.codec", "pca:quant=absmax,bits=8") is PCACodec
+    assert built("--boundary.codec", "pca", "--boundary.options", '{"quant": "absmax"}') is PCACodec
+    assert built("--preset", "pca4") is PCACodec
+    with pytest.raises(ValueError, match="quant must be one of absmax, nf, got 'int4'"):
+        make_codec("pca:quant=int4")
+    with pytest.raises(ValueError, match="quant must be one of absmax, nf"):
+        codec_class("pca", {"quant": "int4"})
+    with pytest.raises(ValueError, match="PCACodec is the quant=absmax layout"):
+        PCACodec(quant="nf")
+    with pytest.raises(ValueError, match="PCANFCodec is the quant=nf layout"):
+        PCANFCodec(quant="absmax")
+
+
+def test_what_the_codec_says_to_calibration_and_byte_counts():
+    """needs_calibration: the pca layouts only; one_off_bytes: the basis once (0 elsewhere);
+    token_bytes: pca's sink row amortized over seq_len, one token's wire elsewhere."""
+    assert [n for n in CODECS if codec_class(n).needs_calibration] == ["pca"]
+    assert codec_class("pca:quant=absmax").needs_calibration
+    H, k, T = 24, 6, 8
+    codec = make_codec("pca:quant=absmax", k=k, seq_len=T, bases={3: _basis(H, k)})
+    assert codec.one_off_bytes(3) == 4 * (H + H * k + 2 * k)
+    # position 0: 24 int8 + an fp32 scale; 7 tokens of 3 bytes of int4 codes + an fp32 scale
+    assert codec.token_bytes(H, torch.float32, "fwd") == -(-(28 + 7 * (3 + 4)) // 8) == 10
+    nf = make_codec("pca", budget=4, seq_len=T)
+    assert nf.token_bytes(H, torch.float32, "bwd") == -(-(28 + 7 * (nf.code_bytes(H) + 2)) // 8)
+    int4 = make_codec("int4")
+    assert int4.one_off_bytes(0) == 0 and not int4.needs_calibration
+    assert int4.token_bytes(H, torch.float32, "fwd") == int4.wire_bytes((1, H), torch.float32, "fwd")

@@ -140,6 +140,39 @@ def test_codec_eval_loss_dense_is_plain_loss_and_mask_is_the_hand_computation(ti
     assert masked == pytest.approx(hand, rel=1e-5)
 
 
+def test_codec_eval_loss_with_pca_decodes_with_the_runs_saved_basis(tiny, tmp_path):
+    """A codec that needs calibration (pca) is evaluated with the basis the run saved
+    (RUN_DIR/pca_basis.pt): the loss equals the stage split with that codec's round trip at
+    the boundary, by hand."""
+    import torch
+    import torch.nn.functional as F
+
+    from meshkern.mask import MaskKey
+    from orchestration.codecs import codec_for
+    from orchestration.components import calibration
+    from orchestration.config import parse_args
+    from orchestration.distributed.stages import split_model
+    from orchestration.models.loading import load_causal_lm
+
+    model, _ = load_causal_lm(tiny / "model")
+    V = model.config.vocab_size
+    held = torch.randint(0, V, (6, 24), generator=torch.Generator().manual_seed(0))
+    cfg = parse_args(["--model", str(tiny / "model"), "--mesh.rows", "1", "--mesh.stages", "2",
+                      "--boundary.codec", "pca"])[0]
+    codec = codec_for(cfg.boundary)
+    bases = calibration.fit_model_bases(model, held[:4], codec, 2, cfg.mesh.layers_per_stage, grad_rows=0)
+    calibration.save(bases, str(tmp_path))
+    got = evaluation.codec_eval_loss(model, held, cfg, seed=1, step=20, run_dir=str(tmp_path))["loss"]
+    codec.bases = bases
+    s0, s1 = split_model(model, 2, cfg.mesh.layers_per_stage or None)
+    with torch.no_grad():
+        h = s0(held)
+        key = MaskKey(0, 0, 20, 0)  # (pca reads the boundary only)
+        logits = s1(codec.decode_fwd(codec.encode_fwd(h, key)[0], key, tuple(h.shape), h.dtype))
+        hand = F.cross_entropy(logits[:, :-1].reshape(-1, V).float(), held[:, 1:].reshape(-1)).item()
+    assert got == pytest.approx(hand, rel=1e-5)
+
+
 def test_results_go_under_runs_by_default_and_into_docs_only_when_asked():
     a = experiments.build_parser().parse_args([])
     experiments.output_dirs(a)

@@ -50,7 +50,7 @@ def test_nf_pack_unpack_bit_identical(H, budget):
     stream, at calibrated layouts (widths from allocate_bits at 1/budget of dense fp32)."""
     from meshkern import pca_nf
     from meshkern.triton_kernels import pca_nf as tk
-    from orchestration.codecs.pca import nf_code_bytes
+    from orchestration.codecs.pca_nf import nf_code_bytes
 
     nb = nf_code_bytes(H, budget, True, 128)
     bits = pca_nf.allocate_bits(torch.arange(1, H + 1, dtype=torch.float64) ** -1.5, 8 * nb)

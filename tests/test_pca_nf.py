@@ -1,4 +1,4 @@
-"""meshkern.pca_nf and PCACodec(quant="nf"): Gaussian code books, per-coordinate bit
+"""meshkern.pca_nf and PCANFCodec (pca:quant=nf): Gaussian code books, per-coordinate bit
 allocation, the bit stream, the codec's wire and its calibration, each against a known
 answer or an independent reference."""
 import heapq
@@ -11,7 +11,7 @@ import torch
 from meshkern import pca_nf
 from meshkern.mask import MaskKey
 from orchestration import codecs
-from orchestration.codecs import NonFiniteWire, PCACodec
+from orchestration.codecs import NonFiniteWire, PCACodec, PCANFCodec
 from orchestration.components import calibration
 
 
@@ -125,7 +125,7 @@ def _nearest_level_reference(x, U, norm, bits, mean, sink):
 def test_codec_round_trip_equals_the_nearest_level_reference(sink):
     H, T = 24, 9
     b = _basis(H)
-    codec = PCACodec(quant="nf", budget=96 / 20, sink=sink, seq_len=T, bases={3: b})  # B = 20 bytes per token
+    codec = PCANFCodec(budget=96 / 20, sink=sink, seq_len=T, bases={3: b})  # B = 20 bytes per token
     nb = codec.code_bytes(H)
     assert nb == 20 - (-(-(H + 4) // T) if sink else 0) - 2
     b = _basis(H, nf_bits=8 * nb)
@@ -149,21 +149,21 @@ def test_codec_round_trip_equals_the_nearest_level_reference(sink):
 def test_codec_rejects_bad_options_bases_and_wires():
     for bad in ({"k": 8}, {"bits": 8}, {"adapt": True}, {"bwd": "gbasis", "grad_rows": 4}):
         with pytest.raises(ValueError, match="quant=nf"):
-            PCACodec(quant="nf", **bad)
+            PCANFCodec(**bad)
     with pytest.raises(ValueError, match="quant must be"):
-        PCACodec(quant="nf4")
+        PCANFCodec(quant="nf4")
     with pytest.raises(ValueError, match="basis_dtype"):
-        PCACodec(basis_dtype="bfloat16")
+        PCANFCodec(basis_dtype="bfloat16")
     H, T = 24, 9
     b = _basis(H)
     plain = codecs.PCABasis(b.mean, b.U, b.sd, b.gsd)
     key = MaskKey(0, 0, 0, 0)
     h = torch.randn(1, T, H)
     with pytest.raises(ValueError, match="not a quant=nf basis"):
-        PCACodec(quant="nf", budget=4, seq_len=T, bases={0: plain}).encode_fwd(h, key)
-    with pytest.raises(ValueError, match="quant=nf"):  # an nf basis in an int4 codec
+        PCANFCodec(budget=4, seq_len=T, bases={0: plain}).encode_fwd(h, key)
+    with pytest.raises(ValueError, match=r"\[24, 20\] \(quant=nf\), this codec needs"):  # an nf basis in an int4 codec
         PCACodec(k=20, seq_len=T, bases={0: b}).encode_fwd(h, key)
-    codec = PCACodec(quant="nf", budget=4, seq_len=T, bases={0: b})
+    codec = PCANFCodec(budget=4, seq_len=T, bases={0: b})
     wire, _ = codec.encode_fwd(h, key)
     bad = list(wire)
     bad[-1] = -bad[-1]
@@ -328,3 +328,56 @@ def test_default_pca_is_nf_and_int4_is_asked_for_by_name():
             make_codec(spec)
     preset = codec_for(parse_args(["--preset", "pca4"])[0].boundary)  # the published int4 rows keep int4
     assert (preset.quant, preset.bits, preset.calib_rows) == ("absmax", 4, 16)
+
+
+def _op_args(sink, seed=11, H=24, k=20, T=5):
+    """(h, mean, U, norm, bits, nbytes) with widths 0-8 (random) and two spare bytes."""
+    g = torch.Generator().manual_seed(seed)
+    U, _ = torch.linalg.qr(torch.randn(H, k, generator=g, dtype=torch.float64))
+    bits = torch.randint(0, 9, (k,), generator=g)
+    return (torch.randn(2, T, H, generator=g) * 2, torch.randn(H, generator=g), U.float().contiguous(),
+            torch.rand(k, generator=g) + 0.2, bits, -(-int(bits.sum()) // 8) + 2)
+
+
+@pytest.mark.parametrize("backend", __import__("backend_params").op_backends("pca"))
+@pytest.mark.parametrize("sink", [True, False])
+def test_opcheck(backend, sink):
+    """meshkern::pca_nf_encode / pca_nf_decode: schema, fake kernels (shapes, dtypes) and
+    AOT dispatch agree with the real op, forward (mean) and backward (no mean) direction."""
+    h, mean, U, norm, bits, nbytes = _op_args(sink)
+    checks = ("test_schema", "test_faketensor", "test_aot_dispatch_static")
+    for m in (mean, None):
+        torch.library.opcheck(torch.ops.meshkern.pca_nf_encode, (h, m, U, norm, bits, nbytes, sink, backend),
+                              test_utils=checks)
+        wire = pca_nf.encode(h, U, norm, bits, nbytes, mean=m, sink=sink, backend="reference")
+        torch.library.opcheck(torch.ops.meshkern.pca_nf_decode,
+                              (wire, m, U, norm, bits, list(h.shape), torch.bfloat16, sink, backend), test_utils=checks)
+
+
+def test_op_errors():
+    h, mean, U, norm, bits, nbytes = _op_args(True)
+    with pytest.raises(TypeError, match="int64"):
+        pca_nf.encode(h, U, norm, bits.int(), nbytes)
+    with pytest.raises(ValueError, match=r"bits must be \[k=20\]"):
+        pca_nf.encode(h, U, norm, bits[:-1], nbytes)
+    with pytest.raises(ValueError, match=r"code widths in 0\.\.8"):
+        pca_nf.encode(h, U, norm, torch.full_like(bits, 9), 200)
+    with pytest.raises(ValueError, match="do not fit"):
+        pca_nf.encode(h, U, norm, bits, nbytes - 3)
+    with pytest.raises(ValueError, match="nbytes must be >= 0"):
+        pca_nf.encode(h, U, norm, bits, -1)
+    with pytest.raises(TypeError, match="U must have dtype float32"):
+        pca_nf.encode(h, U.double(), norm, bits, nbytes)
+    with pytest.raises(ValueError, match=r"mean must be \[H=24\]"):
+        pca_nf.encode(h, U, norm, bits, nbytes, mean=mean[:-1])
+    wire = pca_nf.encode(h, U, norm, bits, nbytes, mean=mean)
+    with pytest.raises(ValueError, match=r"wire\[2\] must be"):
+        pca_nf.decode(wire[:2] + [wire[2][..., 1:, :], wire[3]], U, norm, bits, h.shape, h.dtype, mean=mean)
+    bad = list(wire)
+    bad[3] = -bad[3]
+    with pytest.raises(ValueError, match="non-positive scales"):
+        pca_nf.decode(bad, U, norm, bits, h.shape, h.dtype, mean=mean)
+    with pytest.raises(ValueError, match="do not fit"):  # the stream is too short for the widths
+        pca_nf.decode(wire, U, norm, torch.full_like(bits, 8), h.shape, h.dtype, mean=mean)
+    with pytest.raises(TypeError, match="dtype"):
+        pca_nf.decode(wire, U, norm, bits, h.shape, torch.int32, mean=mean)

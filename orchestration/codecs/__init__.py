@@ -34,11 +34,13 @@ Backward semantics (what gradient comes back), per codec:
                 gradient = autograd (grad P P^T): r values per token each way.
     pca         a calibrated per-boundary basis (mean [H], U [H, k], sd [k], gsd [k]; see
                 orchestration.components.calibration): forward the k coordinates (h - mean) U / sd,
-                int4 (or int8) per token with an fp32 absmax scale; receiver rebuilds
-                mean + U (sd * codes). Backward: the exact adjoint of the projection
-                (straight-through for the quantizer), U^T g / gsd quantized the same way,
-                rebuilt as U (gsd * codes). ``sink``: position 0 of every row (the
-                attention sink) travels as int8 over all H dims instead, both ways.
+                each on a Gaussian code book of its own width with one fp16 scale per token
+                (the default, quant=nf: PCANFCodec), or int4 (or int8) per token with an fp32
+                absmax scale (quant=absmax: PCACodec); receiver rebuilds mean + U (sd * codes).
+                Backward: the exact adjoint of the projection (straight-through for the
+                quantizer), U^T g / gsd quantized the same way, rebuilt as U (gsd * codes).
+                ``sink``: position 0 of every row (the attention sink) travels as int8 over
+                all H dims instead, both ways.
     subspace    subspace-projected boundaries (Protocol Models): for a model whose
                 o_proj/down_proj stay in span(U) (orchestration.subspace.constraint), the k
                 coordinates (h - E[ids]) U forward, U^T g back; the receiver re-adds the
@@ -53,20 +55,24 @@ runs a round trip inside one process as an autograd function (the in-process ref
 of a compressed pipeline).
 
 Modules: base (protocol, validation, dense, apply_codec), sparse (mask, topk), quant
-(int8/int4), bottleneck, pca, subspace, aqsgd, tahquant (paper baselines; lowbit: their bit packer and
-quantizers), registry (CODECS, make_codec, parse_spec).
+(int8/int4), bottleneck, pca_nf (pca, the default layout: a code width per coordinate),
+pca (pca:quant=absmax, int4/int8), pca_base (what the two share: the basis, the options,
+the steps), subspace, aqsgd, tahquant (paper baselines; lowbit: their bit packer and
+quantizers), registry (CODECS, make_codec, codec_class, parse_spec).
 """
 from orchestration.codecs.aqsgd import AQSGDCodec
 from orchestration.codecs.base import (DIRECTIONS, WIRE_DTYPES, BoundaryCodec, DenseCodec, NonFiniteWire, Spec,
                                        apply_codec, dense_pp_bytes_per_token, kept_count, pp_ratios, validate_wire)
 from orchestration.codecs.bottleneck import BottleneckCodec
-from orchestration.codecs.pca import PCA_BASES, PCABasis, PCACodec, pca_width
+from orchestration.codecs.pca import PCACodec, pca_width
+from orchestration.codecs.pca_base import PCA_BASES, PCABaseCodec, PCABasis
+from orchestration.codecs.pca_nf import PCANFCodec, nf_code_bytes
 from orchestration.codecs.quant import QuantCodec
-from orchestration.codecs.registry import CODECS, codec_for, make_codec, parse_spec
+from orchestration.codecs.registry import CODECS, codec_class, codec_for, make_codec, parse_spec
 from orchestration.codecs.sparse import MaskCodec, TopKCodec
 from orchestration.codecs.subspace import SubspaceCodec
 from orchestration.codecs.tahquant import TAHQuantCodec
 
 __all__ = ["AQSGDCodec", "TAHQuantCodec", "CODECS", "DIRECTIONS", "PCA_BASES", "BottleneckCodec", "BoundaryCodec", "DenseCodec", "MaskCodec",
-           "NonFiniteWire", "PCABasis", "PCACodec", "QuantCodec", "Spec", "SubspaceCodec", "TopKCodec", "apply_codec", "kept_count",
-           "codec_for", "dense_pp_bytes_per_token", "pp_ratios", "WIRE_DTYPES", "make_codec", "parse_spec", "pca_width", "validate_wire"]
+           "NonFiniteWire", "PCABaseCodec", "PCABasis", "PCACodec", "PCANFCodec", "QuantCodec", "Spec", "SubspaceCodec",
+           "TopKCodec", "apply_codec", "kept_count", "codec_class", "codec_for", "nf_code_bytes", "dense_pp_bytes_per_token", "pp_ratios", "WIRE_DTYPES", "make_codec", "parse_spec", "pca_width", "validate_wire"]

@@ -78,6 +78,20 @@ class BoundaryCodec:
     codecs ignore it, a per-sample codec (aqsgd) keys its stores by them."""
 
     name = "base"
+    # True when the codec's state is fitted on the model before training and sent once
+    # (the pca codecs' bases: orchestration.components.calibration fits, stores and counts
+    # them; ``one_off_bytes`` is what each boundary's costs on its link).
+    needs_calibration = False
+
+    def one_off_bytes(self, boundary: int) -> int:
+        """Bytes sent once on boundary ``boundary``'s forward link before the first step
+        (a calibrated basis); 0 for a codec with no such state."""
+        return 0
+
+    def token_bytes(self, H: int, dtype: torch.dtype, direction: str) -> int:
+        """Bytes per token in ``direction`` (what tables of codecs compare): the wire of one
+        token. A codec with per-row parts on its wire (pca's sink row) amortizes them."""
+        return self.wire_bytes((1, H), dtype, direction)
 
     def wire_specs(self, shape: Sequence[int], dtype: torch.dtype, direction: str) -> list[Spec]:
         raise NotImplementedError

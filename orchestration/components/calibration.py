@@ -1,5 +1,6 @@
-"""Calibration of the ``pca`` boundary codec (orchestration.codecs.PCACodec): one fixed
-basis per pipeline boundary, identical on both sides of it.
+"""Calibration of a boundary codec that ``needs_calibration`` (the ``pca`` codecs,
+orchestration.codecs.PCABaseCodec: PCANFCodec, PCACodec): one fixed basis per pipeline
+boundary, identical on both sides of it.
 
 What is fitted, per boundary b (the hidden state stage b sends to stage b+1), from
 ``calib_rows`` rows of the TRAINING set (never the held-out rows) with the model as
@@ -33,7 +34,7 @@ import torch
 
 from orchestration import codecs
 from meshkern.pca_nf import allocate_bits
-from orchestration.codecs import PCABasis, PCACodec
+from orchestration.codecs import PCABaseCodec, PCABasis
 
 BASIS_FILE = "pca_basis.pt"
 OUTLIER_TOKEN_RATIO = 10.0  # a token whose norm is >= 10x the median token norm (attention sinks)
@@ -170,18 +171,23 @@ def boundary_states(model, rows: torch.Tensor, num_stages: int, layers_per_stage
     return [torch.cat(h) for h in hs], [torch.cat(g) if g else None for g in gs]
 
 
-def fit_model_bases(model, rows: torch.Tensor, codec: PCACodec, num_stages: int,
+def fit_for(codec: PCABaseCodec, h: torch.Tensor, grads: torch.Tensor | None = None) -> PCABasis:
+    """``fit_basis`` with what ``codec`` asks for (its width, sink and fit_options)."""
+    H = h.shape[-1]
+    return fit_basis(h, codec.width(H), codec.sink, grads, **codec.fit_options(H))
+
+
+def fit_model_bases(model, rows: torch.Tensor, codec: PCABaseCodec, num_stages: int,
                     layers_per_stage=None, grad_rows: int = 8, chunk: int = 4) -> dict[int, PCABasis]:
     """The basis of every boundary of ``model`` split as the trainer splits it, fitted on
     ``rows`` (``boundary_states``)."""
     hs, gs = boundary_states(model, rows, num_stages, layers_per_stage, grad_rows, chunk)
-    H = model.config.hidden_size
-    return {b: fit_basis(h, codec.width(H), codec.sink, g, **codec.fit_options(H)) for b, (h, g) in enumerate(zip(hs, gs))}
+    return {b: fit_for(codec, h, g) for b, (h, g) in enumerate(zip(hs, gs))}
 
 
 def codec_of(cfg):
-    """The run's boundary codec if it is a PCACodec, else None."""
-    if cfg.boundary.codec != "pca":
+    """The run's boundary codec if it needs calibration, else None."""
+    if not codecs.codec_class(cfg.boundary.codec, cfg.boundary.options).needs_calibration:
         return None
     return codecs.codec_for(cfg.boundary)
 
@@ -198,7 +204,7 @@ def bases_for_run(cfg, model, train_rows: torch.Tensor, run_dir: str | None = No
 
 
 def install(bases: dict[int, PCABasis]) -> None:
-    """Make ``bases`` what every PCACodec of this process uses by default."""
+    """Make ``bases`` what every pca codec of this process uses by default."""
     codecs.PCA_BASES.clear()
     codecs.PCA_BASES.update(bases)
 
@@ -233,7 +239,7 @@ def attach(trainer) -> None:
     import torch.distributed as dist
 
     codec, cfg, mesh = trainer.codec, trainer.cfg, trainer.mesh
-    if not isinstance(codec, PCACodec):
+    if not codec.needs_calibration:
         return
     need = set(range(cfg.mesh.stages - 1))
     if not need <= set(codec.bases):  # the same on every fast rank: all inherited, or none
@@ -256,4 +262,4 @@ def attach(trainer) -> None:
     if trainer.rank == 0 and not os.path.isfile(os.path.join(trainer.plan.run_dir, BASIS_FILE)):
         save({b: codec.bases[b] for b in need}, trainer.plan.run_dir)
     if not mesh.is_last:
-        trainer.counter.add("pp_fwd", trainer.rank, mesh.next_rank, codec.bases[mesh.stage].nbytes())
+        trainer.counter.add("pp_fwd", trainer.rank, mesh.next_rank, codec.one_off_bytes(mesh.stage))

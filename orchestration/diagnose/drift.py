@@ -48,7 +48,7 @@ def _share(num: torch.Tensor, den: torch.Tensor) -> float:
 
 def boundary_drift(codec, basis, h: torch.Tensor, g: torch.Tensor, boundary: int) -> dict[str, float]:
     """The four measures of the module doc for one boundary: ``h`` [N, T, H] hidden
-    states, ``g`` their dense gradients, ``basis`` a PCABasis, ``codec`` a PCACodec."""
+    states, ``g`` their dense gradients, ``basis`` a PCABasis, ``codec`` a pca codec (PCABaseCodec)."""
     body = h[:, 1:] if codec.sink else h
     gbody = g[:, 1:] if codec.sink else g
     U = basis.U.double()
@@ -86,11 +86,11 @@ def measure_run(run_dir: str, rows: int = 16, basis_file: str | None = None, cod
     plan = prepare(cfg, load_model=False)  # the run's own held-out split
     if codec_spec:
         codec = codecs.make_codec(codec_spec)
-    elif cfg.boundary.codec == "pca":
+    elif codecs.codec_class(cfg.boundary.codec, cfg.boundary.options).needs_calibration:
         codec = codecs.codec_for(cfg.boundary)
     else:
         codec = codecs.make_codec("pca")
-    if not isinstance(codec, codecs.PCACodec):
+    if not codec.needs_calibration:  # (what drift measures: how a calibrated basis goes stale)
         raise ValueError(f"--codec {codec_spec!r}: drift is measured for a pca codec")
     held = plan.eval_rows[:rows]
     calib = calibration.calibration_rows(plan.train_rows, codec.calib_rows, cfg.train.seed)

@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from orchestration.codecs import CODECS, BoundaryCodec, PCACodec, apply_codec, make_codec, parse_spec
+from orchestration.codecs import CODECS, BoundaryCodec, apply_codec, make_codec, parse_spec
 from orchestration.diagnose.common import UsageError
 
 Fn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (h [B,T,H], ids [B,T]) -> h_hat
@@ -91,18 +91,14 @@ def codec_transform(spec: str, H: int, L: int, seed: int, dtype=torch.float32,
     from meshkern.mask import MaskKey
 
     codec = build_codec(spec, H)
-    if isinstance(codec, PCACodec):
+    if codec.needs_calibration:
         if h_cal is None:
-            raise UsageError(f"--codecs {spec!r}: the pca codec needs calibration rows")
-        from orchestration.components.calibration import fit_basis
+            raise UsageError(f"--codecs {spec!r}: the {codec.name} codec needs calibration rows")
+        from orchestration.components.calibration import fit_for
 
-        codec.bases = {L: fit_basis(h_cal, codec.width(H), codec.sink, g_cal, **codec.fit_options(H))}
+        codec.bases = {L: fit_for(codec, h_cal, g_cal)}
     key = MaskKey(seed, L, 0, 0)
-    if isinstance(codec, PCACodec):  # per token over a row of seq_len (position 0 is per row)
-        T = codec.seq_len
-        nb = [-(-codec.wire_bytes((1, T, H), dtype, d) // T) for d in ("fwd", "bwd")]
-    else:
-        nb = [codec.wire_bytes((1, H), dtype, d) for d in ("fwd", "bwd")]
+    nb = [codec.token_bytes(H, dtype, d) for d in ("fwd", "bwd")]
     return Transform(codec_label(spec), lambda h, ids: apply_codec(codec, h, key), nb[0], nb[1], "codec", spec)
 
 

@@ -47,7 +47,7 @@ def codec_eval_loss(model, held, cfg, *, seed: int = 0, step: int = 0, run_dir: 
 
     stages = split_model(model, cfg.mesh.stages, cfg.mesh.layers_per_stage or None)
     codec = codec_for(cfg.boundary)
-    if cfg.boundary.codec == "pca":  # the basis the run trained with (RUN_DIR/pca_basis.pt)
+    if codec.needs_calibration:  # the basis the run trained with (RUN_DIR/pca_basis.pt)
         from orchestration.components import calibration
         codec.bases = calibration.load(run_dir)
     mask_seed = replica_mask_seed(seed, 0)
