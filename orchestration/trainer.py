@@ -57,8 +57,10 @@ class Trainer:
         self.optimizer = make_optimizer(cfg, stage)
         t = cfg.train
         self.codec = codec_for(cfg.boundary, cfg.replica_codec(mesh.row))  # dense for a full replica left uncompressed
-        from orchestration.components.calibration import attach  # pca codec: the run's basis, bytes counted once
-        attach(self)
+        if self.codec.needs_calibration:  # its bases are fitted before training, their bytes counted once
+            from orchestration.components.calibration import attach
+
+            attach(self.codec, cfg, plan, mesh, self.counter)
         actions = make_schedule(t.schedule, mesh.layout.stages_of(mesh.row), t.microbatches)[mesh.stage]
         self.executor = PipelineExecutor(stage, actions, codec=self.codec, prev_rank=mesh.prev_rank,
                                          next_rank=mesh.next_rank, rank=rank, seed=replica_mask_seed(t.seed, mesh.row),

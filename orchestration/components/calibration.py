@@ -232,34 +232,47 @@ def prepare_run(cfg, plan) -> None:
     install(bases_for_run(cfg, plan.model, plan.train_rows, plan.run_dir))
 
 
-def attach(trainer) -> None:
-    """Every fast rank, in Trainer.__init__: make sure this rank's codec holds the run's
-    bases (inherited, or fitted/loaded by fast rank 0 and broadcast), have rank 0 store them
-    in RUN_DIR, and count the basis bytes once on this stage's pp_fwd link."""
+def attach(codec, cfg, plan, mesh, counter) -> None:
+    """Every fast rank, in Trainer.__init__: make sure this rank's ``codec`` holds the run's
+    bases (inherited, or fitted/loaded by its world's rank 0 and broadcast as tensors, never
+    pickled), have that rank store them in RUN_DIR, and count the basis bytes once on this
+    stage's pp_fwd link (``counter``)."""
     import torch.distributed as dist
 
-    codec, cfg, mesh = trainer.codec, trainer.cfg, trainer.mesh
     if not codec.needs_calibration:
         return
+    # The rank that fits or loads them: rank 0 of this rank's world (the fast circuit's, or an
+    # elastic replica's own world, where the whole mesh's rank 0 may live on another host).
+    source = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
     need = set(range(cfg.mesh.stages - 1))
     if not need <= set(codec.bases):  # the same on every fast rank: all inherited, or none
-        obj = [None]
-        if trainer.rank == 0:
+        named = None
+        if source:
             from orchestration.models.loading import load_causal_lm
 
-            plan = trainer.plan
             if os.path.isfile(os.path.join(plan.run_dir, BASIS_FILE)):
                 bases = load(plan.run_dir)
             else:
                 model, _ = load_causal_lm(plan.model_path, dtype=getattr(torch, cfg.model.dtype))
                 bases = bases_for_run(cfg, model, plan.train_rows)
                 del model
-            obj = [{b: v.state_dict() for b, v in bases.items()}]
+            named = {f"{b}.{k}": v for b, basis in bases.items() for k, v in basis.state_dict().items()}
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.broadcast_object_list(obj, src=0)
-        install({int(b): PCABasis(**v) for b, v in obj[0].items()})
+            from orchestration.distributed.tensor_broadcast import broadcast_tensors
+
+            named = broadcast_tensors(named, src=0, device=mesh.device)
+        install(_bases_from_named(named))
         codec.bases = codecs.PCA_BASES
-    if trainer.rank == 0 and not os.path.isfile(os.path.join(trainer.plan.run_dir, BASIS_FILE)):
-        save({b: codec.bases[b] for b in need}, trainer.plan.run_dir)
+    if source and not os.path.isfile(os.path.join(plan.run_dir, BASIS_FILE)):
+        save({b: codec.bases[b] for b in need}, plan.run_dir)
     if not mesh.is_last:
-        trainer.counter.add("pp_fwd", trainer.rank, mesh.next_rank, codec.one_off_bytes(mesh.stage))
+        counter.add("pp_fwd", mesh.rank, mesh.next_rank, codec.one_off_bytes(mesh.stage))
+
+
+def _bases_from_named(named: dict[str, torch.Tensor]) -> dict[int, PCABasis]:
+    """{boundary: PCABasis} from flat "<boundary>.<field>" tensors (PCABasis checks each one)."""
+    per: dict[int, dict] = {}
+    for key, t in named.items():
+        b, _, field = key.partition(".")
+        per.setdefault(int(b), {})[field] = t
+    return {b: PCABasis(**v) for b, v in per.items()}
