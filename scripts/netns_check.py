@@ -6,10 +6,11 @@ Run as root (creates and deletes its own namespaces; talks only to addresses it 
     python scripts/netns_check.py --rows 1        # one pipeline, no DP sync
     python scripts/netns_check.py --help
 
-Topology (what orchestration.distributed.linkmodel calls "node"): one namespace per rank, each
-joined to a hub namespace (IP forwarding) by a veth pair; ``tc tbf rate 200mbit`` on
-the rank side (its uplink) and on the hub side (its downlink). So every rank has a
-200 Mbit/s access link, as consumer GPUs on the internet do.
+Topology (what orchestration.distributed.linkmodel calls "node"): one host per rank made by
+orchestration.hosts (a namespace joined to a hub namespace by a veth pair; ``tc tbf rate
+200mbit`` on the rank side, its uplink, and on the hub side, its downlink). So every rank
+has a 200 Mbit/s access link, as consumer GPUs on the internet do. Bandwidth only: this
+kernel has no netem, so no latency or loss is modeled on the links.
 
 Workload: a rows x stages mesh (rank = row * stages + stage). Each rank is one pipeline
 stage running the schedule of orchestration/distributed/schedule.py exactly as listed, with real
@@ -29,58 +30,8 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
-
-PREFIX = "mkns"  # namespace/interface names: mkns<pid>h, mkns<pid>r<i>; ifnames r<i>/h<i>
-SUBNET = "10.213"  # 10.213.<rank>.0/24 per access link: addresses this script owns
-
-
-def _sh(*cmd: str) -> None:
-    subprocess.run(cmd, check=True, capture_output=True, text=True)
-
-
-class Mesh:
-    """Namespaces + shaped veth access links; ``close()`` deletes all of them."""
-
-    def __init__(self, n: int, rate: str, burst: str):
-        self.tag = f"{PREFIX}{os.getpid()}"
-        self.hub = f"{self.tag}h"
-        self.ranks = [f"{self.tag}r{i}" for i in range(n)]
-        self.made: list[str] = []
-        try:
-            for ns in [self.hub] + self.ranks:
-                _sh("ip", "netns", "add", ns)
-                self.made.append(ns)
-            _sh("ip", "netns", "exec", self.hub, "sysctl", "-qw", "net.ipv4.ip_forward=1")
-            _sh("ip", "netns", "exec", self.hub, "ip", "link", "set", "lo", "up")
-            for i, ns in enumerate(self.ranks):
-                r, h = f"r{i}", f"h{i}"
-                # create the pair inside the hub namespace so no name lands in the root namespace
-                _sh("ip", "netns", "exec", self.hub, "ip", "link", "add", r, "type", "veth", "peer", "name", h)
-                _sh("ip", "netns", "exec", self.hub, "ip", "link", "set", r, "netns", ns)
-                _sh("ip", "netns", "exec", self.hub, "ip", "addr", "add", f"{SUBNET}.{i}.1/24", "dev", h)
-                _sh("ip", "netns", "exec", self.hub, "ip", "link", "set", h, "up")
-                _sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
-                _sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"{SUBNET}.{i}.2/24", "dev", r)
-                _sh("ip", "netns", "exec", ns, "ip", "link", "set", r, "up")
-                _sh("ip", "netns", "exec", ns, "ip", "route", "add", "default", "via", f"{SUBNET}.{i}.1")
-                for where, dev in ((ns, r), (self.hub, h)):  # uplink, downlink
-                    _sh("ip", "netns", "exec", where, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
-                        "rate", rate, "burst", burst, "latency", "200ms")
-        except Exception:
-            self.close()
-            raise
-
-    def addr(self, i: int) -> str:
-        return f"{SUBNET}.{i}.2"
-
-    def close(self) -> None:
-        for ns in reversed(self.made):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-        self.made = []
-
 
 # ---------------------------------------------------------------------------------
 # worker: one rank = one pipeline stage (runs inside its namespace)
@@ -154,32 +105,22 @@ def worker(a) -> None:
 # driver
 # ---------------------------------------------------------------------------------
 
-def run_case(mesh: Mesh, a, fwd_bytes: int, bwd_bytes: int, calibrate: int, port: int) -> list[dict]:
-    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", OMP_NUM_THREADS="1")
+def run_case(hosts, a, fwd_bytes: int, bwd_bytes: int, calibrate: int, port: int) -> list[dict]:
+    env = {"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "1"}
     procs = []
-    for i, ns in enumerate(mesh.ranks):
-        cmd = ["ip", "netns", "exec", ns, sys.executable, os.path.abspath(__file__), "--worker",
-               "--rank", str(i), "--world", str(len(mesh.ranks)), "--stages", str(a.stages),
-               "--dp-bytes", str(a.dp_bytes), "--master", mesh.addr(0), "--port", str(port),
+    for i in range(hosts.n):
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker",
+               "--rank", str(i), "--world", str(hosts.n), "--stages", str(a.stages),
+               "--dp-bytes", str(a.dp_bytes), "--master", hosts.addr(0), "--port", str(port),
                "--schedule", a.schedule, "--microbatches", str(a.microbatches), "--steps", str(a.steps),
                "--warmup", "1", "--f-s", str(a.f_s), "--b-s", str(a.b_s),
                "--fwd-bytes", str(fwd_bytes), "--bwd-bytes", str(bwd_bytes), "--calibrate", str(calibrate)]
-        procs.append(subprocess.Popen(cmd, env=dict(env, GLOO_SOCKET_IFNAME=f"r{i}"), stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True,
-                                      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    results = []
-    try:
-        for i, p in enumerate(procs):
-            o, e = p.communicate(timeout=a.timeout_s)
-            if p.returncode:
-                raise RuntimeError(f"rank {i} failed (exit {p.returncode}):\n{e[-2000:]}")
-            results.append(json.loads(next(ln for ln in o.splitlines() if ln.startswith("RESULT "))[7:]))
-    finally:
-        for p in procs:  # only the processes this script started
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return results
+        procs.append(hosts.popen(i, cmd, env=env, log=f"case{port}.log"))
+    codes = hosts.wait_all(procs, a.timeout_s)  # the first to fail stops the others
+    bad = [p for p, c in zip(procs, codes) if c]
+    if bad:
+        raise RuntimeError(f"rank {bad[0].host} failed (exit {bad[0].returncode}):\n{bad[0].tail(40)}")
+    return [json.loads(next(ln for ln in p.lines if ln.startswith("RESULT "))[7:]) for p in procs]
 
 
 def main(argv=None) -> None:
@@ -208,8 +149,11 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     if a.worker:
         return worker(a)
-    if os.geteuid() != 0:
-        raise SystemExit("netns_check needs root (ip netns, tc)")
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from orchestration.hosts import Hosts, available
+
+    if available():
+        raise SystemExit(f"netns_check: {available()}")
     if a.stages < 2 or a.rows < 1:
         raise SystemExit("--stages must be >= 2 and --rows >= 1")
 
@@ -222,14 +166,14 @@ def main(argv=None) -> None:
     shape = tuple(int(x) for x in a.shape.split(","))
     rate_bps = float(a.rate.lower().replace("mbit", "e6").replace("kbit", "e3").replace("gbit", "e9"))
     cases = [(name, make_codec(name, p=0.95)) for name in ("dense", "mask")]
-    mesh = Mesh(a.rows * a.stages, a.rate, a.burst)
+    hosts = Hosts(a.rows * a.stages, a.rate, burst=a.burst)
     rows, calib_bps = [], None
     try:
         for j, (name, codec) in enumerate(cases):
             fb = codec.wire_bytes(shape, torch.float32, "fwd")
             bb = codec.wire_bytes(shape, torch.float32, "bwd")
             calib = 8 * 2 ** 20 if j == 0 else 0
-            res = run_case(mesh, a, fb, bb, calib, 29600 + j)
+            res = run_case(hosts, a, fb, bb, calib, 29600 + j)
             if calib:
                 calib_bps = calib * 8 / next(r["calib_s"] for r in res if "calib_s" in r)
             measured = statistics.median(max(r["steps"][k] for r in res) for k in range(a.steps))
@@ -246,7 +190,7 @@ def main(argv=None) -> None:
                              model_nominal_s=nominal.step_s, model_calibrated_s=calibrated.step_s,
                              model_pipeline_s=calibrated.pipeline_s, compute=ct))
     finally:
-        mesh.close()
+        hosts.close()
     dp = f", DP all-reduce {a.dp_bytes} B per column per step" if a.rows > 1 else ""
     print(f"netns check: {a.rows} rows x {a.stages} stages{dp}, {a.microbatches} micro-batches, {a.schedule}, tbf {a.rate} "
           f"(burst {a.burst}) per access link, activation {shape} fp32, compute F={a.f_s}s B={a.b_s}s (sleep)")

@@ -24,9 +24,17 @@ reads it as the merged model), a few MB; rank_XXXXX.pt then holds the adapters, 
 stage's weights.
 
 Why per-stage shards and not one merged file: each stage's weights live on a different
-process; merging would move the whole model through one rank for nothing, while HF
-already reads sharded checkpoints. The exported model is replica 0's current weights
-(with DiLoCo, replicas agree only right after an outer sync).
+process; merging would only copy them, while HF already reads sharded checkpoints. The
+exported model is replica 0's current weights (with DiLoCo, replicas agree only right
+after an outer sync).
+
+Across hosts (orchestration.components.checkpoint_hosts): every save finds out which ranks
+share a disk. Each disk keeps its own ranks' rank files, published there by its first rank
+as a checkpoint of its own (meta.json over those files, with "disk": its ranks, whether it
+holds the model); the model shards (or adapters) of stages on other disks travel to the
+leader over the fast group (counted as "export" bytes) and the leader's disk holds the
+whole model as above. A resume on the same hosts reads each host's own disk. With one disk
+for all (one machine, a shared filesystem) nothing travels and nothing changes.
 
 Atomicity: ranks write into ``step_XXXXXXXX.tmp`` and fsync their files; after a barrier
 rank 0 writes meta.json, fsyncs it and the directory, renames the directory into place
@@ -43,7 +51,6 @@ newest valid checkpoint and says so. Weights that are not finite are never saved
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -52,16 +59,16 @@ import sys
 import torch
 import torch.distributed as dist
 
-LATEST = "latest"
+from orchestration.components import checkpoint_hosts as hosts
+from orchestration.components.checkpoint_read import (  # noqa: F401  (their home is here for the callers)
+    LATEST, CheckpointError, complete_checkpoints, load_rank_state, newest_valid, read_meta, resolve, sha256_file,
+    step_dir, verify)
+
 # What travels beside the weights: the tokenizer and generation settings (a LoRA export
 # copies these; a checkpoint the model's config.json too).
 TOKENIZER_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "tokenizer.model", "vocab.json", "merges.txt")
 _COPY = ("config.json",) + TOKENIZER_FILES
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that is missing, incomplete or corrupt (the message names the file)."""
 
 
 def _fsync_file(path: str) -> None:
@@ -85,34 +92,36 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def step_dir(root: str, step: int) -> str:
-    return os.path.join(root, f"step_{step:08d}")
-
-
 def shard_name(stage: int, num_stages: int) -> str:
     return f"model-{stage + 1:05d}-of-{num_stages:05d}.safetensors"
 
 
-def write_stage_shard(tmp: str, stage, num_stages: int, untied: bool = False) -> dict[str, str]:
-    """Writes this stage's weights (HF names) as one safetensors shard; returns name -> file.
+def _write_bytes(path: str, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def stage_shard(stage, num_stages: int, untied: bool = False) -> tuple[str, bytes]:
+    """This stage's weights (HF names) as one safetensors shard: (file name, its bytes).
     ``untied``: a tied model trained with --model.tied-embeddings untie keeps its head copy."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     sd = {k: v.detach().cpu().contiguous().clone() for k, v in stage.hf_state_dict().items()}
     if getattr(stage, "tied_lm_head", False) and not untied:
         sd.pop("lm_head.weight", None)  # the copy of the tied embedding: stage 0 holds it
-    fname = shard_name(stage.index, num_stages)
-    save_file(sd, os.path.join(tmp, fname), metadata={"format": "pt"})
-    _fsync_file(os.path.join(tmp, fname))
-    return {k: fname for k in sd}
+    return shard_name(stage.index, num_stages), save(sd, metadata={"format": "pt"})
+
+
+def write_stage_shard(tmp: str, stage, num_stages: int, untied: bool = False) -> dict[str, str]:
+    """Writes this stage's shard (``stage_shard``) into ``tmp``; returns weight name -> file."""
+    from safetensors import safe_open
+
+    fname, data = stage_shard(stage, num_stages, untied)
+    _write_bytes(os.path.join(tmp, fname), data)
+    with safe_open(os.path.join(tmp, fname), "pt") as f:
+        return {k: fname for k in f.keys()}
 
 
 ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"  # PEFT's file names
@@ -122,13 +131,16 @@ def adapter_shard_name(stage: int, num_stages: int) -> str:
     return f"adapter-{stage + 1:05d}-of-{num_stages:05d}.safetensors"
 
 
-def write_adapter_shard(tmp: str, tensors: dict, stage: int, num_stages: int) -> None:
-    """Writes one stage's adapters (PEFT keys) for ``finalize`` to assemble."""
-    from safetensors.torch import save_file
+def adapter_shard(tensors: dict, stage: int, num_stages: int) -> tuple[str, bytes]:
+    """One stage's adapters (PEFT keys) for ``finalize`` to assemble: (file name, bytes)."""
+    from safetensors.torch import save
 
-    path = os.path.join(tmp, adapter_shard_name(stage, num_stages))
-    save_file(tensors, path, metadata={"format": "pt"})
-    _fsync_file(path)
+    return adapter_shard_name(stage, num_stages), save(tensors, metadata={"format": "pt"})
+
+
+def write_adapter_shard(tmp: str, tensors: dict, stage: int, num_stages: int) -> None:
+    fname, data = adapter_shard(tensors, stage, num_stages)
+    _write_bytes(os.path.join(tmp, fname), data)
 
 
 def _assemble_adapters(tmp: str, num_stages: int, peft_config: dict) -> None:
@@ -158,12 +170,14 @@ def write_rank_state(tmp: str, rank: int, state: dict) -> None:
 
 
 def finalize(root: str, tmp: str, step: int, meta: dict, model_dir: str | None, num_stages: int,
-             keep: int) -> str:
-    """Rank 0, after every rank wrote its files: index (or, LoRA, the PEFT folder: meta
-    holds its "peft_config"), metadata, atomic rename, pruning."""
-    if meta.get("peft_config"):
+             keep: int, model: bool = True) -> str:
+    """Rank 0 (each disk's first rank), after every rank wrote its files: index (or, LoRA,
+    the PEFT folder: meta holds its "peft_config"; not without ``model``: a host's part of
+    a checkpoint, checkpoint_hosts), metadata, atomic rename, pruning."""
+    hosts.remove_probes(tmp)
+    if model and meta.get("peft_config"):
         _assemble_adapters(tmp, num_stages, meta["peft_config"])
-    else:
+    elif model:
         _write_index(tmp, num_stages)
     if model_dir:
         for name in _COPY:
@@ -250,107 +264,6 @@ def continue_command(plan) -> str:
             "--checkpoint.resume latest")
 
 
-def verify(path: str) -> dict:
-    """Checks checkpoint ``path`` against its meta.json (every file present, with the
-    recorded size and sha256); returns the metadata. Raises CheckpointError naming the
-    first bad file. A checkpoint written before meta.json had "files" is only checked
-    for meta.json."""
-    mp = os.path.join(path, "meta.json")
-    if not os.path.isfile(mp):
-        raise CheckpointError(f"{path} is not a complete checkpoint (no meta.json)")
-    try:
-        with open(mp) as f:
-            meta = json.load(f)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: meta.json is unreadable ({e})") from None
-    for name, want in (meta.get("files") or {}).items():
-        p = os.path.join(path, name)
-        if not os.path.isfile(p):
-            raise CheckpointError(f"checkpoint {path} is corrupt: {name} is missing")
-        size = os.path.getsize(p)
-        if size != want["size"]:
-            raise CheckpointError(f"checkpoint {path} is corrupt: {name} has {size} bytes, meta.json says "
-                                  f"{want['size']} (truncated or overwritten)")
-        if sha256_file(p) != want["sha256"]:
-            raise CheckpointError(f"checkpoint {path} is corrupt: {name} does not match its sha256 in meta.json")
-    return meta
-
-
-def _step_dirs(root: str) -> list[str]:
-    """Complete-looking checkpoint directories under ``root``, newest step first (.tmp never)."""
-    if not os.path.isdir(root):
-        return []
-    done = [d for d in os.listdir(root) if d.startswith("step_") and d[5:].isdigit()
-            and os.path.isdir(os.path.join(root, d))]
-    return [os.path.join(root, d) for d in sorted(done, key=lambda d: -int(d[5:]))]
-
-
-def complete_checkpoints(root: str) -> list[tuple[int, str]]:
-    """(step, directory) of every published checkpoint under ``root`` (its meta.json
-    written), oldest first; not verified (``verify`` does that)."""
-    return [(int(os.path.basename(d)[5:]), d) for d in reversed(_step_dirs(root))
-            if os.path.isfile(os.path.join(d, "meta.json"))]
-
-
-def newest_valid(root: str, *, max_step: int | None = None, exclude: str = "") -> str | None:
-    """The newest checkpoint under ``root`` that passes ``verify`` (and whose step is at
-    most ``max_step``), or None."""
-    for d in _step_dirs(root):
-        if max_step is not None and int(os.path.basename(d)[5:]) > max_step:
-            continue
-        if exclude and os.path.abspath(d) == os.path.abspath(exclude):
-            continue
-        try:
-            verify(d)
-        except CheckpointError:
-            continue
-        return d
-    return None
-
-
-def resolve(resume: str, root: str, *, quiet: bool = False) -> str:
-    """The verified checkpoint directory named by ``--checkpoint.resume`` ('latest' or a path).
-
-    Raises CheckpointError (a ValueError) if there is none, or it is incomplete or
-    corrupt. 'latest' naming a corrupt or missing checkpoint falls back to the newest
-    valid one under ``root`` and says so on stderr (unless ``quiet``)."""
-    if resume != "latest":
-        try:
-            verify(resume)
-        except CheckpointError as e:
-            raise CheckpointError(f"--checkpoint.resume {resume}: {e}") from None
-        return resume
-    p = os.path.join(root, LATEST)
-    if not os.path.isfile(p):
-        raise CheckpointError(f"--checkpoint.resume latest: no checkpoint in {root}")
-    with open(p) as f:
-        path = os.path.join(root, f.read().strip())
-    try:
-        verify(path)
-        return path
-    except CheckpointError as e:
-        problem = str(e)
-    fallback = newest_valid(root, exclude=path)
-    if fallback is None:
-        raise CheckpointError(f"--checkpoint.resume latest: {problem}; no other valid checkpoint in {root}")
-    if not quiet:
-        print(f"warning: `latest` is unusable ({problem}); falling back to the newest valid checkpoint {fallback}",
-              file=sys.stderr, flush=True)
-    return fallback
-
-
-def read_meta(path: str) -> dict:
-    with open(os.path.join(path, "meta.json")) as f:
-        return json.load(f)
-
-
-def load_rank_state(path: str, rank: int) -> dict:
-    f = os.path.join(path, f"rank_{rank:05d}.pt")
-    if not os.path.isfile(f):
-        raise CheckpointError(f"checkpoint {path} has no state for rank {rank} ({os.path.basename(f)} is missing)")
-    return torch.load(f, weights_only=True, map_location="cpu")
-
-
 class Checkpointer:
     """Saves and loads one fast rank's part of the checkpoints (``save`` / ``load``).
 
@@ -380,7 +293,8 @@ class Checkpointer:
 
     def save(self, step: int) -> str | None:
         """Every fast rank (elastic: of the leader replica) calls it at the same step; returns the checkpoint directory, or
-        None (nothing written) if any fast rank's weights are not finite."""
+        None (nothing written) if any fast rank's weights are not finite. Each disk gets the
+        files of its own ranks; the leader's also the model (checkpoint_hosts)."""
         cfg, plan, mesh = self.cfg, self.plan, self.mesh
         root = plan.ckpt_dir
         ok = torch.tensor([float(all(bool(torch.isfinite(p).all()) for p in self.stage.parameters()))],
@@ -395,29 +309,47 @@ class Checkpointer:
         dist.barrier(group=mesh.fast)  # the directory exists before anyone writes (rank 0 may have removed an old one)
         y0 = cfg.replica_stages[0]  # replica 0's stages write the HF checkpoint
         adapters = self.parts["stage"] if hasattr(self.parts.get("stage"), "peft_config") else None
-        if mesh.row == 0 or mesh.elastic:  # elastic: only the leader replica saves, all of it
+        shard = mesh.row == 0 or mesh.elastic  # elastic: only the leader replica saves, all of it
+        view = hosts.disk_view(tmp, mesh.fast, mesh.device, self.stage.index if shard else -1)
+        if shard and view.on_leader_disk:
             if adapters is not None:
                 write_adapter_shard(tmp, adapters.tensors(), self.stage.index, y0)
             else:
                 write_stage_shard(tmp, self.stage, y0, untied=self.untied_embeddings)
+        elif shard:  # the leader's disk is not ours: the shard travels (counted as "export")
+            fname, data = (adapter_shard(adapters.tensors(), self.stage.index, y0) if adapters is not None
+                           else stage_shard(self.stage, y0, untied=self.untied_embeddings))
+            n = hosts.send_file(data, 0, mesh.fast, mesh.device)
+            if self.parts.get("counter") is not None:
+                self.parts["counter"].add("export", mesh.rank, dist.get_global_rank(mesh.fast, 0), n)
+        if view.me == 0:
+            hosts.recv_shards(view, tmp, adapter_shard_name if adapters is not None else shard_name, y0, mesh)
         state = {"step": step}
         state.update({k: None if v is None else v.state_dict() for k, v in self.parts.items()})
         write_rank_state(tmp, self.state_rank, state)
         dist.barrier(group=mesh.fast)
         final = step_dir(root, step)
-        if self.publisher:
+        if view.publisher:  # the leader (rank 0 / elastic stage 0), and the first rank of every other disk
             meta = {"step": step, "rows": cfg.mesh.rows, "stages": cfg.mesh.stages, "anchor": cfg.anchor.enabled,
                     "replicas": cfg.replica_stages, "model_path": plan.model_path, "config": cfg.to_dict(),
                     "untied_embeddings": self.untied_embeddings}
             if adapters is not None:
                 meta["peft_config"] = adapters.peft_config
-            finalize(root, tmp, step, meta, plan.model_path, y0, cfg.checkpoint.keep)
+            if view.disks > 1:  # what this disk holds: its ranks' files, the model only on the leader's
+                meta["disk"] = {"ranks": [dist.get_global_rank(mesh.fast, r) for r in view.members(view.me)],
+                                "model": view.on_leader_disk, "disks": view.disks}
+            finalize(root, tmp, step, meta, plan.model_path, y0, cfg.checkpoint.keep, model=view.on_leader_disk)
         dist.barrier(group=mesh.fast)
         return final
 
     def load(self, path: str) -> int:
-        """Loads this rank's parts from checkpoint ``path``; returns its step."""
+        """Loads this rank's parts from checkpoint ``path``; returns its step. Across hosts
+        each reads its own disk: hosts whose ``latest`` differ (one died between the disks'
+        publications, or a divergence rolled back only the leader's) all load the oldest
+        of their steps, which every disk must still hold."""
         st = load_rank_state(path, self.state_rank)
+        if not self.mesh.elastic:
+            st = hosts.agree_step(path, st, self.mesh, self.state_rank)
         for name, part in self.parts.items():
             if part is not None and st.get(name) is not None:
                 part.load_state_dict(st[name])

@@ -85,13 +85,22 @@ def summary_rows(s: dict) -> list[tuple[str, str]]:
 # ------------------------------------------------------------ end-of-run records
 def write_link_bytes(plan, mesh, counter: LinkCounter) -> str:
     """Every fast rank writes the bytes it sent per (axis, src -> dst) link; rank 0 merges
-    them into RUN_DIR/link_bytes.json (files, not pickles over the network)."""
+    them into RUN_DIR/link_bytes.json (the files travel to it as JSON bytes over the fast
+    group, never pickles: hosts may have disks of their own)."""
 
     d = os.path.join(plan.run_dir, "link_bytes")
     os.makedirs(d, exist_ok=True)
     with open(os.path.join(d, f"rank_{mesh.rank:05d}.json"), "w") as f:
         json.dump({"links": counter.by_link(), "totals": counter.totals()}, f)
     dist.barrier(group=mesh.fast)
+    if not mesh.elastic:  # hosts with disks of their own: rank 0 takes every file over the fast group (json, no pickle)
+        from orchestration.components.checkpoint_hosts import recv_file, send_file
+
+        if mesh.rank != 0:
+            with open(os.path.join(d, f"rank_{mesh.rank:05d}.json"), "rb") as f:
+                send_file(f.read(), 0, mesh.fast, mesh.device)
+        for r in mesh.layout.fast_ranks()[1:] if mesh.rank == 0 else ():
+            recv_file(os.path.join(d, f"rank_{r:05d}.json"), r, mesh.fast, mesh.device)
     path = os.path.join(plan.run_dir, "link_bytes.json")
     if mesh.rank == 0:
         merged = {"links": {}, "per_rank": {}}

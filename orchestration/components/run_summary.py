@@ -16,6 +16,8 @@ AXIS_TEXT = {
     "anchor": "traffic between the fast replicas and the anchor row (snapshots, anchor gradients), per trained token",
     "tied": "tied embedding split over first and last stage: its full gradient all-reduced between them every "
             "step (not compressed by the boundary codec), per trained token",
+    "export": "checkpoint files sent to the leader's disk by stages on other hosts' disks (the model shard or "
+              "adapters, at every checkpoint; none with a shared disk), per trained token",
 }
 
 
@@ -66,8 +68,8 @@ def summary_rows(s: dict) -> list[tuple[str, str, str]]:
                      "orchestration.distributed.linkmodel's estimate for a mesh of real devices over links of --run.bandwidth-bps"))
         rows.append(("why they differ", "", _why_modeled_differs(s)))
     for a in AXIS_TEXT:
-        if a == "tied" and not s["bytes_per_token"].get(a):
-            continue  # untied model, or one stage: no such traffic
+        if a in ("tied", "export") and not s["bytes_per_token"].get(a):
+            continue  # untied model, or one stage / one disk: no such traffic
         rows.append((f"bytes/token {a}{whole}", f"{s['bytes_per_token'][a]:.1f}", AXIS_TEXT[a]))
     rows.append(("bytes/token PP (fwd+bwd)", f"{s['bytes_per_token_pp']:.1f}",
                  "both pipeline directions, what the boundary codec shrinks (a dense pipeline sends 2 x H values "

@@ -3,14 +3,16 @@
 Axes: "pp_fwd" (activations between stages), "pp_bwd" (activation gradients),
 "dp" (replica sync: gradient all-reduce or DiLoCo fragments, as counted by the
 compressor / StreamingDiLoCo), "anchor" (anchor <-> fast traffic), "tied" (the gradient
-all-reduce of a tied embedding split over a pipeline's first and last stage, every step). Every rank counts
+all-reduce of a tied embedding split over a pipeline's first and last stage, every step),
+"export" (checkpoint files a stage on another disk sends to the leader: its model shard or
+adapters, orchestration.components.checkpoint_hosts; 0 with a shared disk). Every rank counts
 the bytes it SENDS, so summing over ranks counts each byte on the wire once.
 """
 from __future__ import annotations
 
 from collections import defaultdict
 
-AXES = ("pp_fwd", "pp_bwd", "dp", "anchor", "tied")
+AXES = ("pp_fwd", "pp_bwd", "dp", "anchor", "tied", "export")
 
 
 class LinkCounter:

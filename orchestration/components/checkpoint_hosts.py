@@ -1,0 +1,196 @@
+"""Checkpoints across hosts: which fast ranks share a disk, and the files sent to the leader.
+
+Every rank writes the files it owns (its rank_XXXXX.pt; replica 0's ranks their stage's
+shard). On one machine, or hosts sharing a filesystem, they all land in one directory and
+rank 0 publishes it (orchestration.components.checkpoint). Hosts in different homes have
+disks of their own, so at every save ``disk_view`` finds out from the files themselves who
+shares a disk with whom: each fast rank creates an empty probe file, named by a nonce the
+leader broadcasts, in the step's .tmp directory; after a barrier each looks for everyone's,
+and the gathered visibility matrix groups the ranks by disk. It must be an equivalence
+(a directory seen one way only, e.g. a stale network-filesystem cache, is refused naming
+the ranks) and it is the same on every rank, so all ranks decide alike.
+
+What goes where:
+  * every disk keeps its own ranks' rank files; the first rank of each disk group publishes
+    the checkpoint there (meta.json over the files on that disk, verified by sha256 as
+    always, the atomic rename, ``latest``, --checkpoint.keep), so a resume on the same hosts
+    reads each host's own disk;
+  * the leader's disk (fast rank 0's; the elastic leader's stage 0) also holds the
+    user-facing model (HF shards + index, or the PEFT folder): a stage of replica 0 on
+    another disk sends its shard to the leader instead of writing it: the safetensors file's
+    bytes (exactly what it would have written) and their sha256, as uint8 tensors with
+    torch.distributed send/recv on the fast group, in chunks of ``CHUNK`` bytes (no pickle:
+    the leader writes the bytes and checks the hash; safetensors parses them later). The
+    sender counts them on the LinkCounter's "export" axis. With a shared disk nothing is
+    sent (0 export bytes).
+
+When it is sent: at every checkpoint, synchronously (training waits): LoRA adapters are a
+few MB, a full model's stage is not; every transfer must finish within --mesh.timeout-s
+per chunk, and the other ranks wait at the checkpoint's barrier while the leader receives.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from orchestration.components.checkpoint_read import CheckpointError, load_rank_state, step_dir, verify
+
+CHUNK = 4 << 20  # bytes per send: one op stays short on a slow link (the gloo timeout is per op)
+_PROBE = ".probe-"
+
+
+@dataclass
+class DiskView:
+    """Who shares a disk with whom at one save (group ranks of the fast group)."""
+
+    me: int                  # this rank in the fast group
+    sees: list[list[bool]]   # sees[r][s]: group rank r found group rank s's probe
+    shard: list[int]         # the stage whose model shard group rank r writes, or -1
+
+    @property
+    def disks(self) -> int:
+        return len({tuple(row) for row in self.sees})
+
+    def same_disk(self, r: int, s: int) -> bool:
+        return self.sees[r][s]
+
+    def members(self, r: int) -> list[int]:
+        """The group ranks on group rank ``r``'s disk."""
+        return [s for s, v in enumerate(self.sees[r]) if v]
+
+    @property
+    def publisher(self) -> bool:
+        """This rank publishes the checkpoint on its disk (the first rank there)."""
+        return self.members(self.me)[0] == self.me
+
+    @property
+    def on_leader_disk(self) -> bool:
+        return self.sees[self.me][0]
+
+
+def _tensor(values, device, dtype=torch.int64) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype).to(device)
+
+
+def disk_view(tmp: str, group, device, shard_stage: int) -> DiskView:
+    """Collective on ``group`` (every fast rank, after each created ``tmp``): which ranks
+    see each other's files in ``tmp`` (module doc). ``shard_stage``: the stage whose model
+    shard this rank writes (-1: none)."""
+    me, n = dist.get_rank(group), dist.get_world_size(group)
+    nonce = _tensor([int.from_bytes(os.urandom(7), "little") if me == 0 else 0], device)
+    dist.broadcast(nonce, group=group, group_src=0)
+    tag = f"{_PROBE}{int(nonce.item()):x}-"
+    mine = os.path.join(tmp, f"{tag}{me}")
+    open(mine, "w").close()
+    dist.barrier(group=group)
+    row = [int(os.path.exists(os.path.join(tmp, f"{tag}{s}"))) for s in range(n)] + [shard_stage]
+    rows = [torch.zeros(n + 1, dtype=torch.int64, device=device) for _ in range(n)]
+    dist.all_gather(rows, _tensor(row, device), group=group)
+    dist.barrier(group=group)  # everyone looked before anyone removes its probe
+    os.remove(mine)
+    table = [[int(v) for v in r.tolist()] for r in rows]
+    view = DiskView(me, [[bool(v) for v in r[:n]] for r in table], [r[n] for r in table])
+    check_disks(view.sees, tmp)
+    return view
+
+
+def check_disks(sees: list[list[bool]], where: str) -> None:
+    """CheckpointError unless ``sees`` (rank r finds rank s's file) is an equivalence: every
+    rank sees its own files, visibility is mutual and transitive (one disk, one group)."""
+    n = len(sees)
+    for r in range(n):
+        for s in range(n):
+            via = next((t for t in range(n) if sees[r][t] and sees[t][s]), None)
+            if not sees[r][r] or sees[r][s] != sees[s][r] or (via is not None and not sees[r][s]):
+                raise CheckpointError(f"checkpoint directory {where}: ranks {r} and {s} (of the fast group) disagree on "
+                                      "whether they share a disk (one sees the other's files, not the reverse): a "
+                                      "network filesystem with a stale cache? Give every host a --checkpoint.dir of "
+                                      "its own, or one that all see alike")
+
+
+def remove_probes(tmp: str) -> None:
+    """Probe files a crashed save left in ``tmp`` (never published)."""
+    for name in os.listdir(tmp):
+        if name.startswith(_PROBE):
+            os.remove(os.path.join(tmp, name))
+
+
+def send_file(data: bytes, dst: int, group, device) -> int:
+    """Sends ``data`` (a file's bytes) to group rank ``dst`` (``recv_file``); the bytes sent."""
+    head = len(data).to_bytes(8, "little") + hashlib.sha256(data).digest()
+    dist.send(torch.frombuffer(bytearray(head), dtype=torch.uint8).to(device), group=group, group_dst=dst)
+    view = memoryview(data)
+    for off in range(0, len(data), CHUNK):
+        piece = torch.frombuffer(bytearray(view[off:off + CHUNK]), dtype=torch.uint8).to(device)
+        dist.send(piece, group=group, group_dst=dst)
+    return len(head) + len(data)
+
+
+def recv_file(path: str, src: int, group, device) -> int:
+    """Receives a file from group rank ``src`` (``send_file``) into ``path`` (written as
+    ``path.part``, checked against the sender's sha256, fsynced, renamed); the bytes."""
+    head = torch.empty(40, dtype=torch.uint8, device=device)
+    dist.recv(head, group=group, group_src=src)
+    head = bytes(head.cpu().tolist())
+    size, want = int.from_bytes(head[:8], "little"), head[8:]
+    h, part = hashlib.sha256(), path + ".part"
+    with open(part, "wb") as f:
+        for off in range(0, size, CHUNK):
+            buf = torch.empty(min(CHUNK, size - off), dtype=torch.uint8, device=device)
+            dist.recv(buf, group=group, group_src=src)
+            b = buf.cpu().numpy().tobytes()
+            h.update(b)
+            f.write(b)
+        f.flush()
+        os.fsync(f.fileno())
+    if h.digest() != want:
+        os.remove(part)
+        raise CheckpointError(f"{os.path.basename(path)} from rank {src} of the fast group arrived corrupt "
+                        f"(sha256 differs from the sender's)")
+    os.replace(part, path)
+    return len(head) + size
+
+
+def reduce_int(value: int, group, device, op) -> int:
+    """``value`` reduced with ``op`` over ``group`` (every rank calls it)."""
+    t = _tensor([value], device)
+    dist.all_reduce(t, op=op, group=group)
+    return int(t.item())
+
+
+def recv_shards(view: DiskView, tmp: str, name_of, num_stages: int, mesh) -> None:
+    """The leader: every shard of a stage on another disk, into ``tmp`` as ``name_of(stage, num_stages)``."""
+    for r, s in enumerate(view.shard):
+        if s >= 0 and not view.same_disk(0, r):
+            recv_file(os.path.join(tmp, name_of(s, num_stages)), r, mesh.fast, mesh.device)
+
+
+def agree_step(path: str, st: dict, mesh, state_rank: int) -> dict:
+    """Collective on the fast group at a resume: the rank state of the step every rank can
+    load. Each host read ``path`` (its own ``latest``) with its state ``st``; if the steps
+    differ (a host died between the disks' publications, or a divergence rolled back only
+    the leader's ``latest``) every rank takes the oldest, verified, from its own disk (if
+    that step is gone there, e.g. pruned, every rank fails with the reason)."""
+    step = int(st["step"])
+    lo, hi = reduce_int(step, mesh.fast, mesh.device, dist.ReduceOp.MIN), -reduce_int(
+        -step, mesh.fast, mesh.device, dist.ReduceOp.MIN)
+    if lo == hi:
+        return st
+    alt, problem = step_dir(os.path.dirname(os.path.normpath(path)), lo), ""
+    if step != lo:
+        try:
+            verify(alt)
+            st = load_rank_state(alt, state_rank)
+        except (CheckpointError, OSError) as e:
+            problem = str(e)
+    if reduce_int(int(bool(problem)), mesh.fast, mesh.device, dist.ReduceOp.MAX):
+        raise CheckpointError(f"the hosts' checkpoints to resume differ (steps {lo} to {hi}) and step {lo} is not on every "
+                        "disk" + (f": {problem}" if problem else " (the reason is in another rank's error)"))
+    if mesh.rank == 0:
+        print(f"warning: the hosts' latest checkpoints differ (steps {lo} to {hi}): every rank resumes from step "
+              f"{lo}, the newest all of them hold", flush=True)
+    return st

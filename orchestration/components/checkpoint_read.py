@@ -1,0 +1,130 @@
+"""Reading checkpoints: verification against meta.json, ``latest`` and its fallback, the
+published checkpoints of a directory, a rank's state (orchestration.components.checkpoint
+re-exports all of it; its doc describes the layout)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+
+import torch
+
+LATEST = "latest"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, incomplete or corrupt (the message names the file)."""
+
+
+def sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def step_dir(root: str, step: int) -> str:
+    return os.path.join(root, f"step_{step:08d}")
+
+
+def verify(path: str) -> dict:
+    """Checks checkpoint ``path`` against its meta.json (every file present, with the
+    recorded size and sha256); returns the metadata. Raises CheckpointError naming the
+    first bad file. A checkpoint written before meta.json had "files" is only checked
+    for meta.json."""
+    mp = os.path.join(path, "meta.json")
+    if not os.path.isfile(mp):
+        raise CheckpointError(f"{path} is not a complete checkpoint (no meta.json)")
+    try:
+        with open(mp) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: meta.json is unreadable ({e})") from None
+    for name, want in (meta.get("files") or {}).items():
+        p = os.path.join(path, name)
+        if not os.path.isfile(p):
+            raise CheckpointError(f"checkpoint {path} is corrupt: {name} is missing")
+        size = os.path.getsize(p)
+        if size != want["size"]:
+            raise CheckpointError(f"checkpoint {path} is corrupt: {name} has {size} bytes, meta.json says "
+                                  f"{want['size']} (truncated or overwritten)")
+        if sha256_file(p) != want["sha256"]:
+            raise CheckpointError(f"checkpoint {path} is corrupt: {name} does not match its sha256 in meta.json")
+    return meta
+
+
+def _step_dirs(root: str) -> list[str]:
+    """Complete-looking checkpoint directories under ``root``, newest step first (.tmp never)."""
+    if not os.path.isdir(root):
+        return []
+    done = [d for d in os.listdir(root) if d.startswith("step_") and d[5:].isdigit()
+            and os.path.isdir(os.path.join(root, d))]
+    return [os.path.join(root, d) for d in sorted(done, key=lambda d: -int(d[5:]))]
+
+
+def complete_checkpoints(root: str) -> list[tuple[int, str]]:
+    """(step, directory) of every published checkpoint under ``root`` (its meta.json
+    written), oldest first; not verified (``verify`` does that)."""
+    return [(int(os.path.basename(d)[5:]), d) for d in reversed(_step_dirs(root))
+            if os.path.isfile(os.path.join(d, "meta.json"))]
+
+
+def newest_valid(root: str, *, max_step: int | None = None, exclude: str = "") -> str | None:
+    """The newest checkpoint under ``root`` that passes ``verify`` (and whose step is at
+    most ``max_step``), or None."""
+    for d in _step_dirs(root):
+        if max_step is not None and int(os.path.basename(d)[5:]) > max_step:
+            continue
+        if exclude and os.path.abspath(d) == os.path.abspath(exclude):
+            continue
+        try:
+            verify(d)
+        except CheckpointError:
+            continue
+        return d
+    return None
+
+
+def resolve(resume: str, root: str, *, quiet: bool = False) -> str:
+    """The verified checkpoint directory named by ``--checkpoint.resume`` ('latest' or a path).
+
+    Raises CheckpointError (a ValueError) if there is none, or it is incomplete or
+    corrupt. 'latest' naming a corrupt or missing checkpoint falls back to the newest
+    valid one under ``root`` and says so on stderr (unless ``quiet``)."""
+    if resume != "latest":
+        try:
+            verify(resume)
+        except CheckpointError as e:
+            raise CheckpointError(f"--checkpoint.resume {resume}: {e}") from None
+        return resume
+    p = os.path.join(root, LATEST)
+    if not os.path.isfile(p):
+        raise CheckpointError(f"--checkpoint.resume latest: no checkpoint in {root}")
+    with open(p) as f:
+        path = os.path.join(root, f.read().strip())
+    try:
+        verify(path)
+        return path
+    except CheckpointError as e:
+        problem = str(e)
+    fallback = newest_valid(root, exclude=path)
+    if fallback is None:
+        raise CheckpointError(f"--checkpoint.resume latest: {problem}; no other valid checkpoint in {root}")
+    if not quiet:
+        print(f"warning: `latest` is unusable ({problem}); falling back to the newest valid checkpoint {fallback}",
+              file=sys.stderr, flush=True)
+    return fallback
+
+
+def read_meta(path: str) -> dict:
+    with open(os.path.join(path, "meta.json")) as f:
+        return json.load(f)
+
+
+def load_rank_state(path: str, rank: int) -> dict:
+    f = os.path.join(path, f"rank_{rank:05d}.pt")
+    if not os.path.isfile(f):
+        raise CheckpointError(f"checkpoint {path} has no state for rank {rank} ({os.path.basename(f)} is missing)")
+    return torch.load(f, weights_only=True, map_location="cpu")
