@@ -272,3 +272,15 @@ def test_paired_gaps_subtract_dense_seed_by_seed_at_common_steps():
     assert mean == pytest.approx((0.0, 0.2, 0.15)) and lo == pytest.approx((0.0, 0.1, 0.1))
     assert hi == pytest.approx((0.0, 0.3, 0.2))
     assert [(s, round(m, 6), k) for s, m, _, _, k in g["b"]] == [(0, 0.0, 1), (10, 0.1, 1)]
+
+
+def test_record_settings_name_the_model_from_home_not_this_machine():
+    """A record's settings write a model under the home directory as ~/..., so records made
+    on one machine match (and name no path of it) on another."""
+    import os
+
+    from orchestration.experiments.rows import DEFAULT, Settings
+
+    home_model = os.path.join(os.path.expanduser("~"), ".cache", "meshkern", "base-v1")
+    assert Settings(model=home_model, data="corpus:python", **DEFAULT).key()["model"] == "~/.cache/meshkern/base-v1"
+    assert Settings(model="/opt/models/x", data="corpus:python", **DEFAULT).key()["model"] == "/opt/models/x"

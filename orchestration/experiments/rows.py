@@ -188,8 +188,13 @@ class Settings:
     n_task: int = 100
 
     def key(self) -> dict:
+        """The settings a record is matched by; the model path under the home directory is
+        written as ~/..., so records name no particular machine and match on any."""
         d = dataclasses.asdict(self)
         d["prune"] = list(d["prune"])
+        home = os.path.expanduser("~")
+        if isinstance(d["model"], str) and d["model"].startswith(home + os.sep):
+            d["model"] = "~" + d["model"][len(home):]
         return d
 
 
