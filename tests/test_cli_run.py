@@ -198,3 +198,22 @@ def test_other_progress_bars_update_rarely_in_a_log_file():
     env = {k: v for k, v in os.environ.items() if k != "TQDM_MININTERVAL"}
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 0 and p.stdout.strip() == "30.0", p.stderr
+
+
+def test_slow_rates_and_runs_across_hosts_are_said_as_they_are():
+    from orchestration.components.run_summary import format_rate
+
+    assert [format_rate(b) for b in (200e6, 1.5e6, 0.5e6, 64e3)] == ["200 Mbps", "1.5 Mbps", "500 kbps", "64 kbps"]
+    text = format_summary(_summary(bandwidth_bps=0.5e6, links_local=False))
+    assert re.search(r"^modeled tokens/s @ 500 kbps +6214\.6$", text, re.M)
+    why = text[text.index("why they differ"):]
+    assert "links are local" not in why and "these hosts" in why and "500 kbps links" in why
+
+
+def test_links_are_local_when_the_rendezvous_is_loopback(monkeypatch):
+    from orchestration.components.metrics import links_local
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    assert links_local()
+    monkeypatch.setenv("MASTER_ADDR", "10.213.0.2")
+    assert not links_local()

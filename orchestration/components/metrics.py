@@ -116,6 +116,19 @@ def write_link_bytes(plan, mesh, counter: LinkCounter) -> str:
     return path
 
 
+def links_local() -> bool:
+    """Whether this run's ranks meet on this machine: the rendezvous address (MASTER_ADDR,
+    as the local launcher or torchrun set it) is a loopback address."""
+    import ipaddress
+    import socket
+
+    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(addr)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
 def summarize(cfg, plan, history: list[dict], elapsed: float, steps_done: int, last_ckpt: str, model,
               where: str = "") -> dict:
     """The run's summary (rank 0): what ``summary_rows`` prints and what run_rank returns.
@@ -148,6 +161,7 @@ def summarize(cfg, plan, history: list[dict], elapsed: float, steps_done: int, l
         "modeled_limit": None if model is None else model.limiting,
         "checkpoint": last_ckpt, "metrics_path": os.path.join(plan.run_dir, "metrics.jsonl"),
         "run_dir": plan.run_dir, "ranks": cfg.world_size, "tensorboard": bool(cfg.run.tensorboard),
+        "links_local": links_local(),
         "start_step": history[0]["step"] - 1, "steps_this": steps_done, "loss_first_run": None,
     }
     if s["start_step"] > 0:  # a resumed run: the whole run's first loss is in metrics.jsonl

@@ -21,11 +21,25 @@ AXIS_TEXT = {
 }
 
 
+def format_rate(bps: float) -> str:
+    """A link rate for people: '200 Mbps', '0.5 Mbps', '64 kbps' (never '0 Mbps')."""
+    if bps >= 10e6:
+        return f"{bps / 1e6:.0f} Mbps"
+    if bps >= 1e6:
+        return f"{bps / 1e6:.3g} Mbps"
+    return f"{bps / 1e3:.3g} kbps"
+
+
 def _why_modeled_differs(s: dict) -> str:
     limit = s.get("modeled_limit") or "pipeline"
-    return (f"measured = this machine: its {s.get('ranks', '')} ranks share its cores, links are local; modeled = "
-            f"the same compute times and bytes with a device per rank and {s['bandwidth_bps'] / 1e6:.0f} Mbps links "
-            f"(bound: {limit}). Shared cores make measured lower; slow links make modeled lower")
+    rate = format_rate(s["bandwidth_bps"])
+    if s.get("links_local", True):
+        return (f"measured = this machine: its {s.get('ranks', '')} ranks share its cores, links are local; modeled = "
+                f"the same compute times and bytes with a device per rank and {rate} links "
+                f"(bound: {limit}). Shared cores make measured lower; slow links make modeled lower")
+    return (f"measured = these hosts over the links between them, as they are; modeled = the same compute times and "
+            f"bytes with {rate} links (--run.bandwidth-bps; bound: {limit}). Links slower or faster than that, "
+            "latency, and hosts sharing cores make them differ")
 
 
 def summary_rows(s: dict) -> list[tuple[str, str, str]]:
@@ -64,7 +78,7 @@ def summary_rows(s: dict) -> list[tuple[str, str, str]]:
     rows.append(("measured tokens/s" + (" (this invocation)" if resumed else ""), f"{s['tokens_per_s']:.1f}",
                  "tokens trained per wall-clock second on this machine"))
     if s.get("modeled_tokens_per_s") is not None:
-        rows.append((f"modeled tokens/s @ {s['bandwidth_bps'] / 1e6:.0f} Mbps", f"{s['modeled_tokens_per_s']:.1f}",
+        rows.append((f"modeled tokens/s @ {format_rate(s['bandwidth_bps'])}", f"{s['modeled_tokens_per_s']:.1f}",
                      "orchestration.distributed.linkmodel's estimate for a mesh of real devices over links of --run.bandwidth-bps"))
         rows.append(("why they differ", "", _why_modeled_differs(s)))
     for a in AXIS_TEXT:
