@@ -42,7 +42,9 @@ def _no_spawn(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("a worker was spawned")
 
-    monkeypatch.setattr(train, "run_local", refuse)
+    from orchestration.launch import local
+
+    monkeypatch.setattr(local, "run_local", refuse)
 
 
 @pytest.mark.slow
