@@ -24,14 +24,17 @@ What goes where:
     sender counts them on the LinkCounter's "export" axis. With a shared disk nothing is
     sent (0 export bytes).
 
-When it is sent: at every checkpoint, synchronously (training waits): LoRA adapters are a
-few MB, a full model's stage is not. Measured on orchestration.hosts (tbf-shaped links, no
+When it is sent: at every checkpoint; in the background on a fixed mesh
+(orchestration.components.checkpoint_export: the training does not wait for it), during the
+save on an elastic replica (training waits): LoRA adapters are a few MB, a full model's
+stage is not. Measured on orchestration.hosts (tbf-shaped links, no
 latency or loss: no netem), one sender: 2 MiB at 5 Mbit/s in 3.5 s (4.8 Mbit/s, raw TCP
 4.9), 8 MiB at 20 Mbit/s in 3.6 s (18.7 vs 19.3), 32 MiB at 200 Mbit/s in 1.9 s (144 vs
-179-191: hashing and copies on a busy 2-core box). Limits: each chunk must arrive within
---mesh.timeout-s, and so must the whole assembly for the ranks that wait on it (a second
-sender's first chunk waits for the first sender's shard; the other ranks wait at the
-save's barrier): a full model's stages over a slow link need a longer --mesh.timeout-s.
+179-191: hashing and copies on a busy 2-core box). Limits of the synchronous path (elastic):
+each chunk must arrive within --mesh.timeout-s, and so must the whole assembly for the
+ranks that wait on it (a second sender's first chunk waits for the first sender's shard;
+the other ranks wait at the save's barrier). The background path has a group of its own
+with a timeout sized for the whole model at a slow rate (checkpoint_export).
 """
 from __future__ import annotations
 
@@ -45,6 +48,7 @@ import torch.distributed as dist
 from orchestration.components.checkpoint_read import CheckpointError, load_rank_state, step_dir, verify
 
 CHUNK = 4 << 20  # bytes per send: one op stays short on a slow link (the gloo timeout is per op)
+HEAD_BYTES = 40  # what send_file adds to a file's bytes: its size (8) and sha256 (32)
 _PROBE = ".probe-"
 
 
@@ -138,7 +142,7 @@ def send_file(data: bytes, dst: int, group, device) -> int:
 def recv_file(path: str, src: int, group, device) -> int:
     """Receives a file from group rank ``src`` (``send_file``) into ``path`` (written as
     ``path.part``, checked against the sender's sha256, fsynced, renamed); the bytes."""
-    head = torch.empty(40, dtype=torch.uint8, device=device)
+    head = torch.empty(HEAD_BYTES, dtype=torch.uint8, device=device)
     dist.recv(head, group=group, group_src=src)
     head = bytes(head.cpu().tolist())
     size, want = int.from_bytes(head[:8], "little"), head[8:]
