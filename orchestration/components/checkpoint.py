@@ -68,8 +68,8 @@ from orchestration.components.checkpoint_files import (  # noqa: F401  (re-expor
     ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_shard_name, assemble_adapters, fsync_dir, fsync_file, shard_name,
     write_bytes, write_index)
 from orchestration.components.checkpoint_read import (  # noqa: F401  (their home is here for the callers)
-    LATEST, CheckpointError, complete_checkpoints, load_rank_state, model_problem, newest_model, newest_valid, read_meta,
-    resolve, sha256_file, step_dir, verify)
+    LATEST, CheckpointError, complete_checkpoints, disk_is_empty, is_no_local, load_rank_state, model_problem, newest_model,
+    newest_valid, no_local_checkpoint, read_meta, resolve, sha256_file, step_dir, verify)
 
 # What travels beside the weights: the tokenizer and generation settings (a LoRA export
 # copies these; a checkpoint the model's config.json too).
@@ -329,8 +329,9 @@ class Checkpointer:
         each reads its own disk: hosts whose ``latest`` differ (one died between the disks'
         publications, or a divergence rolled back only the leader's) all load the oldest
         of their steps, which every disk must still hold."""
-        st = load_rank_state(path, self.state_rank)
+        st = None if is_no_local(path) else load_rank_state(path, self.state_rank)
         if not self.mesh.elastic:
+            hosts.check_every_host_has_one(st, path, self.mesh, self.plan.ckpt_dir, self.state_rank)
             st = hosts.agree_step(path, st, self.mesh, self.state_rank)
         for name, part in self.parts.items():
             if part is not None and st.get(name) is not None:

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from orchestration.components.checkpoint_read import CheckpointError, load_rank_state, step_dir, verify
+from orchestration.components.checkpoint_read import CheckpointError, load_rank_state, newest_model, step_dir, verify
 
 CHUNK = 4 << 20  # bytes per send: one op stays short on a slow link (the gloo timeout is per op)
 HEAD_BYTES = 40  # what send_file adds to a file's bytes: its size (8) and sha256 (32)
@@ -211,3 +211,56 @@ def agree_step(path: str, st: dict, mesh, state_rank: int) -> dict:
         print(f"warning: the hosts' latest checkpoints differ (steps {lo} to {hi}): every rank resumes from step "
               f"{lo}, the newest all of them hold", flush=True)
     return st
+
+
+_NAME = 48  # bytes of a host name gathered for check_every_host_has_one
+
+
+def check_every_host_has_one(st: dict | None, path: str, mesh, ckpt_dir: str, state_rank: int) -> None:
+    """Collective on the fast group at a resume, before anything is loaded: CheckpointError
+    on every rank (within seconds of the rendezvous, never a wait until a timeout) if any
+    rank found no checkpoint on its disk (``st`` None: a replaced host with an empty disk,
+    orchestration.launch.prepare), naming each such rank, its host (torchrun's node rank
+    and host name) and what to copy there; or where the leader's disk has the newest
+    whole model, to start a new run from when that host's disk is gone. The fixed mesh
+    keeps each rank's optimizer state on its own disk only: nothing else holds it."""
+    import socket
+
+    newest = newest_model_step(ckpt_dir) if mesh.rank == 0 and st is not None else -1
+    name = socket.gethostname().encode()[:_NAME].ljust(_NAME, b"\0")
+    row = [int(st is None), -1 if st is None else int(st["step"]), int(os.environ.get("GROUP_RANK", "-1")),
+           newest, *name]
+    n = dist.get_world_size(mesh.fast)
+    rows = [torch.zeros(len(row), dtype=torch.int64, device=mesh.device) for _ in range(n)]
+    dist.all_gather(rows, _tensor(row, mesh.device), group=mesh.fast)
+    table = [[int(v) for v in r.tolist()] for r in rows]
+    missing = [r for r in range(n) if table[r][0]]
+    if not missing:
+        return
+    if len(missing) == n:
+        raise CheckpointError(f"--checkpoint.resume latest: no host has a checkpoint in {ckpt_dir} (check --run.name "
+                              "/ --checkpoint.dir, or start the run without --checkpoint.resume)")
+    steps = sorted({table[r][1] for r in range(n) if r not in missing})
+    who = []
+    for r in missing:
+        g = dist.get_global_rank(mesh.fast, r)
+        host = bytes(table[r][4:]).rstrip(b"\0").decode(errors="replace")
+        node = f"torchrun --node-rank {table[r][2]}, " if table[r][2] >= 0 else ""
+        who.append(f"{mesh.describe(g)} on the host of {node}hostname {host!r} (it needs rank_{g:05d}.pt)")
+    step = steps[0]
+    msg = (f"cannot resume: {'; '.join(who)}: no checkpoint in {ckpt_dir} on that host (an empty disk: a replaced "
+           f"machine?), while the other hosts resume from step {'/'.join(map(str, steps))}. A rank's training state "
+           "(its stage's weights, optimizer and counters) is kept only on the disk of the host that ran it: copy "
+           f"{ckpt_dir}/{os.path.basename(step_dir(ckpt_dir, step))}/ and {ckpt_dir}/latest from that machine's old "
+           "disk to the same place on the new one and start it again")
+    if 0 not in missing and table[0][3] >= 0:
+        msg += (f". If that disk is lost: the leader's disk (global rank 0's host) holds the whole model of step "
+                f"{table[0][3]} ({step_dir(ckpt_dir, table[0][3])}); start a new run from it with --model.path "
+                "pointing there (every rank's optimizer state starts afresh)")
+    raise CheckpointError(msg)
+
+
+def newest_model_step(root: str) -> int:
+    """The step of the newest checkpoint under ``root`` holding the whole model, or -1."""
+    d = newest_model(root)
+    return -1 if d is None else int(os.path.basename(d)[5:])

@@ -87,6 +87,23 @@ def newest_valid(root: str, *, max_step: int | None = None, exclude: str = "") -
     return None
 
 
+NO_LOCAL = "no-local-checkpoint:"  # a resume_from naming a checkpoint directory that is empty on this host
+
+
+def disk_is_empty(root: str) -> bool:
+    """``root`` holds no checkpoint at all: no ``latest``, no published step (a new disk)."""
+    return not os.path.isfile(os.path.join(root, LATEST)) and not complete_checkpoints(root)
+
+
+def no_local_checkpoint(root: str) -> str:
+    """The ``resume_from`` of a host whose ``root`` is empty (``is_no_local``)."""
+    return NO_LOCAL + root
+
+
+def is_no_local(resume_from: str) -> bool:
+    return resume_from.startswith(NO_LOCAL)
+
+
 def resolve(resume: str, root: str, *, quiet: bool = False) -> str:
     """The verified checkpoint directory named by ``--checkpoint.resume`` ('latest' or a path).
 
