@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -128,20 +129,36 @@ def remove_probes(tmp: str) -> None:
             os.remove(os.path.join(tmp, name))
 
 
-def send_file(data: bytes, dst: int, group, device) -> int:
-    """Sends ``data`` (a file's bytes) to group rank ``dst`` (``recv_file``); the bytes sent."""
+def send_file(data: bytes, dst: int, group, device, *, chunk: int = 0, rate_bps: float = 0.0) -> int:
+    """Sends ``data`` (a file's bytes) to group rank ``dst`` (``recv_file``, with the same
+    ``chunk``: default CHUNK) in pieces of ``chunk`` bytes; ``rate_bps``: at most that
+    many bits per second on average (paced: the access link keeps room for the training's
+    own traffic); the bytes sent."""
+    chunk = chunk or CHUNK
     head = len(data).to_bytes(8, "little") + hashlib.sha256(data).digest()
     dist.send(torch.frombuffer(bytearray(head), dtype=torch.uint8).to(device), group=group, group_dst=dst)
-    view = memoryview(data)
-    for off in range(0, len(data), CHUNK):
-        piece = torch.frombuffer(bytearray(view[off:off + CHUNK]), dtype=torch.uint8).to(device)
+    view, t0 = memoryview(data), time.monotonic()
+    for off in range(0, len(data), chunk):
+        piece = torch.frombuffer(bytearray(view[off:off + chunk]), dtype=torch.uint8).to(device)
         dist.send(piece, group=group, group_dst=dst)
+        if rate_bps:  # rate limiting, not synchronisation: the next piece leaves when the average allows it
+            ahead = t0 + 8 * (off + len(piece)) / rate_bps - time.monotonic()
+            if ahead > 0:
+                time.sleep(ahead)
     return len(head) + len(data)
 
 
-def recv_file(path: str, src: int, group, device) -> int:
-    """Receives a file from group rank ``src`` (``send_file``) into ``path`` (written as
-    ``path.part``, checked against the sender's sha256, fsynced, renamed); the bytes."""
+def paced_chunk(rate_bps: float) -> int:
+    """The piece size of a transfer paced at ``rate_bps``: 1/16 s of it (4 KiB to CHUNK),
+    so the link's queue never holds much of it ahead of the training's packets."""
+    return int(min(CHUNK, max(4096, rate_bps / 8 / 16)))
+
+
+def recv_file(path: str, src: int, group, device, *, chunk: int = 0) -> int:
+    """Receives a file from group rank ``src`` (``send_file``, the same ``chunk``) into
+    ``path`` (written as ``path.part``, checked against the sender's sha256, fsynced,
+    renamed); the bytes."""
+    chunk = chunk or CHUNK
     head = torch.empty(HEAD_BYTES, dtype=torch.uint8, device=device)
     dist.recv(head, group=group, group_src=src)
     head = bytes(head.cpu().tolist())
@@ -150,15 +167,15 @@ def recv_file(path: str, src: int, group, device) -> int:
     def post(off: int):  # the next chunk's receive, posted before this one is hashed and written
         if off >= size:
             return None
-        buf = torch.empty(min(CHUNK, size - off), dtype=torch.uint8, device=device)
+        buf = torch.empty(min(chunk, size - off), dtype=torch.uint8, device=device)
         return buf, dist.irecv(buf, group=group, group_src=src)
 
     with open(part, "wb") as f:
         nxt = post(0)
-        for off in range(0, size, CHUNK):
+        for off in range(0, size, chunk):
             buf, work = nxt
             work.wait()
-            nxt = post(off + CHUNK)
+            nxt = post(off + chunk)
             b = buf.cpu().numpy().tobytes()
             h.update(b)
             f.write(b)
