@@ -7,7 +7,8 @@ or as a merged Hugging Face model.
 A LoRA checkpoint (orchestration.components.checkpoint) already holds the adapters of every
 stage assembled under the unsplit model's PEFT names (across hosts: the leader's copy, the
 host of global rank 0, assembled from what the stages sent; the other hosts' parts hold only
-their ranks' state and are refused here with that said); ``export_adapter`` verifies it and
+their ranks' state and are refused here with that said, as is a leader's checkpoint whose
+adapters are still on their way: orchestration.components.checkpoint_export); ``export_adapter`` verifies it and
 copies the PEFT files (plus the tokenizer), so ``PeftModel.from_pretrained(base, out)``
 loads them. ``export_merged`` loads the base model, merges the adapters into its weights
 (peft's ``merge_and_unload``) and saves a plain HF checkpoint. A LoRA run does the first
@@ -29,10 +30,9 @@ def _resolve(path: str) -> str:
     """A verified LoRA checkpoint directory (``latest`` under a checkpoint root is followed)."""
     if os.path.basename(os.path.normpath(path)) == ckpt.LATEST:
         path = ckpt.resolve("latest", os.path.dirname(os.path.normpath(path)))
-    disk = ckpt.verify(path).get("disk") or {}
-    if disk and not disk.get("model"):
-        raise ValueError(f"{path} is one host's part of a multi-host checkpoint (the state of ranks {disk['ranks']}); "
-                         "the adapters are assembled on the leader's disk (the host of global rank 0): export there")
+    problem = ckpt.model_problem(path, ckpt.verify(path))  # another host's part, or a model still on its way
+    if problem:
+        raise ValueError(f"cannot export it: {problem}")
     if not os.path.isfile(os.path.join(path, ckpt.ADAPTER_CONFIG)):
         raise ValueError(f"{path} is not a LoRA checkpoint (no {ckpt.ADAPTER_CONFIG}): a full fine-tuning "
                          "checkpoint is already a Hugging Face model, load it as it is")

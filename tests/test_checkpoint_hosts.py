@@ -65,8 +65,8 @@ def _rank(rank, world, port, roots, kind, out):
 
     checkpoint_hosts.CHUNK = 64  # the shards travel in several pieces
     dp_helpers.init(rank, world, port)
-    cfg, _ = parse_args(["--mesh.rows", str(ROWS), "--mesh.stages", str(STAGES), "--checkpoint.keep", "3"]
-                        + (["--adapter", "lora"] if kind == "lora" else []))
+    cfg, _ = parse_args(["--mesh.rows", str(ROWS), "--mesh.stages", str(STAGES), "--checkpoint.keep", "3",
+                         "--train.steps", "5"] + (["--adapter", "lora"] if kind == "lora" else []))
     row, stage = divmod(rank, STAGES)
     mesh = SimpleNamespace(rank=rank, row=row, stage=stage, elastic=False, fast=dist.group.WORLD,
                            device=torch.device("cpu"), layout=MeshLayout(ROWS, STAGES))
@@ -74,16 +74,27 @@ def _rank(rank, world, port, roots, kind, out):
     st = (FakeAdapters if kind == "lora" else FakeStage)(stage, 0.0)
     counter = LinkCounter()
     cp = ckpt.Checkpointer(cfg, plan, mesh, st, {"stage": st, "counter": counter})
-    for step in (3, 5):
+    seen = {}
+    if kind == "skip" and rank == 0:  # the leader receives step 3's model only after its step-4 save returned
+        import threading
+
+        release, receive = threading.Event(), cp.export._receive
+        cp.export._receive = lambda *a: (release.wait(120), receive(*a))
+    for step in ((3, 4, 5) if kind == "skip" else (3, 5)):
         st.load_state_dict({"w": torch.full((8, 4), _value(row, stage, step))})
         cp.save(step)
+        if kind == "skip" and rank == 0 and step == 4:
+            p3 = ckpt.step_dir(roots[0], 3)
+            seen = {"pending": ckpt.verify(p3)["disk"], "problem": ckpt.model_problem(p3, ckpt.verify(p3)),
+                    "shard_there": os.path.exists(os.path.join(p3, "model-00002-of-00002.safetensors"))}
+            release.set()
     if kind == "diverged" and rank == 0:  # as divergence_report does: only the leader's `latest` goes back
         ckpt.set_latest(roots[0], ckpt.step_dir(roots[0], 3))
     dist.barrier()
     st.load_state_dict({"w": torch.zeros(8, 4)})
     got = cp.load(ckpt.resolve("latest", roots[rank]))
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump({"step": got, "w": float(st.w.mean()), "export": counter.totals()["export"]}, f)
+        json.dump({"step": got, "w": float(st.w.mean()), "export": counter.totals()["export"], "seen": seen}, f)
     dp_helpers.shutdown()
 
 
@@ -106,7 +117,8 @@ def test_each_disk_holds_its_ranks_and_the_leader_the_model(tmp_path):
     pa, pb = ckpt.resolve("latest", str(a)), ckpt.resolve("latest", str(b))
     assert os.path.basename(pa) == os.path.basename(pb) == "step_00000005"
     ma, mb = ckpt.verify(pa), ckpt.verify(pb)  # every file of each disk, sha256-checked
-    assert ma["disk"] == {"ranks": [0, 2], "model": True, "disks": 2}
+    assert ma["disk"]["export"]["bytes"] > 0  # it travelled in the background (checkpoint_export)
+    assert {k: v for k, v in ma["disk"].items() if k != "export"} == {"ranks": [0, 2], "model": True, "disks": 2}
     assert mb["disk"] == {"ranks": [1, 3], "model": False, "disks": 2}
     assert set(ma["files"]) == {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
                                 "model.safetensors.index.json", "rank_00000.pt", "rank_00002.pt"}
@@ -173,3 +185,29 @@ def test_disks_must_be_an_equivalence():
         check_disks([[True, True], [False, True]], "d")  # seen one way only
     with pytest.raises(ckpt.CheckpointError, match="disagree"):  # 0~1, 1~2 but not 0~2
         check_disks([[True, True, False], [True, True, True], [False, True, True]], "d")
+
+
+@pytest.mark.slow
+def test_a_model_on_its_way_does_not_hold_the_next_checkpoint(tmp_path):
+    """Step 3's model is held back on the leader until its step-4 save returned (a save
+    that waited for it would deadlock the test): step 3 is published as state with its
+    model pending, step 4 saves state only ("skipped": step 3's model was on its way),
+    the final step 5 waits for step 3's model, then sends and lands its own."""
+    a, b, roots = _two_disks(tmp_path)
+    res = _spawn(tmp_path, roots, "skip")
+    seen = res[0]["seen"]
+    assert seen["pending"] == {"ranks": [0, 2], "model": False, "disks": 2, "pending": True}
+    assert "still on its way" in seen["problem"] and not seen["shard_there"]
+    m3, m4, m5 = (ckpt.verify(ckpt.step_dir(str(a), s)) for s in (3, 4, 5))
+    assert m3["disk"]["model"] is True and m5["disk"]["model"] is True
+    assert m4["disk"] == {"ranks": [0, 2], "model": False, "disks": 2, "skipped": 3}
+    assert "model-00001-of-00002.safetensors" not in m4["files"]
+    assert "step 3 was still on its way" in ckpt.model_problem(ckpt.step_dir(str(a), 4), m4)
+    from safetensors.torch import load_file
+
+    for step in (3, 5):  # each step's own weights, whole
+        shard = load_file(os.path.join(ckpt.step_dir(str(a), step), "model-00002-of-00002.safetensors"))
+        torch.testing.assert_close(shard["model.layers.1.mlp.w"], torch.full((8, 4), _value(0, 1, step)))
+    size = m5["files"]["model-00002-of-00002.safetensors"]["size"]
+    assert [r["export"] for r in res] == [0, 2 * (size + 40), 0, 0]  # steps 3 and 5 sent, step 4 not
+    assert [r["step"] for r in res] == [5] * 4

@@ -34,7 +34,10 @@ as a checkpoint of its own (meta.json over those files, with "disk": its ranks, 
 holds the model); the model shards (or adapters) of stages on other disks travel to the
 leader over the fast group (counted as "export" bytes) and the leader's disk holds the
 whole model as above. A resume on the same hosts reads each host's own disk. With one disk
-for all (one machine, a shared filesystem) nothing travels and nothing changes.
+for all (one machine, a shared filesystem) nothing travels and nothing changes. On a fixed
+mesh the model's shards travel in the background (checkpoint_export): every disk's state
+is published during the save as always, the leader's model lands later and is published
+in place (meta.json's "disk" says "pending" until then); the final checkpoint waits for it.
 
 Atomicity: ranks write into ``step_XXXXXXXX.tmp`` and fsync their files; after a barrier
 rank 0 writes meta.json, fsyncs it and the directory, renames the directory into place
@@ -60,47 +63,19 @@ import torch
 import torch.distributed as dist
 
 from orchestration.components import checkpoint_hosts as hosts
+from orchestration.components.checkpoint_export import ModelExport, check_failures
+from orchestration.components.checkpoint_files import (  # noqa: F401  (re-exported)
+    ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_shard_name, assemble_adapters, fsync_dir, fsync_file, shard_name,
+    write_bytes, write_index)
 from orchestration.components.checkpoint_read import (  # noqa: F401  (their home is here for the callers)
-    LATEST, CheckpointError, complete_checkpoints, load_rank_state, newest_valid, read_meta, resolve, sha256_file,
-    step_dir, verify)
+    LATEST, CheckpointError, complete_checkpoints, disk_is_empty, is_no_local, load_rank_state, model_problem, newest_model,
+    newest_valid, no_local_checkpoint, read_meta, resolve, sha256_file, step_dir, verify)
 
 # What travels beside the weights: the tokenizer and generation settings (a LoRA export
 # copies these; a checkpoint the model's config.json too).
 TOKENIZER_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "tokenizer.model", "vocab.json", "merges.txt")
 _COPY = ("config.json",) + TOKENIZER_FILES
-
-
-def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return  # a platform without directory fds
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def shard_name(stage: int, num_stages: int) -> str:
-    return f"model-{stage + 1:05d}-of-{num_stages:05d}.safetensors"
-
-
-def _write_bytes(path: str, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def stage_shard(stage, num_stages: int, untied: bool = False) -> tuple[str, bytes]:
@@ -119,16 +94,9 @@ def write_stage_shard(tmp: str, stage, num_stages: int, untied: bool = False) ->
     from safetensors import safe_open
 
     fname, data = stage_shard(stage, num_stages, untied)
-    _write_bytes(os.path.join(tmp, fname), data)
+    write_bytes(os.path.join(tmp, fname), data)
     with safe_open(os.path.join(tmp, fname), "pt") as f:
         return {k: fname for k in f.keys()}
-
-
-ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"  # PEFT's file names
-
-
-def adapter_shard_name(stage: int, num_stages: int) -> str:
-    return f"adapter-{stage + 1:05d}-of-{num_stages:05d}.safetensors"
 
 
 def adapter_shard(tensors: dict, stage: int, num_stages: int) -> tuple[str, bytes]:
@@ -140,45 +108,28 @@ def adapter_shard(tensors: dict, stage: int, num_stages: int) -> tuple[str, byte
 
 def write_adapter_shard(tmp: str, tensors: dict, stage: int, num_stages: int) -> None:
     fname, data = adapter_shard(tensors, stage, num_stages)
-    _write_bytes(os.path.join(tmp, fname), data)
-
-
-def _assemble_adapters(tmp: str, num_stages: int, peft_config: dict) -> None:
-    """Rank 0: the stages' adapter shards -> one PEFT folder (weights + config); the shards go."""
-    from safetensors.torch import load_file, save_file
-
-    merged = {}
-    for s in range(num_stages):
-        path = os.path.join(tmp, adapter_shard_name(s, num_stages))
-        part = load_file(path)
-        overlap = set(part) & set(merged)
-        if overlap:  # two stages claiming one layer's adapter: a wrong split, never silently merged
-            raise CheckpointError(f"stage {s}'s adapters repeat {sorted(overlap)[:2]} from an earlier stage")
-        merged.update(part)
-    save_file(dict(sorted(merged.items())), os.path.join(tmp, ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    with open(os.path.join(tmp, ADAPTER_CONFIG), "w") as f:
-        json.dump(peft_config, f, indent=2, sort_keys=True)
-    for s in range(num_stages):
-        os.remove(os.path.join(tmp, adapter_shard_name(s, num_stages)))
+    write_bytes(os.path.join(tmp, fname), data)
 
 
 def write_rank_state(tmp: str, rank: int, state: dict) -> None:
     path = os.path.join(tmp, f"rank_{rank:05d}.pt")
     torch.save(state, path + ".part")
-    _fsync_file(path + ".part")
+    fsync_file(path + ".part")
     os.replace(path + ".part", path)
 
 
 def finalize(root: str, tmp: str, step: int, meta: dict, model_dir: str | None, num_stages: int,
-             keep: int, model: bool = True) -> str:
+             keep: int, model: bool = True, protect: tuple = ()) -> str:
     """Rank 0 (each disk's first rank), after every rank wrote its files: index (or, LoRA,
     the PEFT folder: meta holds its "peft_config"; not without ``model``: a host's part of
-    a checkpoint, checkpoint_hosts), metadata, atomic rename, pruning."""
+    a checkpoint, checkpoint_hosts, or the leader's whose model is still on its way,
+    checkpoint_export), metadata, atomic rename, pruning (never ``protect``, the
+    checkpoint being completed, nor the newest one whose model is complete)."""
     hosts.remove_probes(tmp)
     if model and meta.get("peft_config"):
-        _assemble_adapters(tmp, num_stages, meta["peft_config"])
+        assemble_adapters(tmp, num_stages, meta["peft_config"])
     elif model:
-        _write_index(tmp, num_stages)
+        write_index(tmp, num_stages)
     if model_dir:
         for name in _COPY:
             src = os.path.join(model_dir, name)
@@ -196,36 +147,23 @@ def finalize(root: str, tmp: str, step: int, meta: dict, model_dir: str | None, 
         p = os.path.join(tmp, name)
         if name == "meta.json" or not os.path.isfile(p) or name.endswith(".part"):
             continue
-        _fsync_file(p)  # the ranks fsynced theirs; this covers the index and the copied files
+        fsync_file(p)  # the ranks fsynced theirs; this covers the index and the copied files
         files[name] = {"sha256": sha256_file(p), "size": os.path.getsize(p)}
     meta = dict(meta, files=files)
     with open(os.path.join(tmp, "meta.json"), "w") as f:
         json.dump(meta, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
     final = step_dir(root, step)
     if os.path.exists(final):
         shutil.rmtree(final)
     os.replace(tmp, final)
-    _fsync_dir(root)
+    fsync_dir(root)
     set_latest(root, final)
-    _prune(root, keep, protect=os.path.basename(final))
+    newest = newest_model(root) if meta.get("disk") else None
+    _prune(root, keep, {os.path.basename(final), *protect, *([os.path.basename(newest)] if newest else [])})
     return final
-
-
-def _write_index(tmp: str, num_stages: int) -> None:
-    """model.safetensors.index.json over the stages' model shards."""
-    from safetensors import safe_open
-
-    weight_map = {}
-    for s in range(num_stages):
-        fname = shard_name(s, num_stages)
-        with safe_open(os.path.join(tmp, fname), "pt") as f:
-            weight_map.update({k: fname for k in f.keys()})
-    total = sum(os.path.getsize(os.path.join(tmp, shard_name(s, num_stages))) for s in range(num_stages))
-    with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=1)
 
 
 def set_latest(root: str, path: str) -> None:
@@ -236,15 +174,15 @@ def set_latest(root: str, path: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(part, os.path.join(root, LATEST))
-    _fsync_dir(root)
+    fsync_dir(root)
 
 
-def _prune(root: str, keep: int, protect: str) -> None:
-    """Deletes all but the ``keep`` newest complete checkpoints (by step), never ``protect``
-    (the one just written, which ``latest`` names)."""
+def _prune(root: str, keep: int, protect: set) -> None:
+    """Deletes all but the ``keep`` newest complete checkpoints (by step), never those
+    named in ``protect`` (the one just written, which ``latest`` names, and the ones above)."""
     done = [d for d in os.listdir(root) if d.startswith("step_") and not d.endswith(".tmp") and d[5:].isdigit()]
     done.sort(key=lambda d: int(d[5:]))
-    for d in [d for d in done if d != protect][:max(0, len(done) - keep)]:
+    for d in [d for d in done if d not in protect][:max(0, len(done) - keep)]:
         shutil.rmtree(os.path.join(root, d), ignore_errors=True)
 
 
@@ -278,6 +216,17 @@ class Checkpointer:
         # (LoRA freezes both copies: they stay equal)
         self.untied_embeddings = cfg.model.tied_embeddings == "untie" and cfg.adapter.kind == "none" and bool(
             getattr(stage, "tied_lm_head", False) or getattr(stage, "tied_embed", False))
+        self.export = None  # the model's shards that cross disks travel in the background (checkpoint_export)
+        if not mesh.elastic and dist.get_world_size(mesh.fast) > 1:
+            shard = mesh.row == 0
+            tensors = (self._adapters.tensors() if self._adapters is not None else stage.hf_state_dict()) if shard else {}
+            self.export = ModelExport.create(cfg, plan, mesh, stage.index if shard else -1,
+                                             sum(t.numel() * t.element_size() for t in tensors.values()))
+
+    @property
+    def _adapters(self):
+        """LoRA's AdapterState (the stage part of an adapter run), else None."""
+        return self.parts["stage"] if hasattr(self.parts.get("stage"), "peft_config") else None
 
     @property
     def state_rank(self) -> int:
@@ -294,36 +243,50 @@ class Checkpointer:
     def save(self, step: int) -> str | None:
         """Every fast rank (elastic: of the leader replica) calls it at the same step; returns the checkpoint directory, or
         None (nothing written) if any fast rank's weights are not finite. Each disk gets the
-        files of its own ranks; the leader's also the model (checkpoint_hosts)."""
-        cfg, plan, mesh = self.cfg, self.plan, self.mesh
-        root = plan.ckpt_dir
-        ok = torch.tensor([float(all(bool(torch.isfinite(p).all()) for p in self.stage.parameters()))],
+        files of its own ranks; the leader's also the model (checkpoint_hosts), which, from
+        stages on other disks, lands in the background (checkpoint_export); the final
+        checkpoint (step == --train.steps) returns once its model landed."""
+        cfg, plan, mesh, exp = self.cfg, self.plan, self.mesh, self.export
+        root, last = plan.ckpt_dir, step >= cfg.train.steps
+        if exp is not None and last:
+            exp.wait()  # the previous model lands first: this one travels whatever the time
+        finite = all(bool(torch.isfinite(p).all()) for p in self.stage.parameters())
+        free = exp is None or not exp.busy  # one model on its way at a time
+        ok = torch.tensor([float(finite), float(free), float(exp is None or not exp.error)],
                           dtype=torch.float64).to(mesh.device)
         dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=mesh.fast)
-        if ok.item() < 1:
+        if ok[2].item() < 1:
+            check_failures(exp, mesh)
+        if ok[0].item() < 1:
             if self.publisher:
                 print(f"warning: no checkpoint at step {step}: the weights are not finite", file=sys.stderr, flush=True)
             return None
+        send_model = ok[1].item() >= 1
         tmp = step_dir(root, step) + ".tmp"
         os.makedirs(tmp, exist_ok=True)
         dist.barrier(group=mesh.fast)  # the directory exists before anyone writes (rank 0 may have removed an old one)
         y0 = cfg.replica_stages[0]  # replica 0's stages write the HF checkpoint
-        adapters = self.parts["stage"] if hasattr(self.parts.get("stage"), "peft_config") else None
+        adapters = self._adapters
         shard = mesh.row == 0 or mesh.elastic  # elastic: only the leader replica saves, all of it
         view = hosts.disk_view(tmp, mesh.fast, mesh.device, self.stage.index if shard else -1)
-        if shard and view.on_leader_disk:
+        if shard and view.on_leader_disk and send_model:
             if adapters is not None:
                 write_adapter_shard(tmp, adapters.tensors(), self.stage.index, y0)
             else:
                 write_stage_shard(tmp, self.stage, y0, untied=self.untied_embeddings)
-        elif shard:  # the leader's disk is not ours: the shard travels (counted as "export")
+        elif shard and send_model:  # the leader's disk is not ours: the shard travels (counted as "export")
             fname, data = (adapter_shard(adapters.tensors(), self.stage.index, y0) if adapters is not None
                            else stage_shard(self.stage, y0, untied=self.untied_embeddings))
-            n = hosts.send_file(data, 0, mesh.fast, mesh.device)
+            if exp is not None:
+                exp.send(step, self.stage.index, data)
+                n = len(data) + hosts.HEAD_BYTES
+            else:
+                n = hosts.send_file(data, 0, mesh.fast, mesh.device)
             if self.parts.get("counter") is not None:
                 self.parts["counter"].add("export", mesh.rank, dist.get_global_rank(mesh.fast, 0), n)
-        if view.me == 0:
-            hosts.recv_shards(view, tmp, adapter_shard_name if adapters is not None else shard_name, y0, mesh)
+        name_of = adapter_shard_name if adapters is not None else shard_name
+        if view.me == 0 and exp is None:
+            hosts.recv_shards(view, tmp, name_of, y0, mesh)
         state = {"step": step}
         state.update({k: None if v is None else v.state_dict() for k, v in self.parts.items()})
         write_rank_state(tmp, self.state_rank, state)
@@ -335,20 +298,40 @@ class Checkpointer:
                     "untied_embeddings": self.untied_embeddings}
             if adapters is not None:
                 meta["peft_config"] = adapters.peft_config
+            model = view.on_leader_disk and exp is None
             if view.disks > 1:  # what this disk holds: its ranks' files, the model only on the leader's
                 meta["disk"] = {"ranks": [dist.get_global_rank(mesh.fast, r) for r in view.members(view.me)],
-                                "model": view.on_leader_disk, "disks": view.disks}
-            finalize(root, tmp, step, meta, plan.model_path, y0, cfg.checkpoint.keep, model=view.on_leader_disk)
+                                "model": model, "disks": view.disks}
+                if view.me == 0 and exp is not None:  # the model lands later, or (one on its way) not at all
+                    meta["disk"].update({"pending": True} if send_model else {"skipped": exp.step})
+            inflight = (os.path.basename(exp.path),) if view.me == 0 and exp is not None and exp.busy else ()
+            finalize(root, tmp, step, meta, plan.model_path, y0, cfg.checkpoint.keep, model=model, protect=inflight)
+            if view.me == 0 and exp is not None:
+                if send_model:
+                    exp.receive(step, final, name_of, y0)
+                else:
+                    print(f"[checkpoint] step {step}: state saved; its model is not sent (the model of step {exp.step} "
+                          "is still on its way to the leader)", flush=True)
         dist.barrier(group=mesh.fast)
+        if exp is not None and last:
+            exp.wait()  # the run's end: its model is complete on the leader's disk when this returns
+            check_failures(exp, mesh)
         return final
+
+    def close(self) -> None:
+        """Waits until this rank's part of a model on its way is done (a run that stops
+        between checkpoints leaves a complete model: call before the process group goes)."""
+        if self.export is not None:
+            self.export.wait()
 
     def load(self, path: str) -> int:
         """Loads this rank's parts from checkpoint ``path``; returns its step. Across hosts
         each reads its own disk: hosts whose ``latest`` differ (one died between the disks'
         publications, or a divergence rolled back only the leader's) all load the oldest
         of their steps, which every disk must still hold."""
-        st = load_rank_state(path, self.state_rank)
+        st = None if is_no_local(path) else load_rank_state(path, self.state_rank)
         if not self.mesh.elastic:
+            hosts.check_every_host_has_one(st, path, self.mesh, self.plan.ckpt_dir, self.state_rank)
             st = hosts.agree_step(path, st, self.mesh, self.state_rank)
         for name, part in self.parts.items():
             if part is not None and st.get(name) is not None:

@@ -24,27 +24,32 @@ What goes where:
     sender counts them on the LinkCounter's "export" axis. With a shared disk nothing is
     sent (0 export bytes).
 
-When it is sent: at every checkpoint, synchronously (training waits): LoRA adapters are a
-few MB, a full model's stage is not. Measured on orchestration.hosts (tbf-shaped links, no
+When it is sent: at every checkpoint; in the background on a fixed mesh
+(orchestration.components.checkpoint_export: the training does not wait for it), during the
+save on an elastic replica (training waits): LoRA adapters are a few MB, a full model's
+stage is not. Measured on orchestration.hosts (tbf-shaped links, no
 latency or loss: no netem), one sender: 2 MiB at 5 Mbit/s in 3.5 s (4.8 Mbit/s, raw TCP
 4.9), 8 MiB at 20 Mbit/s in 3.6 s (18.7 vs 19.3), 32 MiB at 200 Mbit/s in 1.9 s (144 vs
-179-191: hashing and copies on a busy 2-core box). Limits: each chunk must arrive within
---mesh.timeout-s, and so must the whole assembly for the ranks that wait on it (a second
-sender's first chunk waits for the first sender's shard; the other ranks wait at the
-save's barrier): a full model's stages over a slow link need a longer --mesh.timeout-s.
+179-191: hashing and copies on a busy 2-core box). Limits of the synchronous path (elastic):
+each chunk must arrive within --mesh.timeout-s, and so must the whole assembly for the
+ranks that wait on it (a second sender's first chunk waits for the first sender's shard;
+the other ranks wait at the save's barrier). The background path has a group of its own
+with a timeout sized for the whole model at a slow rate (checkpoint_export).
 """
 from __future__ import annotations
 
 import hashlib
 import os
+import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from orchestration.components.checkpoint_read import CheckpointError, load_rank_state, step_dir, verify
+from orchestration.components.checkpoint_read import CheckpointError, load_rank_state, newest_model, step_dir, verify
 
 CHUNK = 4 << 20  # bytes per send: one op stays short on a slow link (the gloo timeout is per op)
+HEAD_BYTES = 40  # what send_file adds to a file's bytes: its size (8) and sha256 (32)
 _PROBE = ".probe-"
 
 
@@ -124,21 +129,37 @@ def remove_probes(tmp: str) -> None:
             os.remove(os.path.join(tmp, name))
 
 
-def send_file(data: bytes, dst: int, group, device) -> int:
-    """Sends ``data`` (a file's bytes) to group rank ``dst`` (``recv_file``); the bytes sent."""
+def send_file(data: bytes, dst: int, group, device, *, chunk: int = 0, rate_bps: float = 0.0) -> int:
+    """Sends ``data`` (a file's bytes) to group rank ``dst`` (``recv_file``, with the same
+    ``chunk``: default CHUNK) in pieces of ``chunk`` bytes; ``rate_bps``: at most that
+    many bits per second on average (paced: the access link keeps room for the training's
+    own traffic); the bytes sent."""
+    chunk = chunk or CHUNK
     head = len(data).to_bytes(8, "little") + hashlib.sha256(data).digest()
     dist.send(torch.frombuffer(bytearray(head), dtype=torch.uint8).to(device), group=group, group_dst=dst)
-    view = memoryview(data)
-    for off in range(0, len(data), CHUNK):
-        piece = torch.frombuffer(bytearray(view[off:off + CHUNK]), dtype=torch.uint8).to(device)
+    view, t0 = memoryview(data), time.monotonic()
+    for off in range(0, len(data), chunk):
+        piece = torch.frombuffer(bytearray(view[off:off + chunk]), dtype=torch.uint8).to(device)
         dist.send(piece, group=group, group_dst=dst)
+        if rate_bps:  # rate limiting, not synchronisation: the next piece leaves when the average allows it
+            ahead = t0 + 8 * (off + len(piece)) / rate_bps - time.monotonic()
+            if ahead > 0:
+                time.sleep(ahead)
     return len(head) + len(data)
 
 
-def recv_file(path: str, src: int, group, device) -> int:
-    """Receives a file from group rank ``src`` (``send_file``) into ``path`` (written as
-    ``path.part``, checked against the sender's sha256, fsynced, renamed); the bytes."""
-    head = torch.empty(40, dtype=torch.uint8, device=device)
+def paced_chunk(rate_bps: float) -> int:
+    """The piece size of a transfer paced at ``rate_bps``: 1/16 s of it (4 KiB to CHUNK),
+    so the link's queue never holds much of it ahead of the training's packets."""
+    return int(min(CHUNK, max(4096, rate_bps / 8 / 16)))
+
+
+def recv_file(path: str, src: int, group, device, *, chunk: int = 0) -> int:
+    """Receives a file from group rank ``src`` (``send_file``, the same ``chunk``) into
+    ``path`` (written as ``path.part``, checked against the sender's sha256, fsynced,
+    renamed); the bytes."""
+    chunk = chunk or CHUNK
+    head = torch.empty(HEAD_BYTES, dtype=torch.uint8, device=device)
     dist.recv(head, group=group, group_src=src)
     head = bytes(head.cpu().tolist())
     size, want = int.from_bytes(head[:8], "little"), head[8:]
@@ -146,15 +167,15 @@ def recv_file(path: str, src: int, group, device) -> int:
     def post(off: int):  # the next chunk's receive, posted before this one is hashed and written
         if off >= size:
             return None
-        buf = torch.empty(min(CHUNK, size - off), dtype=torch.uint8, device=device)
+        buf = torch.empty(min(chunk, size - off), dtype=torch.uint8, device=device)
         return buf, dist.irecv(buf, group=group, group_src=src)
 
     with open(part, "wb") as f:
         nxt = post(0)
-        for off in range(0, size, CHUNK):
+        for off in range(0, size, chunk):
             buf, work = nxt
             work.wait()
-            nxt = post(off + CHUNK)
+            nxt = post(off + chunk)
             b = buf.cpu().numpy().tobytes()
             h.update(b)
             f.write(b)
@@ -207,3 +228,56 @@ def agree_step(path: str, st: dict, mesh, state_rank: int) -> dict:
         print(f"warning: the hosts' latest checkpoints differ (steps {lo} to {hi}): every rank resumes from step "
               f"{lo}, the newest all of them hold", flush=True)
     return st
+
+
+_NAME = 48  # bytes of a host name gathered for check_every_host_has_one
+
+
+def check_every_host_has_one(st: dict | None, path: str, mesh, ckpt_dir: str, state_rank: int) -> None:
+    """Collective on the fast group at a resume, before anything is loaded: CheckpointError
+    on every rank (within seconds of the rendezvous, never a wait until a timeout) if any
+    rank found no checkpoint on its disk (``st`` None: a replaced host with an empty disk,
+    orchestration.launch.prepare), naming each such rank, its host (torchrun's node rank
+    and host name) and what to copy there; or where the leader's disk has the newest
+    whole model, to start a new run from when that host's disk is gone. The fixed mesh
+    keeps each rank's optimizer state on its own disk only: nothing else holds it."""
+    import socket
+
+    newest = newest_model_step(ckpt_dir) if mesh.rank == 0 and st is not None else -1
+    name = socket.gethostname().encode()[:_NAME].ljust(_NAME, b"\0")
+    row = [int(st is None), -1 if st is None else int(st["step"]), int(os.environ.get("GROUP_RANK", "-1")),
+           newest, *name]
+    n = dist.get_world_size(mesh.fast)
+    rows = [torch.zeros(len(row), dtype=torch.int64, device=mesh.device) for _ in range(n)]
+    dist.all_gather(rows, _tensor(row, mesh.device), group=mesh.fast)
+    table = [[int(v) for v in r.tolist()] for r in rows]
+    missing = [r for r in range(n) if table[r][0]]
+    if not missing:
+        return
+    if len(missing) == n:
+        raise CheckpointError(f"--checkpoint.resume latest: no host has a checkpoint in {ckpt_dir} (check --run.name "
+                              "/ --checkpoint.dir, or start the run without --checkpoint.resume)")
+    steps = sorted({table[r][1] for r in range(n) if r not in missing})
+    who = []
+    for r in missing:
+        g = dist.get_global_rank(mesh.fast, r)
+        host = bytes(table[r][4:]).rstrip(b"\0").decode(errors="replace")
+        node = f"torchrun --node-rank {table[r][2]}, " if table[r][2] >= 0 else ""
+        who.append(f"{mesh.describe(g)} on the host of {node}hostname {host!r} (it needs rank_{g:05d}.pt)")
+    step = steps[0]
+    msg = (f"cannot resume: {'; '.join(who)}: no checkpoint in {ckpt_dir} on that host (an empty disk: a replaced "
+           f"machine?), while the other hosts resume from step {'/'.join(map(str, steps))}. A rank's training state "
+           "(its stage's weights, optimizer and counters) is kept only on the disk of the host that ran it: copy "
+           f"{ckpt_dir}/{os.path.basename(step_dir(ckpt_dir, step))}/ and {ckpt_dir}/latest from that machine's old "
+           "disk to the same place on the new one and start it again")
+    if 0 not in missing and table[0][3] >= 0:
+        msg += (f". If that disk is lost: the leader's disk (global rank 0's host) holds the whole model of step "
+                f"{table[0][3]} ({step_dir(ckpt_dir, table[0][3])}); start a new run from it with --model.path "
+                "pointing there (every rank's optimizer state starts afresh)")
+    raise CheckpointError(msg)
+
+
+def newest_model_step(root: str) -> int:
+    """The step of the newest checkpoint under ``root`` holding the whole model, or -1."""
+    d = newest_model(root)
+    return -1 if d is None else int(os.path.basename(d)[5:])

@@ -87,6 +87,23 @@ def newest_valid(root: str, *, max_step: int | None = None, exclude: str = "") -
     return None
 
 
+NO_LOCAL = "no-local-checkpoint:"  # a resume_from naming a checkpoint directory that is empty on this host
+
+
+def disk_is_empty(root: str) -> bool:
+    """``root`` holds no checkpoint at all: no ``latest``, no published step (a new disk)."""
+    return not os.path.isfile(os.path.join(root, LATEST)) and not complete_checkpoints(root)
+
+
+def no_local_checkpoint(root: str) -> str:
+    """The ``resume_from`` of a host whose ``root`` is empty (``is_no_local``)."""
+    return NO_LOCAL + root
+
+
+def is_no_local(resume_from: str) -> bool:
+    return resume_from.startswith(NO_LOCAL)
+
+
 def resolve(resume: str, root: str, *, quiet: bool = False) -> str:
     """The verified checkpoint directory named by ``--checkpoint.resume`` ('latest' or a path).
 
@@ -128,3 +145,41 @@ def load_rank_state(path: str, rank: int) -> dict:
     if not os.path.isfile(f):
         raise CheckpointError(f"checkpoint {path} has no state for rank {rank} ({os.path.basename(f)} is missing)")
     return torch.load(f, weights_only=True, map_location="cpu")
+
+
+def _has_model(meta: dict) -> bool:
+    disk = meta.get("disk") or {}
+    return not disk or bool(disk.get("model"))
+
+
+def newest_model(root: str) -> str | None:
+    """The newest published checkpoint under ``root`` that holds the whole model (a
+    multi-host checkpoint's leader copy once its model landed; any single-disk one)."""
+    for d in _step_dirs(root):
+        try:
+            if _has_model(read_meta(d)):
+                return d
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def model_problem(path: str, meta: dict) -> str:
+    """Why checkpoint ``path`` (its ``meta``) holds no loadable model, or "" if it does:
+    one host's part of a multi-host checkpoint, or the leader's copy whose model is still
+    on its way (or never came: the run stopped first) or was skipped; with the newest
+    checkpoint beside it that has one."""
+    if _has_model(meta):
+        return ""
+    disk = meta["disk"]
+    root = os.path.dirname(os.path.normpath(path))
+    newest = newest_model(root)
+    there = f"; the newest complete model here: {newest}" if newest else ""
+    if disk.get("pending"):
+        return (f"{path}: its model was still on its way to the leader when this was read (it lands in the background "
+                f"and is published in place), or the run stopped before it landed{there}")
+    if disk.get("skipped"):
+        return (f"{path}: the model of this step was not assembled (the model of step {disk['skipped']} was still on "
+                f"its way to the leader); this checkpoint holds the training state only{there}")
+    return (f"{path} is one host's part of a multi-host checkpoint (the state of ranks {disk['ranks']}); the model is "
+            "assembled on the leader's disk (the host of global rank 0)")

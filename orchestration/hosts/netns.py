@@ -138,9 +138,11 @@ class Proc:
         with self._cond:
             return "".join(self.lines[-n:])
 
-    def wait_line(self, pattern: str, timeout: float) -> re.Match:
-        """The first output line matching ``pattern`` (waits for it up to ``timeout`` s)."""
-        rx, deadline, i = re.compile(pattern), time.monotonic() + timeout, 0
+    def wait_line(self, pattern: str, timeout: float, *, start: int = 0) -> re.Match:
+        """The first output line matching ``pattern`` (waits for it up to ``timeout`` s);
+        ``start``: among the lines from that index on (``len(proc.lines)`` taken earlier:
+        a line that comes after some event)."""
+        rx, deadline, i = re.compile(pattern), time.monotonic() + timeout, start
         with self._cond:
             while True:
                 for line in self.lines[i:]:
@@ -281,10 +283,14 @@ class Hosts:
         return out
 
     def torchrun(self, i: int, args: list[str], *, port: int = 29500, nproc: int = 1,
-                 python: str = sys.executable) -> list[str]:
-        """The torchrun line a user runs on host ``i`` (static rendezvous at host 0's address)."""
-        return [python, "-m", "torch.distributed.run", "--nnodes", str(self.n), "--node-rank", str(i),
-                "--nproc-per-node", str(nproc), "--master-addr", self.addr(0), "--master-port", str(port), *args]
+                 python: str = sys.executable, nnodes: int | None = None, node_rank: int | None = None,
+                 master: str | None = None) -> list[str]:
+        """The torchrun line a user runs on host ``i`` (static rendezvous at host 0's address;
+        ``nnodes`` / ``node_rank`` / ``master``: another world, e.g. an anchor row alone on
+        its host: nnodes=1, node_rank=0, master="127.0.0.1")."""
+        return [python, "-m", "torch.distributed.run", "--nnodes", str(self.n if nnodes is None else nnodes),
+                "--node-rank", str(i if node_rank is None else node_rank), "--nproc-per-node", str(nproc),
+                "--master-addr", master or self.addr(0), "--master-port", str(port), *args]
 
     def popen(self, i: int, argv: list[str], *, env: dict | None = None, log: str = "host.log") -> Proc:
         """Starts ``argv`` (after ``fill``) in host ``i``'s namespace and directory; its output
@@ -293,6 +299,15 @@ class Hosts:
                  os.path.join(self.dirs[i], log), self.echo, self._exited)
         self.procs.append(p)
         return p
+
+    def kill_host(self, i: int) -> None:
+        """SIGKILL to every process in host ``i``'s namespace (all started by this harness):
+        the machine dies, whatever process groups its commands made."""
+        for pid in _sh("ip", "netns", "pids", self.names[i], check=False).stdout.split():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
 
     def wait_all(self, procs: list[Proc], timeout: float, *, fail_fast: bool = True) -> list[int]:
         """Waits for every process to exit (up to ``timeout`` s); ``fail_fast``: the first to

@@ -170,6 +170,18 @@ def _run_paths(cfg: Config, hf_cfg) -> tuple[str, str, str]:
     resume_from = ""
     if r == "latest" and not cfg.run.name and not cfg.checkpoint.dir and not under_torchrun():  # (torchrun: named by its run id)
         raise ValueError(resume.resume_needs_a_run(cfg.run.out_dir))
+    if r == "latest" and under_torchrun() and not cfg.mesh.elastic and ckpt.disk_is_empty(ckpt_dir):
+        # One host of several with nothing on its disk (a replaced machine): its fast ranks
+        # join and the mesh says at once which host lacks what (Checkpointer.load), instead
+        # of this host failing here while the others wait at the rendezvous; an anchor row
+        # (its state is its own, orchestration.anchor.node) starts fresh.
+        if cfg.anchor.join:
+            print(f"warning: no checkpoint in {ckpt_dir} on this host: the anchor row starts without the run's "
+                  "checkpoint (its own saved state, if any, is used)", file=sys.stderr, flush=True)
+            return run_dir, ckpt_dir, ""
+        print(f"warning: no checkpoint in {ckpt_dir} on this host (an empty disk?): the other hosts are asked "
+              "once the mesh is up", file=sys.stderr, flush=True)
+        return run_dir, ckpt_dir, ckpt.no_local_checkpoint(ckpt_dir)
     if cfg.checkpoint.resume:
         resume_from = ckpt.resolve(cfg.checkpoint.resume, ckpt_dir)
         meta = ckpt.read_meta(resume_from)
