@@ -172,6 +172,7 @@ class ElasticReplica:
         m = self.cfg.mesh
         t0, tries, delay = time.monotonic(), 0, 1.0
         while True:
+            t_try = time.monotonic()
             try:
                 self.manager.start_quorum()
             except Exception as e:  # the quorum RPC failed: torchft handles heal and reconfigure errors itself
@@ -185,7 +186,10 @@ class ElasticReplica:
                                      f"over {time.monotonic() - t0:.0f} s (--mesh.quorum-timeout-s "
                                      f"{m.quorum_timeout_s:g} each, --mesh.rejoin-timeout-s {m.rejoin_timeout_s:g} in "
                                      f"all): {_short(e)}") from e
-                wait = min(delay, left)
+                # Backoff between requests that fail fast (the lighthouse unreachable); one that waited
+                # out --mesh.quorum-timeout-s is asked again at once: a peer slower by a step is then
+                # still found asking (the lighthouse waits for every live replica it knows).
+                wait = min(max(0.0, delay - (time.monotonic() - t_try)), left)
                 print(f"[elastic] {self.mesh.describe()}: no quorum at step {step} ({_short(e)}); waiting for the "
                       f"lighthouse {self.lighthouse} to answer with >= {m.min_replicas} live replica(s): asking again "
                       f"in {wait:.0f} s, for up to {left:.0f} s more (--mesh.rejoin-timeout-s)",
