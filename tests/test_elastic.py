@@ -253,7 +253,7 @@ def test_two_die_together_the_last_one_stops_the_run_with_a_valid_checkpoint(tmp
 
 def test_below_min_replicas_the_run_waits_then_stops_with_a_checkpoint(tmp_path):
     rc, log = _run(_cmd(tmp_path, "minrep", "--mesh.rows", "2", "--mesh.min-replicas", "2",
-                        "--mesh.quorum-timeout-s", "5", "--mesh.replica-restarts", "0", "--dp.mode", "allreduce",
+                        "--mesh.quorum-timeout-s", "5", "--mesh.rejoin-timeout-s", "0", "--mesh.replica-restarts", "0", "--dp.mode", "allreduce",
                         "--train.steps", "40", "--run.fail-rank", "2", "--run.fail-step", "4"),
                    tmp_path / "minrep.log")
     assert rc == 1, log[-3000:]
@@ -271,6 +271,9 @@ def test_below_min_replicas_the_run_waits_then_stops_with_a_checkpoint(tmp_path)
     (["--mesh.join", "http://127.0.0.1:1", "--mesh.replica-id", "0"], "add --mesh.elastic"),
     (["--mesh.elastic", "--mesh.local-replicas", "0,3"], "--mesh.local-replicas"),
     (["--mesh.elastic", "--dp.mode", "none"], "--dp.mode"),
+    (["--mesh.elastic", "--mesh.join", "http://10.0.0.1:29510", "--mesh.replica-id", "1"], "--mesh.bind 127.0.0.1 is loopback"),
+    (["--mesh.elastic", "--mesh.bind", "0.0.0.0"], "is a wildcard"),
+    (["--mesh.elastic", "--mesh.rejoin-timeout-s", "-1"], "--mesh.rejoin-timeout-s"),
 ])
 def test_bad_elastic_settings_name_the_flag(flags, needle):
     with pytest.raises(ValueError, match=needle.replace(".", r"\.").replace("+", r"\+")):

@@ -40,6 +40,12 @@ class MeshConfig:
     min_replicas: int = _f(1, "--mesh.elastic: fewest live replicas a step needs; below it a replica waits up to "
                               "--mesh.quorum-timeout-s, then stops with an error (the last checkpoint stays valid)")
     quorum_timeout_s: float = _f(60.0, "--mesh.elastic: how long a replica waits for a quorum of --mesh.min-replicas")
+    rejoin_timeout_s: float = _f(0.0, "--mesh.elastic: a replica that gets no quorum (its link is down, the lighthouse is "
+                                        "unreachable, or fewer than --mesh.min-replicas are live) keeps asking, with "
+                                        "backoff, for this long in all, saying what it waits for; when the link is back it "
+                                        "rejoins and heals from a live replica. After it: QuorumLost (0, the default: stop at "
+                                        "the first quorum that times out; >0 is not yet reliable with torchft 0.2.0: "
+                                        "docs/elastic.md)")
     heartbeat_s: float = _f(2.0, "--mesh.elastic: a replica silent this long (dead, or its link down) is out of the next quorum")
     join: str = _f("", "--mesh.elastic: start one fast replica (--mesh.replica-id) that joins the running elastic run whose "
                        "lighthouse is this URL (http://HOST:PORT, printed by its launcher; RUN_DIR/elastic/lighthouse); "
@@ -48,7 +54,9 @@ class MeshConfig:
     local_replicas: list = _f([], "--mesh.elastic: the replica ids this launcher starts (empty: all of 0..rows-1); the "
                                   "others may join later with --mesh.join")
     bind: str = _f("127.0.0.1", "--mesh.elastic: the address the lighthouse, each replica's torchft manager, its heal "
-                                "server and its store listen on and advertise (another machine's replicas must reach it)")
+                                "server and its torchft store listen on and advertise: another machine's replicas must reach it, so "
+                                "with a lighthouse on another host it must be this host's address on their network "
+                                "(checked at start). A replica's own stages talk over loopback whatever it is")
 
 
 @dataclass

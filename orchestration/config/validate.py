@@ -74,6 +74,11 @@ def _check_elastic(cfg: Config) -> None:
     _need(m.min_replicas >= 1, f"--mesh.min-replicas must be >= 1, got {m.min_replicas}")
     _need(m.replica_restarts >= 0, f"--mesh.replica-restarts must be >= 0, got {m.replica_restarts}")
     _need(m.heartbeat_s > 0 and m.quorum_timeout_s > 0, "--mesh.heartbeat-s and --mesh.quorum-timeout-s must be > 0")
+    _need(m.rejoin_timeout_s >= 0, f"--mesh.rejoin-timeout-s must be >= 0, got {m.rejoin_timeout_s}")
+    from orchestration.distributed.addresses import advertise_problem
+
+    problem = advertise_problem(m.bind, m.join)
+    _need(problem is None, problem or "")
     ids = [int(r) for r in m.local_replicas]
     _need(all(0 <= r < m.rows for r in ids) and len(set(ids)) == len(ids),
           f"--mesh.local-replicas {m.local_replicas}: distinct replica ids in 0..{m.rows - 1}")

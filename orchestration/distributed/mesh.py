@@ -407,29 +407,6 @@ def init_anchor_row(layout: MeshLayout, stage: int, store, generation: int, *, d
     return m
 
 
-def init_replica_world(layout: MeshLayout, row: int, *, timeout_s: float = 60.0, device: str = "cpu") -> Mesh:
-    """--mesh.elastic: joins fast replica ``row``'s own world, its stages only (env://
-    rendezvous as set by orchestration.launch.replicas or torchrun: RANK = the stage,
-    WORLD_SIZE = the replica's stages, MASTER_ADDR/PORT = the replica's own store), so the
-    replica can die and be restarted while the others go on. Groups: ``pp`` = ``fast`` =
-    the replica's world, ``ends`` (tied embedding); ``dp`` is set by the replica's torchft
-    manager (orchestration.elastic.replica). ``rank`` keeps the whole mesh's numbering (for
-    names and checkpoints), neighbours are the world's ranks (= stages)."""
-    stages = layout.stages_of(row)
-    stage = int(os.environ.get("RANK", "0"))
-    if not 0 <= stage < stages:
-        raise ValueError(f"RANK={stage}: replica {row} of the mesh {layout.name} has stages 0..{stages - 1}")
-    tmo = timedelta(seconds=timeout_s)
-    join_world("gloo", stage, stages, timeout_s)
-    if dist.get_world_size() != stages:
-        raise ValueError(f"WORLD_SIZE={dist.get_world_size()} but replica {row} has {stages} stages")
-    m = Mesh(layout, layout.rank_of(row, stage), row, stage, elastic=True)
-    m.device = rank_device(device)
-    m.pp = m.fast = m.groups[f"pp{row}"] = m.groups["fast"] = dist.new_group(list(range(stages)), timeout=tmo)
-    m.groups[f"ends{row}"] = dist.new_group(sorted({0, stages - 1}), timeout=tmo)
-    return m
-
-
 def destroy_mesh() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -13,14 +13,16 @@ import torch
 
 from meshkern.compress import SyncError
 from orchestration.components.gate import StepGate
+from orchestration.elastic.calibrated import CodecState
 
 
 class ElasticGate(StepGate):
     """Wraps ``replica`` (orchestration.elastic.replica.ElasticReplica); the stage's DP
     group becomes the replica's torchft group (reconfigured per quorum)."""
 
-    def __init__(self, replica, mesh):
+    def __init__(self, replica, mesh, run_dir: str = ""):
         self.replica, self.mesh = replica, mesh
+        self.codec = CodecState(replica.cfg, run_dir, mesh.stage, mesh.describe())
         mesh.dp = replica.group
         self.incarnation = replica.incarnation
         self.committed = True  # whether the last step's update was committed
@@ -34,14 +36,15 @@ class ElasticGate(StepGate):
 
     def attach(self, *, params, optimizer, sync, save) -> None:
         self.params, self.optimizer, self._sync = params, optimizer, sync
-        self.replica.attach(self._heal_state, self._load_heal, self._synced_digest, save_fn=save)
+        self.replica.attach(self._heal_state, self._load_heal, self._synced_digest, save_fn=save,
+                            codec_digest_fn=lambda: self.codec.digest)
 
     # ------------------------------------------------------------------ heal state
     def _heal_state(self) -> dict:
         """What a healing replica's rank of this stage takes from this one (torchft serializes
         it at once: no copies needed)."""
         return {"params": [p.detach() for p in self.params], "optimizer": self.optimizer.state_dict(),
-                "sync": self._sync.heal_state()}
+                "sync": self._sync.heal_state(), "codec": self.codec.state()}
 
     def _load_heal(self, sd: dict) -> None:
         if len(sd["params"]) != len(self.params) or any(a.shape != p.shape for a, p in zip(sd["params"], self.params)):
@@ -51,6 +54,7 @@ class ElasticGate(StepGate):
                 p.copy_(v)
         self.optimizer.load_state_dict(sd["optimizer"])
         self._sync.load_heal_state(sd["sync"])
+        self.codec.load(sd.get("codec", {}), "a live peer's heal")
 
     def _synced_digest(self) -> str:
         """A hash of what every replica holds alike after a commit: the parameters
@@ -64,14 +68,22 @@ class ElasticGate(StepGate):
     # ------------------------------------------------------------------ the step protocol
     def start(self, step: int) -> int:
         """The first quorum: a replica that joins late heals here."""
-        step = self.replica.begin(step)
-        self._quorum = True
-        return step
+        return self._begin(step)
 
     def before_step(self, step: int, sync) -> int:
         if not self._quorum and self.replica.quorum_due(sync):
-            step = self.replica.begin(step)
-            self._quorum = True
+            step = self._begin(step)
+        return step
+
+    def _begin(self, step: int) -> int:
+        step = self.replica.begin(step)
+        self._quorum = True
+        r = self.replica
+        if r.healed_to is None and r.manager.current_step() == 0 and r.manager.num_participants() > 1:
+            try:  # nobody has committed, so nobody heals: the members agree on the codec's bases here
+                self.codec.agree(r.group, r.leader)
+            except Exception as e:  # a peer died in it: this step does not commit, the next quorum agrees again
+                r.failed(e)
         return step
 
     def sync(self, fn, sync) -> None:

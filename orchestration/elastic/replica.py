@@ -45,6 +45,7 @@ import torchft.manager as _tfm  # noqa: E402
 from torchft import Manager, ProcessGroupGloo  # noqa: E402
 from torchft._torchft import ManagerServer as _ManagerServer  # noqa: E402
 
+from orchestration.distributed.replica_world import replica_store  # noqa: E402
 from orchestration.elastic.errors import HealRefused, QuorumLost  # noqa: E402
 from orchestration.elastic.transport import SecretHTTPTransport  # noqa: E402
 
@@ -77,9 +78,14 @@ class ElasticReplica:
         m = cfg.mesh
         _BIND["host"] = m.bind
         tmo = timedelta(seconds=m.timeout_s)
-        self.transport = SecretHTTPTransport(secret, m.bind, tmo)
+        self.lighthouse = lighthouse
+        self.transport = SecretHTTPTransport(secret, m.bind, tmo, rate_bps=cfg.run.bandwidth_bps,
+                                             describe=mesh.describe())
+        # the store torchft advertises for the replicas' DP groups: on --mesh.bind, not the
+        # replica's own (loopback) rendezvous store at MASTER_ADDR
+        store_addr, store_port = replica_store(m.bind, m.timeout_s)
         self.group = ProcessGroupGloo(timeout=tmo)
-        self._state_fn = self._load_fn = self._digest_fn = self._save_fn = None
+        self._state_fn = self._load_fn = self._digest_fn = self._save_fn = self._codec_digest_fn = None
         self._began = False  # a quorum was had: a step was committed or healed to
         self.leader = mesh.row == 0  # the replica with the lowest number in the last quorum: it writes checkpoints
         self.manager = Manager(
@@ -87,7 +93,7 @@ class ElasticReplica:
             use_async_quorum=False,  # the heal is applied inside start_quorum: the step then runs on healed weights
             timeout=tmo, quorum_timeout=timedelta(seconds=m.quorum_timeout_s), connect_timeout=tmo,
             rank=mesh.stage, world_size=mesh.layout.stages_of(mesh.row),
-            store_addr=os.environ["MASTER_ADDR"], store_port=int(os.environ["MASTER_PORT"]),
+            store_addr=store_addr, store_port=store_port,
             lighthouse_addr=lighthouse, replica_id=f"replica{replica_id}", hostname=m.bind,
             checkpoint_transport=self.transport, init_sync=False)  # replicas start alike; a late one heals
         # The compressors' ring byte counts need this rank's place in the group, which
@@ -101,13 +107,14 @@ class ElasticReplica:
         self.stats = {"quorums": 0, "heals": 0, "heal_bytes": 0, "heal_s": 0.0, "failed_commits": 0}
         self._events = open(events, "a") if events else None
 
-    def attach(self, state_fn, load_fn, digest_fn=None, save_fn=None) -> None:
+    def attach(self, state_fn, load_fn, digest_fn=None, save_fn=None, codec_digest_fn=None) -> None:
         """``digest_fn() -> str``: a hash of what replicas hold alike after a commit (for
         MESHKERN_ELASTIC_DIGESTS=1 records: the tests check a healed replica against its peers).
         ``save_fn(step)``: checkpoints this replica at a step boundary (the leader calls it
         when the quorum is lost, so the run stops with its last committed state saved)."""
         self._state_fn, self._load_fn, self._save_fn = state_fn, load_fn, save_fn
         self._digest_fn = digest_fn if os.environ.get(DIGESTS_ENV) == "1" else None
+        self._codec_digest_fn = codec_digest_fn if self._digest_fn is not None else None
 
     # ---- torchft callbacks -----------------------------------------------------------------
     def _state(self) -> dict:
@@ -133,14 +140,7 @@ class ElasticReplica:
         self.step, self.healed_to = step, None
         n0, a0 = len(self.transport.recv_log), self.transport.recv_attempts
         t0 = time.perf_counter()
-        try:
-            self.manager.start_quorum()
-        except TimeoutError as e:  # torchft's quorum RPC past --mesh.quorum-timeout-s
-            if self.leader and self._began and self._save_fn is not None:
-                self._save_fn(step)  # where it stopped, valid: every step before it was committed
-            raise QuorumLost(f"{self.mesh.describe()}: no quorum of >= {self.cfg.mesh.min_replicas} live replicas "
-                             f"(--mesh.min-replicas) within --mesh.quorum-timeout-s "
-                             f"{self.cfg.mesh.quorum_timeout_s:g}: {e}") from e
+        self._quorum_or_wait(step)
         err = self.manager.errored()
         if err is not None:
             cause = err.original_exception
@@ -163,6 +163,45 @@ class ElasticReplica:
                 self.stats[k] += v
             self._quorum.update(healed_to=self.healed_to, **heal)
         return step if self.healed_to is None else self.healed_to
+
+    def _quorum_or_wait(self, step: int) -> None:
+        """torchft's quorum; one that fails (no quorum of --mesh.min-replicas within
+        --mesh.quorum-timeout-s, or the lighthouse unreachable: a link that is down) is asked
+        for again with backoff, each wait said on stderr, for --mesh.rejoin-timeout-s in all;
+        then QuorumLost (the leader saves its last committed step first)."""
+        m = self.cfg.mesh
+        t0, tries, delay = time.monotonic(), 0, 1.0
+        while True:
+            t_try = time.monotonic()
+            try:
+                self.manager.start_quorum()
+            except Exception as e:  # the quorum RPC failed: torchft handles heal and reconfigure errors itself
+                tries += 1
+                left = m.rejoin_timeout_s - (time.monotonic() - t0)
+                if left <= 0:
+                    if self.leader and self._began and self._save_fn is not None:
+                        self._save_fn(step)  # where it stopped, valid: every step before it was committed
+                    raise QuorumLost(f"{self.mesh.describe()}: no quorum of >= {m.min_replicas} live replicas "
+                                     f"(--mesh.min-replicas) from the lighthouse {self.lighthouse} in {tries} tries "
+                                     f"over {time.monotonic() - t0:.0f} s (--mesh.quorum-timeout-s "
+                                     f"{m.quorum_timeout_s:g} each, --mesh.rejoin-timeout-s {m.rejoin_timeout_s:g} in "
+                                     f"all): {_short(e)}") from e
+                # Backoff between requests that fail fast (the lighthouse unreachable); one that waited
+                # out --mesh.quorum-timeout-s is asked again at once: a peer slower by a step is then
+                # still found asking (the lighthouse waits for every live replica it knows).
+                wait = min(max(0.0, delay - (time.monotonic() - t_try)), left)
+                print(f"[elastic] {self.mesh.describe()}: no quorum at step {step} ({_short(e)}); waiting for the "
+                      f"lighthouse {self.lighthouse} to answer with >= {m.min_replicas} live replica(s): asking again "
+                      f"in {wait:.0f} s, for up to {left:.0f} s more (--mesh.rejoin-timeout-s)",
+                      file=sys.stderr, flush=True)
+                time.sleep(wait)  # backoff between quorum requests, not a synchronisation
+                delay = min(2 * delay, 8.0)
+                continue
+            if tries:
+                print(f"[elastic] {self.mesh.describe()}: back in a quorum after {time.monotonic() - t0:.1f} s "
+                      f"without one ({tries} failed tries; {self.manager.num_participants()} replica(s))",
+                      file=sys.stderr, flush=True)
+            return
 
     def failed(self, err: BaseException) -> None:
         """A DP collective of this step failed (a peer died inside it): no commit, and this
@@ -197,6 +236,8 @@ class ElasticReplica:
                "quorum": quorum, "wall": time.time(), "pid": os.getpid(), "incarnation": self.incarnation}
         if self._digest_fn is not None:
             rec["digest"] = self._digest_fn()
+        if self._codec_digest_fn is not None:
+            rec["codec"] = self._codec_digest_fn()  # the calibrated codec state (pca bases), or None
         if quorum:
             rec.update(self._quorum)
         if self._events is not None:
@@ -225,3 +266,8 @@ def hard_exit_on_error() -> None:
         os._exit(1)
 
     sys.excepthook = hook
+
+
+def _short(e: BaseException) -> str:
+    text = " ".join(str(e).split()) or type(e).__name__
+    return f"{type(e).__name__}: {text[:300]}"

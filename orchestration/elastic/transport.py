@@ -24,6 +24,7 @@ import hashlib
 import hmac
 import io
 import os
+import sys
 import threading
 import time
 import urllib.error
@@ -51,8 +52,9 @@ def _body_mac(secret: bytes, step: int, nonce: str, body: bytes) -> str:
 class SecretHTTPTransport(CheckpointTransport):
     """See the module docstring. ``host``: the address to listen on and advertise."""
 
-    def __init__(self, secret: bytes, host: str, timeout: timedelta):
+    def __init__(self, secret: bytes, host: str, timeout: timedelta, *, rate_bps: float = 200e6, describe: str = ""):
         self.secret, self.host, self.timeout = secret, host, timeout
+        self.rate_bps, self.describe = rate_bps, describe or "elastic replica"
         self._served_cv = threading.Condition()
         self._served: tuple[int, bytes] | None = None  # (step, serialized state) while a heal is open
         self.recv_log: list[dict] = []
@@ -120,8 +122,8 @@ class SecretHTTPTransport(CheckpointTransport):
             NONCE_HEADER: nonce, AUTH_HEADER: _request_mac(self.secret, int(step), nonce)})
         tmo = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
         try:
-            with urllib.request.urlopen(req, timeout=tmo) as f:
-                body, tag = f.read(), f.headers.get(TAG_HEADER, "")
+            with urllib.request.urlopen(req, timeout=tmo) as f:  # tmo: per read, a stalled peer
+                body, tag = self._read_body(f, metadata, tmo, t0), f.headers.get(TAG_HEADER, "")
         except urllib.error.HTTPError as e:
             if e.code == 403:
                 raise HealRefused(f"the peer at {metadata} refused the heal: this replica's secret is not the "
@@ -132,6 +134,38 @@ class SecretHTTPTransport(CheckpointTransport):
         state = torch.load(io.BytesIO(body), weights_only=True)
         self.recv_log.append({"heal_s": time.perf_counter() - t0, "heal_bytes": len(body), "step": int(step)})
         return state
+
+    def _read_body(self, f, metadata: str, tmo: float, t0: float) -> bytes:
+        """The body in chunks: a deadline from its size and the link's rate (--run.bandwidth-bps,
+        3x slack, plus the stall timeout), and a progress line on stderr every few seconds of
+        a long transfer, never a silent wait."""
+        total = int(f.headers.get("Content-Length") or 0)
+        expect = total * 8 / max(self.rate_bps, 1.0)
+        deadline = t0 + tmo + 3 * expect
+        chunks, got, said = [], 0, time.perf_counter()
+        print(f"[elastic] {self.describe}: healing from {metadata}: {total / 1e6:.1f} MB (~{expect:.1f} s at "
+              f"--run.bandwidth-bps {self.rate_bps:g}; giving up after {deadline - t0:.0f} s)", file=sys.stderr, flush=True)
+        while True:
+            b = f.read(1 << 20)
+            if not b:
+                break
+            chunks.append(b)
+            got += len(b)
+            now = time.perf_counter()
+            if now > deadline:
+                raise TimeoutError(f"{self.describe}: the heal from {metadata} moved {got / 1e6:.1f} of "
+                                   f"{total / 1e6:.1f} MB in {now - t0:.0f} s, past its deadline of {deadline - t0:.0f} s "
+                                   f"(~{expect:.0f} s at --run.bandwidth-bps {self.rate_bps:g}, x3, plus "
+                                   f"--mesh.timeout-s {tmo:g}); set --run.bandwidth-bps to the link's real rate")
+            if now - said >= 5.0:
+                said = now
+                rate = got * 8 / max(now - t0, 1e-9)
+                print(f"[elastic] {self.describe}: healing from {metadata}: {got / 1e6:.1f} of {total / 1e6:.1f} MB "
+                      f"in {now - t0:.0f} s ({rate / 1e6:.1f} Mbit/s, ~{(total - got) * 8 / max(rate, 1.0):.0f} s left)",
+                      file=sys.stderr, flush=True)
+        if total and got != total:
+            raise ConnectionError(f"{self.describe}: the heal from {metadata} ended after {got} of {total} bytes")
+        return b"".join(chunks)
 
     def shutdown(self, wait: bool = True) -> None:
         self._server.shutdown()

@@ -68,18 +68,22 @@ def run_rank(rank: int, world_size: int, cfg, plan, role: ElasticRole | None = N
 def _join_replica(layout: MeshLayout, stage: int, cfg, plan, role: ElasticRole):
     """Stage ``stage`` of elastic replica ``role.replica``: the replica's own world and its
     torchft manager; returns (mesh, gate)."""
-    from orchestration.distributed.mesh import init_replica_world
+    from orchestration.distributed.replica_world import init_replica_world
     from orchestration.elastic.events import announce_up, events_dir, wait_for_launch
     from orchestration.elastic.gate import ElasticGate
     from orchestration.elastic.replica import ElasticReplica, hard_exit_on_error
 
     hard_exit_on_error()
+    from orchestration.distributed.addresses import local_problem
+
+    if (problem := local_problem(cfg.mesh.bind)) is not None:
+        raise ValueError(problem)
     mesh = init_replica_world(layout, role.replica, timeout_s=cfg.mesh.timeout_s, device=cfg.mesh.device)
     os.makedirs(events_dir(plan.run_dir), exist_ok=True)
     replica = ElasticReplica(cfg, mesh, role.replica, role.lighthouse, plan.secret,
                              events=os.path.join(events_dir(plan.run_dir), f"replica{role.replica}_stage{stage}.jsonl"))
     replica.incarnation = role.incarnation
-    gate = ElasticGate(replica, mesh)
+    gate = ElasticGate(replica, mesh, plan.run_dir)
     if role.first:
         if stage == 0:
             announce_up(plan.run_dir, role.replica, role.lighthouse)
