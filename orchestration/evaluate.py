@@ -318,11 +318,9 @@ def _run(a) -> int:
     from orchestration.data import tasks
     path = model_paths.resolve_model(a.model)
     if os.path.isfile(os.path.join(path, "meta.json")):  # a trainer checkpoint: verify its files first
-        disk = checkpoint.verify(path).get("disk") or {}
-        if disk and not disk.get("model"):
-            raise ValueError(f"{path} is one host's part of a multi-host checkpoint (the state of ranks "
-                             f"{disk['ranks']}); the model is assembled on the leader's disk (the host of global "
-                             "rank 0): evaluate it there")
+        problem = checkpoint.model_problem(path, checkpoint.verify(path))
+        if problem:  # one host's part of a multi-host checkpoint, or a model not (yet) assembled
+            raise ValueError(problem)
     model, tok_path = models.load_causal_lm(path, base=a.base)  # an adapter folder: its base, adapters merged in
     tokenizer = a.tokenizer or tok_path
     if tokenizer is None:

@@ -198,6 +198,7 @@ class Trainer:
                 interrupted = True
                 break
         log.close_bar()
+        self.checkpointer.close()  # a model still on its way to the leader lands before anything reads it
         self.hook.close()
         stage_state = self._stage_state()
         elapsed = time.perf_counter() - t_start

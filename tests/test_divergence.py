@@ -6,6 +6,8 @@ import os
 import re
 
 import pytest
+
+from orchestration.components import checkpoint_read as ckpt_read
 import torch
 
 from orchestration.components import checkpoint as ckpt
@@ -47,7 +49,7 @@ def test_lr_1e3_stops_with_divergence_error_and_keeps_the_last_good_checkpoint(t
     assert ckpt.read_meta(latest)["step"] <= first_bad - 2  # predates the weights that produced the bad loss
     assert f"the last good checkpoint is {latest}" in err
     # Every checkpoint left is complete and finite: nothing of the bad stretch was published.
-    for d in ckpt._step_dirs(root):
+    for d in ckpt_read._step_dirs(root):
         assert ckpt.read_meta(d)["step"] < first_bad
         _finite_checkpoint(d)
     recs = read_jsonl(str(tmp_path / "t" / "metrics.jsonl"))
