@@ -150,15 +150,11 @@ def _check_train(cfg: Config) -> None:
 
 def _check_boundary(cfg: Config) -> None:
     m, b = cfg.mesh, cfg.boundary
-    from orchestration.codecs import CODECS, codec_class  # the one list of boundary codecs, and what each says
+    from orchestration.codecs import CODECS  # the one list of boundary codecs
 
     _need(b.codec in CODECS, f"--boundary.codec must be one of {', '.join(CODECS)}, got {b.codec!r}")
     _need(b.compress in ("all", "selective"), f"--boundary.compress must be all or selective, got {b.compress!r}")
     if m.replicas and len(set(m.replicas)) > 1:
-        _need(not codec_class(b.codec, b.options).needs_calibration,
-              f"--mesh.replicas: the {b.codec} codec is not supported on a heterogeneous mesh (its calibration "
-              "fits the bases of one homogeneous split): use --boundary.codec subspace (the paper's), "
-              "int4, ... (docs/codecs.md)")
         full_compressed = [r for r in range(m.rows) if m.replicas[r] == 1 and cfg.replica_codec(r) not in ("dense", "subspace")]
         _need(not full_compressed, f"--mesh.replicas: replica {full_compressed[:1]} is a full replica (no stage boundary) "
                                    f"and --boundary.codec {b.codec} compresses boundaries only; use --boundary.compress "
