@@ -85,12 +85,12 @@ def test_pca_codec_trains_through_the_mesh(tiny, tmp_path, start, bwd):
     saved = calibration.load(plan.run_dir)
     model, _ = load_causal_lm(tiny / "model")
     fresh = calibration.bases_for_run(cfg, model, plan.train_rows)
-    assert sorted(saved) == [0]
+    assert sorted(saved) == sorted(fresh) == [1]  # 4 layers in 2 stages: the boundary after layer 1
     for name in ("mean", "U", "sd", "gsd") + (("Ug",) if bwd == "gbasis" else ()):
-        torch.testing.assert_close(getattr(saved[0], name), getattr(fresh[0], name), rtol=1e-4, atol=1e-5)
-    assert (saved[0].Ug is None) == (bwd == "span")
+        torch.testing.assert_close(getattr(saved[1], name), getattr(fresh[1], name), rtol=1e-4, atol=1e-5)
+    assert (saved[1].Ug is None) == (bwd == "span")
     codec = calibration.codec_of(cfg)
-    assert codec.width(40) == saved[0].k == 8  # B = 160 // 15 = 10: 2 for position 0, 4 for the scale, 4 B of int4
+    assert codec.width(40) == saved[1].k == 8  # B = 160 // 15 = 10: 2 for position 0, 4 for the scale, 4 B of int4
     per_mb = codec.wire_bytes((2, 32, 40), torch.float32, "fwd")
     assert per_mb == 2 * (44 + 31 * (4 + 4))
     links = json.load(open(os.path.join(plan.run_dir, "link_bytes.json")))["links"]
@@ -112,9 +112,12 @@ def test_diagnose_codec_transform_fits_the_pca_basis_and_counts_bytes_per_row():
         dg.codec_transform("pca", 576, 15, 0)
 
 
-def test_a_resumed_run_keeps_its_basis(tmp_path):
+@pytest.mark.parametrize("layout", ["after_layer", "by_stage"])
+def test_a_resumed_run_keeps_its_basis(tmp_path, layout):
     """prepare_run with RUN_DIR/pca_basis.pt present installs that file's basis (no refit:
-    the model it gets may already be trained)."""
+    the model it gets may already be trained), keyed by the layer its boundary sits after;
+    a file written before layer keys ({stage boundary: basis}, a homogeneous run's) loads
+    too, its boundary 0 being the one after layer 1 of a 4-layer model in 2 stages."""
     from types import SimpleNamespace
 
     from orchestration.config import parse_args
@@ -122,15 +125,23 @@ def test_a_resumed_run_keeps_its_basis(tmp_path):
     g = torch.Generator().manual_seed(2)
     U, _ = torch.linalg.qr(torch.randn(16, 4, generator=g, dtype=torch.float64))
     b = codecs.PCABasis(torch.randn(16, generator=g), U.float(), torch.rand(4, generator=g) + 0.1, torch.ones(4))
-    calibration.save({0: b}, str(tmp_path))
+    if layout == "after_layer":
+        calibration.save({1: b}, str(tmp_path))
+    else:  # what calibration.save wrote before
+        torch.save({0: b.state_dict()}, os.path.join(tmp_path, calibration.BASIS_FILE))
     cfg, _ = parse_args(["--preset", "pca4", "--mesh.stages", "2"])
-    plan = SimpleNamespace(model=object(), train_rows=None, run_dir=str(tmp_path))  # a model it must not touch
+    model = SimpleNamespace(config=SimpleNamespace(num_hidden_layers=4))  # no weights: it must not be run
+    plan = SimpleNamespace(model=model, train_rows=None, run_dir=str(tmp_path))
     codecs.PCA_BASES.clear()
     try:
         calibration.prepare_run(cfg, plan)
-        assert sorted(codecs.PCA_BASES) == [0]
+        assert sorted(codecs.PCA_BASES) == [1]
         for name in ("mean", "U", "sd", "gsd"):
-            assert torch.equal(getattr(codecs.PCA_BASES[0], name), getattr(b, name))
+            assert torch.equal(getattr(codecs.PCA_BASES[1], name), getattr(b, name))
+        assert calibration.load_split(str(tmp_path), 4, 2)[0] is not None
+        if layout == "after_layer":  # a 1 | 3 split cuts elsewhere (an old file only knows its own split)
+            with pytest.raises(ValueError, match="after decoder layer 0"):
+                calibration.load_split(str(tmp_path), 4, 2, [1, 3])
     finally:
         codecs.PCA_BASES.clear()
 

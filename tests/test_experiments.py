@@ -160,10 +160,11 @@ def test_codec_eval_loss_with_pca_decodes_with_the_runs_saved_basis(tiny, tmp_pa
     cfg = parse_args(["--model", str(tiny / "model"), "--mesh.rows", "1", "--mesh.stages", "2",
                       "--boundary.codec", "pca"])[0]
     codec = codec_for(cfg.boundary)
-    bases = calibration.fit_model_bases(model, held[:4], codec, 2, cfg.mesh.layers_per_stage, grad_rows=0)
+    (L,) = calibration.boundary_layers(model.config.num_hidden_layers, 2, cfg.mesh.layers_per_stage)
+    bases = calibration.fit_layer_bases(model, held[:4], codec, [L], grad_rows=0)
     calibration.save(bases, str(tmp_path))
     got = evaluation.codec_eval_loss(model, held, cfg, seed=1, step=20, run_dir=str(tmp_path))["loss"]
-    codec.bases = bases
+    codec.bases = {0: bases[L]}
     s0, s1 = split_model(model, 2, cfg.mesh.layers_per_stage or None)
     with torch.no_grad():
         h = s0(held)

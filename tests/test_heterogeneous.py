@@ -73,8 +73,6 @@ def test_config_derives_the_mesh_and_the_codec_of_each_replica():
 
 @pytest.mark.parametrize("argv,match", [
     (["--mesh.replicas", "1,2", "--anchor.enabled", "true", "--train.optimizer", "spectral"], "anchor"),
-    (["--mesh.replicas", "1,2", "--boundary.codec", "pca"], "pca codec"),
-    (["--mesh.replicas", "1,2", "--boundary.codec", "pca:quant=absmax"], "pca codec"),  # both layouts calibrate
     (["--mesh.replicas", "1,2", "--boundary.codec", "int4", "--boundary.compress", "all"], "full replica"),
     (["--mesh.replicas", "0,2"], "stage counts >= 1"),
     (["--boundary.compress", "some"], "all or selective"),

@@ -104,7 +104,7 @@ def test_targets_are_checked_against_the_models_layers():
     (["--adapter.targets", ","], "--adapter.targets is empty"),
     (["--adapter.targets", "q_proj,q_proj"], "names a layer twice"),
     (["--adapter.alpha", "nan"], "--adapter.alpha must be a finite number > 0"),
-    (["--boundary.codec", "subspace"], "not supported"),
+    (["--boundary.codec", "subspace"], "cannot work"),
     (["--adapter.export", "gguf"], "--adapter.export must be one of adapter, merged"),
 ])
 def test_bad_adapter_flags_are_one_clear_error(flags, msg):

@@ -214,7 +214,7 @@ def test_nf_codec_trains_through_the_mesh(tiny, tmp_path):
     H = 40
     nb = codec.code_bytes(H)
     assert nb == 160 // 4 - 2 - 2  # B = 40 bytes per token: 2 for position 0, 2 for the fp16 scale
-    saved = calibration.load(plan.run_dir)[0]
+    saved = calibration.load(plan.run_dir)[1]  # (4 layers in 2 stages: the boundary after layer 1)
     assert int(saved.bits.sum()) == int(saved.gbits.sum()) == 8 * nb and saved.k <= H
     per_mb = codec.wire_bytes((2, 32, H), torch.float32, "fwd")
     assert per_mb == 2 * (44 + 31 * (nb + 2))

@@ -106,7 +106,11 @@ class PCABasis:
 BACKWARDS = ("span", "gbasis", "dense")  # the bwd option
 QUANTS = ("absmax", "nf")  # the quant option: which layout (class) a pca spec means
 BASIS_DTYPES = ("float32", "float16")  # the basis_dtype option
-PCA_BASES: dict[int, PCABasis] = {}  # boundary index -> basis; what a pca codec uses unless given its own
+# What a pca codec uses unless given its own bases, looked up by the MaskKey's boundary. In a
+# run, orchestration.components.calibration installs the run's bases here keyed by the decoder
+# layer each boundary sits after, and gives every trainer's codec its replica's view instead
+# ({stage boundary: basis}; replicas of different depths cut after different layers).
+PCA_BASES: dict[int, PCABasis] = {}
 
 
 def sink_bytes(H: int, sink: bool, seq_len: int) -> int:

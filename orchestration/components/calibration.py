@@ -2,7 +2,14 @@
 orchestration.codecs.PCABaseCodec: PCANFCodec, PCACodec): one fixed basis per pipeline
 boundary, identical on both sides of it.
 
-What is fitted, per boundary b (the hidden state stage b sends to stage b+1), from
+A boundary is named by the decoder layer it sits after (``boundary_layers``), not by the
+stage that sends it: in a heterogeneous mesh (--mesh.replicas 1,2,2, or 2,3) replicas of
+different depths cut the model in different places, and the run fits one basis for every
+distinct cut of every replica that uses the codec (``run_boundary_layers``). Two replicas
+that cut after the same layer share its basis. A full replica left uncompressed
+(--boundary.compress selective: ``Config.replica_codec``) has no boundary and needs none.
+
+What is fitted, per boundary (the hidden state after decoder layer L), from
 ``calib_rows`` rows of the TRAINING set (never the held-out rows) with the model as
 loaded, before any training step:
     tokens   the boundary hidden states of those rows; with ``sink`` position 0 of every
@@ -14,16 +21,24 @@ loaded, before any training step:
     gsd      the rms of each gradient coordinate U^T g over the dense boundary gradients
              of the first ``grad_rows`` of those rows (the loss's gradient w.r.t. h_b; with
              ``sink`` positions >= 1 only); ones if grad_rows = 0
-The basis is fixed for the run (no refresh schedule): the codec's subspace does not
-follow the model as it trains. It is stored as RUN_DIR/pca_basis.pt; a resumed run (and
-orchestration.experiments' codec-on evaluation) loads that file instead of fitting again.
+The hidden states after layer L do not depend on where else the model is cut, so all the
+run's boundaries are fitted in one pass over the model cut at every one of them
+(``fit_layer_bases``). The basis is fixed for the run (no refresh schedule): the codec's
+subspace does not follow the model as it trains. It is stored as RUN_DIR/pca_basis.pt,
+``{"after_layer": {L: basis}}``; a resumed run (and orchestration.experiments' codec-on
+evaluation) loads that file instead of fitting again. A file of a run from before layer
+keys (``{stage boundary b: basis}``, homogeneous meshes only) still loads: its boundary b
+is the one after ``boundary_layers(...)[b]`` of the run's split.
 
-How both sides get it (``attach``, called by every fast rank's Trainer): under the local
-launcher with fork, ``train.prepare`` (which loaded the model) fitted it into
-codecs.PCA_BASES and the ranks inherited it; otherwise (torchrun, spawn) fast rank 0 fits
-it (or loads RUN_DIR/pca_basis.pt) and broadcasts it to the fast ranks at start. Either
-way its bytes are counted once per boundary link on the pp_fwd axis (what stage b would
-send stage b+1 once: H + H*k + 2k fp32 values).
+How both sides get it (``attach``, called by every fast rank whose replica uses the
+codec): under the local launcher with fork, ``train.prepare`` (which loaded the model)
+fitted it into codecs.PCA_BASES (keyed by layer) and the ranks inherited it; otherwise
+(torchrun, spawn) the first such rank of the world fits it (or loads RUN_DIR/pca_basis.pt)
+and broadcasts it to the others at start. Each rank's codec then holds its own replica's
+view, ``{stage boundary b: basis after boundary_layers[b]}``: the key the pipeline
+executor's MaskKey carries, so the executor is the same for every mesh. The basis bytes
+are counted once per sending rank on the pp_fwd axis (what stage b sends stage b+1 once:
+H + H*k + 2k values, PCABasis.nbytes).
 """
 from __future__ import annotations
 
@@ -132,6 +147,33 @@ def calibration_rows(train_rows: torch.Tensor, n: int, seed: int = 0) -> torch.T
     return train_rows[idx.sort().values]
 
 
+def boundary_layers(num_layers: int, num_stages: int, layers_per_stage=None) -> list[int]:
+    """The decoder layer each boundary of a ``num_stages``-stage split sits after (0-based),
+    boundary b first: the split the trainer makes (stages.replica_split)."""
+    from orchestration.distributed.stages import replica_split
+
+    split = replica_split(num_layers, num_stages, layers_per_stage or None)
+    return [sum(split[:b + 1]) - 1 for b in range(len(split) - 1)]
+
+
+def calibrating_rows(cfg) -> list[int]:
+    """The fast replicas whose codec (``Config.replica_codec``) needs calibration: every
+    one, or, under --boundary.compress selective, all but the full replicas."""
+    return [row for row in range(cfg.fast_rows)
+            if codecs.codec_class(cfg.replica_codec(row), cfg.boundary.options).needs_calibration]
+
+
+def run_boundary_layers(cfg, num_layers: int) -> dict[int, list[int]]:
+    """{fast replica: ``boundary_layers`` of its split}, for every ``calibrating_rows`` one."""
+    return {row: boundary_layers(num_layers, cfg.replica_stages[row], cfg.mesh.layers_per_stage)
+            for row in calibrating_rows(cfg)}
+
+
+def _run_layers(cfg, num_layers: int) -> list[int]:
+    """Every distinct boundary layer of the run, ascending."""
+    return sorted({L for layers in run_boundary_layers(cfg, num_layers).values() for L in layers})
+
+
 def boundary_states(model, rows: torch.Tensor, num_stages: int, layers_per_stage=None, grad_rows: int = 8,
                     chunk: int = 4) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
     """(hs, gs): boundary b's hidden states (stage b's outputs, [N, T, H] fp32) on ``rows``
@@ -185,6 +227,20 @@ def fit_model_bases(model, rows: torch.Tensor, codec: PCABaseCodec, num_stages: 
     return {b: fit_for(codec, h, g) for b, (h, g) in enumerate(zip(hs, gs))}
 
 
+def fit_layer_bases(model, rows: torch.Tensor, codec: PCABaseCodec, layers, grad_rows: int = 8,
+                    chunk: int = 4) -> dict[int, PCABasis]:
+    """{L: the basis of the boundary after decoder layer L} for every L in ``layers``: one
+    pass over ``model`` cut after each of them (``fit_model_bases``; a homogeneous run's
+    layers are its own split's cuts, so this is the very split it trains with)."""
+    cuts = sorted({int(L) for L in layers})
+    n = model.config.num_hidden_layers
+    if any(not 0 <= L < n - 1 for L in cuts):
+        raise ValueError(f"pca calibration: boundary layers {cuts} must be in 0..{n - 2} for {n} decoder layers")
+    split = [b - a for a, b in zip([-1] + cuts, cuts + [n - 1])]
+    fitted = fit_model_bases(model, rows, codec, len(split), split, grad_rows, chunk)
+    return {L: fitted[b] for b, L in enumerate(cuts)}
+
+
 def codec_of(cfg):
     """The run's boundary codec if it needs calibration, else None."""
     if not codecs.codec_class(cfg.boundary.codec, cfg.boundary.options).needs_calibration:
@@ -193,34 +249,68 @@ def codec_of(cfg):
 
 
 def bases_for_run(cfg, model, train_rows: torch.Tensor, run_dir: str | None = None) -> dict[int, PCABasis]:
-    """RUN_DIR/pca_basis.pt if it exists (a resumed run keeps its basis), else fitted on
+    """{boundary layer: basis} for every boundary of the run (``run_boundary_layers``):
+    RUN_DIR/pca_basis.pt if it exists (a resumed run keeps its basis), else fitted on
     ``model`` and the run's training rows."""
+    n = model.config.num_hidden_layers
     if run_dir and os.path.isfile(os.path.join(run_dir, BASIS_FILE)):
-        return load(run_dir)
+        return load(run_dir, boundary_layers(n, cfg.mesh.stages, cfg.mesh.layers_per_stage))
     codec = codec_of(cfg)
     rows = calibration_rows(train_rows, codec.calib_rows, cfg.train.seed)
-    return fit_model_bases(model, rows, codec, cfg.mesh.stages, cfg.mesh.layers_per_stage,
-                           grad_rows=codec.grad_rows)
+    return fit_layer_bases(model, rows, codec, _run_layers(cfg, n), grad_rows=codec.grad_rows)
 
 
 def install(bases: dict[int, PCABasis]) -> None:
-    """Make ``bases`` what every pca codec of this process uses by default."""
+    """Make ``bases`` (the run's, {boundary layer: basis}) this process's codecs.PCA_BASES."""
     codecs.PCA_BASES.clear()
     codecs.PCA_BASES.update(bases)
 
 
+def for_split(bases: dict[int, PCABasis], layers) -> dict[int, PCABasis]:
+    """{stage boundary b: basis}: the view of {boundary layer: basis} ``bases`` for a split
+    whose boundary b sits after ``layers[b]`` (``boundary_layers``): what its codec holds."""
+    missing = [L for L in layers if L not in bases]
+    if missing:
+        raise ValueError(f"pca: no basis for the boundary after decoder layer {missing[0]} (the bases are for "
+                         f"the boundaries after layers {sorted(bases)}: fitted for another split)")
+    return {b: bases[L] for b, L in enumerate(layers)}
+
+
 def save(bases: dict[int, PCABasis], run_dir: str) -> str:
+    """RUN_DIR/pca_basis.pt: ``{"after_layer": {L: PCABasis.state_dict()}}``."""
     path = os.path.join(run_dir, BASIS_FILE)
     os.makedirs(run_dir, exist_ok=True)
     tmp = path + ".tmp"
-    torch.save({int(b): v.state_dict() for b, v in bases.items()}, tmp)
+    torch.save({"after_layer": {int(L): v.state_dict() for L, v in bases.items()}}, tmp)
     os.replace(tmp, path)
     return path
 
 
-def load(run_dir: str) -> dict[int, PCABasis]:
-    sd = torch.load(os.path.join(run_dir, BASIS_FILE), map_location="cpu", weights_only=True)
-    return {int(b): PCABasis(**v) for b, v in sd.items()}  # (Ug, bits/gbits, elem only where fitted with them)
+def read(path: str, layers=None) -> dict[int, PCABasis]:
+    """{boundary layer: basis} from a basis file. A file from before layer keys holds
+    {stage boundary b: basis} of one homogeneous split: ``layers`` (that split's
+    ``boundary_layers``) names its boundaries; ValueError without it."""
+    sd = torch.load(path, map_location="cpu", weights_only=True)
+    if "after_layer" in sd:
+        sd = sd["after_layer"]
+    else:  # keyed by stage boundary
+        if layers is None or len(layers) < len(sd) or any(int(b) >= len(layers) for b in sd):
+            raise ValueError(f"{path}: bases keyed by stage boundary {sorted(int(b) for b in sd)}; the run's split "
+                             f"(its boundary layers) is needed to read them, got {layers}")
+        sd = {layers[int(b)]: v for b, v in sd.items()}
+    return {int(L): PCABasis(**v) for L, v in sd.items()}  # (Ug, bits/gbits, elem only where fitted with them)
+
+
+def load(run_dir: str, layers=None) -> dict[int, PCABasis]:
+    """``read`` RUN_DIR/pca_basis.pt."""
+    return read(os.path.join(run_dir, BASIS_FILE), layers)
+
+
+def load_split(run_dir: str, num_layers: int, num_stages: int, layers_per_stage=None) -> dict[int, PCABasis]:
+    """{stage boundary b: basis} of RUN_DIR/pca_basis.pt for the trainer's split of
+    ``num_stages`` stages (what a codec of that split holds: ``for_split``)."""
+    layers = boundary_layers(num_layers, num_stages, layers_per_stage)
+    return for_split(load(run_dir, layers), layers)
 
 
 def prepare_run(cfg, plan) -> None:
@@ -232,45 +322,64 @@ def prepare_run(cfg, plan) -> None:
     install(bases_for_run(cfg, plan.model, plan.train_rows, plan.run_dir))
 
 
+def _calibrating_ranks(cfg, mesh) -> list[int]:
+    """The ranks of this rank's world that call ``attach``: an elastic replica's world is
+    the replica; the fast circuit's holds every ``calibrating_rows`` replica's ranks."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return [0]
+    if mesh.elastic:
+        return list(range(dist.get_world_size()))
+    return [r for row in calibrating_rows(cfg) for r in mesh.layout.pp_ranks(row)]
+
+
 def attach(codec, cfg, plan, mesh, counter) -> None:
-    """Every fast rank, in Trainer.__init__: make sure this rank's ``codec`` holds the run's
-    bases (inherited, or fitted/loaded by its world's rank 0 and broadcast as tensors, never
-    pickled), have that rank store them in RUN_DIR, and count the basis bytes once on this
-    stage's pp_fwd link (``counter``)."""
+    """Every fast rank whose replica uses the codec, in Trainer.__init__: make sure this
+    process holds the run's bases (inherited, or fitted/loaded by the first calibrating
+    rank of its world and broadcast to the others as tensors, never pickled), have that
+    rank store them in RUN_DIR, give ``codec`` this replica's view of them (``for_split``)
+    and count the basis this rank sends once on its pp_fwd link (``counter``)."""
     import torch.distributed as dist
 
     if not codec.needs_calibration:
         return
-    # The rank that fits or loads them: rank 0 of this rank's world (the fast circuit's, or an
-    # elastic replica's own world, where the whole mesh's rank 0 may live on another host).
-    source = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
-    need = set(range(cfg.mesh.stages - 1))
-    if not need <= set(codec.bases):  # the same on every fast rank: all inherited, or none
+    layers = run_boundary_layers(cfg, plan.num_layers)
+    need = {L for mine in layers.values() for L in mine}
+    distributed = dist.is_available() and dist.is_initialized()
+    members = _calibrating_ranks(cfg, mesh)
+    # The rank that fits or loads them: the first calibrating rank of this rank's world (the
+    # fast circuit's, or an elastic replica's own world, where the whole mesh's rank 0 may
+    # live on another host).
+    source = not distributed or dist.get_rank() == members[0]
+    if not need <= set(codecs.PCA_BASES):  # the same on every calibrating rank: all inherited, or none
         named = None
         if source:
             from orchestration.models.loading import load_causal_lm
 
             if os.path.isfile(os.path.join(plan.run_dir, BASIS_FILE)):
-                bases = load(plan.run_dir)
+                bases = load(plan.run_dir, boundary_layers(plan.num_layers, cfg.mesh.stages, cfg.mesh.layers_per_stage))
             else:
                 model, _ = load_causal_lm(plan.model_path, dtype=getattr(torch, cfg.model.dtype))
                 bases = bases_for_run(cfg, model, plan.train_rows)
                 del model
-            named = {f"{b}.{k}": v for b, basis in bases.items() for k, v in basis.state_dict().items()}
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            named = {f"{L}.{k}": v for L, basis in bases.items() for k, v in basis.state_dict().items()}
+        if distributed and len(members) > 1:
             from orchestration.distributed.tensor_broadcast import broadcast_tensors
 
-            named = broadcast_tensors(named, src=0, device=mesh.device)
+            group = None if len(members) == dist.get_world_size() else \
+                dist.new_group(members, use_local_synchronization=True)  # (the others never call attach)
+            named = broadcast_tensors(named, src=members[0], group=group, device=mesh.device)
         install(_bases_from_named(named))
-        codec.bases = codecs.PCA_BASES
     if source and not os.path.isfile(os.path.join(plan.run_dir, BASIS_FILE)):
-        save({b: codec.bases[b] for b in need}, plan.run_dir)
+        save({L: codecs.PCA_BASES[L] for L in sorted(need)}, plan.run_dir)
+    codec.bases = for_split(codecs.PCA_BASES, layers.get(mesh.row, []))
     if not mesh.is_last:
         counter.add("pp_fwd", mesh.rank, mesh.next_rank, codec.one_off_bytes(mesh.stage))
 
 
 def _bases_from_named(named: dict[str, torch.Tensor]) -> dict[int, PCABasis]:
-    """{boundary: PCABasis} from flat "<boundary>.<field>" tensors (PCABasis checks each one)."""
+    """{boundary layer: PCABasis} from flat "<layer>.<field>" tensors (PCABasis checks each one)."""
     per: dict[int, dict] = {}
     for key, t in named.items():
         b, _, field = key.partition(".")

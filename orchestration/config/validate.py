@@ -46,7 +46,11 @@ def _need(cond: bool, msg: str) -> None:
 def validate(cfg: Config) -> Config:
     """Checks ranges and combinations; raises ValueError naming the flag. Touches no files
     and changes nothing (parsing, orchestration.config.manager.normalize, derives what the
-    settings imply). Returns ``cfg``."""
+    settings imply). Returns ``cfg``. A pair of features that cannot run together is refused
+    by the composition matrix (orchestration.config.composition), the one list of them."""
+    from orchestration.config.composition import refusal  # (here: -m orchestration.config.composition runs it)
+
+    _need(refusal(cfg) is None, refusal(cfg) or "")
     _check_mesh(cfg)
     _check_model_and_data(cfg)
     _check_train(cfg)
@@ -65,12 +69,6 @@ def _check_elastic(cfg: Config) -> None:
           "--mesh.join, --mesh.local-replicas and --mesh.replica-id belong to an elastic run: add --mesh.elastic")
     if not m.elastic:
         return
-    _need(not cfg.anchor.enabled, "--mesh.elastic with --anchor.enabled is not supported yet: the anchor row's world "
-                                  "is formed through the fixed fast circuit's store (docs/elastic.md)")
-    _need(not m.replicas, "--mesh.elastic needs replicas alike (--mesh.rows x --mesh.stages), not --mesh.replicas")
-    _need(dp.mode in ("allreduce", "diloco"), f"--mesh.elastic needs --dp.mode allreduce or diloco, got {dp.mode}")
-    _need(cfg.boundary.codec != "subspace", "--mesh.elastic does not support --boundary.codec subspace (its projector "
-                                            "is broadcast over the whole fast circuit at start)")
     _need(m.min_replicas >= 1, f"--mesh.min-replicas must be >= 1, got {m.min_replicas}")
     _need(m.replica_restarts >= 0, f"--mesh.replica-restarts must be >= 0, got {m.replica_restarts}")
     _need(m.heartbeat_s > 0 and m.quorum_timeout_s > 0, "--mesh.heartbeat-s and --mesh.quorum-timeout-s must be > 0")
@@ -100,7 +98,6 @@ def _check_mesh(cfg: Config) -> None:
     if m.replicas:
         _need(all(isinstance(y, int) and y >= 1 for y in m.replicas),
               f"--mesh.replicas entries are stage counts >= 1, got {m.replicas}")
-        _need(not a.enabled, "--mesh.replicas (a heterogeneous mesh) cannot run the anchor row (--anchor.enabled)")
         _need((m.rows, m.stages) == (len(m.replicas), max(m.replicas)),
               f"--mesh.replicas {','.join(map(str, m.replicas))} makes {len(m.replicas)} replicas of up to "
               f"{max(m.replicas)} stages, not --mesh.rows {m.rows} x --mesh.stages {m.stages}")
@@ -155,15 +152,11 @@ def _check_train(cfg: Config) -> None:
 
 def _check_boundary(cfg: Config) -> None:
     m, b = cfg.mesh, cfg.boundary
-    from orchestration.codecs import CODECS, codec_class  # the one list of boundary codecs, and what each says
+    from orchestration.codecs import CODECS  # the one list of boundary codecs
 
     _need(b.codec in CODECS, f"--boundary.codec must be one of {', '.join(CODECS)}, got {b.codec!r}")
     _need(b.compress in ("all", "selective"), f"--boundary.compress must be all or selective, got {b.compress!r}")
     if m.replicas and len(set(m.replicas)) > 1:
-        _need(not codec_class(b.codec, b.options).needs_calibration,
-              f"--mesh.replicas: the {b.codec} codec is not supported on a heterogeneous mesh (its calibration "
-              "fits the bases of one homogeneous split): use --boundary.codec subspace (the paper's), "
-              "int4, ... (docs/codecs.md)")
         full_compressed = [r for r in range(m.rows) if m.replicas[r] == 1 and cfg.replica_codec(r) not in ("dense", "subspace")]
         _need(not full_compressed, f"--mesh.replicas: replica {full_compressed[:1]} is a full replica (no stage boundary) "
                                    f"and --boundary.codec {b.codec} compresses boundaries only; use --boundary.compress "
@@ -206,9 +199,6 @@ def _check_anchor(cfg: Config) -> None:
         _need(a.snapshot_every >= 1 and a.microbatches >= 1,
               "--anchor.snapshot-every and --anchor.microbatches must be >= 1")
         _need(a.max_staleness >= 0 and a.delay >= 0, "--anchor.max-staleness and --anchor.delay must be >= 0")
-        _need("subspace" not in {cfg.replica_codec(r) for r in range(cfg.fast_rows)},
-              "--anchor.enabled with --boundary.codec subspace is not supported: the anchor row would need the "
-              "constraint and the frozen embedding too")
         _need(a.delay <= a.max_staleness, f"--anchor.delay {a.delay} exceeds --anchor.max-staleness "
                                           f"{a.max_staleness}: every update would be rejected")
     _need(a.state_every >= 0 and a.restarts >= 0, "--anchor.state-every and --anchor.restarts must be >= 0")
@@ -234,9 +224,6 @@ def _check_adapter(cfg: Config) -> None:
     targets = a.target_list()
     _need(bool(targets), "--adapter.targets is empty: name the linear layers to adapt, e.g. q_proj,v_proj")
     _need(len(set(targets)) == len(targets), f"--adapter.targets names a layer twice: {a.targets}")
-    _need("subspace" not in {cfg.replica_codec(r) for r in range(cfg.fast_rows)},
-          "--adapter lora with --boundary.codec subspace is not supported: the subspace codec constrains the full "
-          "weights, which LoRA freezes")
 
 
 def _check_run(cfg: Config) -> None:

@@ -101,11 +101,11 @@ def measure_run(run_dir: str, rows: int = 16, basis_file: str | None = None, cod
 
     dtype = getattr(torch, cfg.model.dtype)
     base, _ = load_causal_lm(plan.model_path, dtype=dtype)
+    layers = calibration.boundary_layers(plan.num_layers, *split)  # (a basis file is keyed by them)
     if basis_file:
-        sd = torch.load(basis_file, map_location="cpu", weights_only=True)
-        run_bases = {int(b): codecs.PCABasis(**v) for b, v in sd.items()}
+        run_bases = calibration.for_split(calibration.read(basis_file, layers), layers)
     elif os.path.isfile(os.path.join(run_dir, calibration.BASIS_FILE)):
-        run_bases = calibration.load(run_dir)
+        run_bases = calibration.load_split(run_dir, plan.num_layers, *split)
     else:
         run_bases = fitted(base)
     records = []

@@ -49,7 +49,8 @@ def codec_eval_loss(model, held, cfg, *, seed: int = 0, step: int = 0, run_dir: 
     codec = codec_for(cfg.boundary)
     if codec.needs_calibration:  # the basis the run trained with (RUN_DIR/pca_basis.pt)
         from orchestration.components import calibration
-        codec.bases = calibration.load(run_dir)
+        codec.bases = calibration.load_split(run_dir, model.config.num_hidden_layers, cfg.mesh.stages,
+                                             cfg.mesh.layers_per_stage)
     mask_seed = replica_mask_seed(seed, 0)
     chain: list = [stages[0]]
     for i, st in enumerate(stages[1:]):

@@ -1,0 +1,204 @@
+"""The composition matrix (issue #41 item 4): for every pair of the trainer's features, it
+works, or it is refused for a reason inherent to the method, or it is refused because it
+is not built yet; the one source of orchestration.config.validate's pair refusals and of
+docs/composition.md (``python -m orchestration.config.composition --markdown``).
+
+A feature is a setting a run has or not (``FEATURES``: its flag and the test of a config
+for it; the launch features, local and torchrun, are not in the config and are never
+refused). Features of one ``axis`` (one boundary codec, one DP mode, one DP compressor,
+one launcher per run) are alternatives, not pairs. Every other pair works unless ``RULES``
+says otherwise. ``COVERAGE`` lists the tests that run features together: a pair that works
+and appears in none of them is accepted but not run as a pair (the doc marks it).
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+from dataclasses import dataclass
+from typing import Callable
+
+WORKS, INHERENT, NOT_BUILT = "works", "inherent", "not built"
+
+
+@dataclass(frozen=True)
+class Feature:
+    name: str
+    flag: str  # how a run turns it on
+    axis: str = ""  # features of one axis are alternatives (one per run)
+    active: Callable | None = None  # cfg -> bool; None: not decided by the config (the launcher)
+
+
+@dataclass(frozen=True)
+class Rule:
+    kind: str  # INHERENT or NOT_BUILT (a refusal), WORKS with a note
+    reason: str
+
+
+def _codecs_used(cfg) -> set[str]:
+    return {cfg.replica_codec(r) for r in range(cfg.fast_rows)}
+
+
+def _features() -> list[Feature]:
+    from orchestration.codecs import CODECS
+    from orchestration.config.job_config import COMPRESSORS
+
+    out = [Feature("local", "python -m orchestration.train (the local launcher)", "launch"),
+           Feature("torchrun", "torchrun ... -m orchestration.train", "launch"),
+           Feature("resume", "--checkpoint.resume", active=lambda c: bool(c.checkpoint.resume)),
+           Feature("elastic", "--mesh.elastic", active=lambda c: c.mesh.elastic),
+           Feature("heterogeneous", "--mesh.replicas", active=lambda c: bool(c.mesh.replicas)),
+           Feature("anchor", "--anchor.enabled", active=lambda c: c.anchor.enabled),
+           Feature("lora", "--adapter lora", active=lambda c: c.adapter.kind == "lora"),
+           Feature("bf16", "--model.dtype bfloat16", active=lambda c: c.model.dtype == "bfloat16")]
+    out += [Feature(f"dp:{m}", f"--dp.mode {m}", "dp mode", lambda c, m=m: c.dp.mode == m)
+            for m in ("allreduce", "diloco", "none")]
+    out += [Feature(f"compressor:{k}", f"--dp.compressor {k}", "dp compressor", lambda c, k=k: c.dp.compressor == k)
+            for k in COMPRESSORS if k != "none"]
+    # a codec is on when a fast replica uses it (the dense boundaries of a full replica left
+    # uncompressed by --boundary.compress selective are not --boundary.codec dense)
+    out += [Feature(f"codec:{n}", f"--boundary.codec {n}", "boundary codec",
+                    lambda c, n=n: c.boundary.codec == n and n in _codecs_used(c))
+            for n in CODECS]
+    return out
+
+
+FEATURES: list[Feature] = _features()
+BY_NAME = {f.name: f for f in FEATURES}
+
+_SUBSPACE_FROZEN = "the subspace codec constrains the full weights (and freezes the embedding), which LoRA freezes"
+RULES: dict[frozenset, Rule] = {frozenset(k): v for k, v in {
+    ("elastic", "anchor"): Rule(NOT_BUILT, "the anchor row's world is formed through the fixed fast circuit's store "
+                                           "(docs/elastic.md)"),
+    ("elastic", "heterogeneous"): Rule(NOT_BUILT, "an elastic run needs replicas alike (--mesh.rows x --mesh.stages)"),
+    ("elastic", "codec:subspace"): Rule(NOT_BUILT, "the subspace projector is broadcast over the whole fast circuit "
+                                                   "at start"),
+    ("elastic", "dp:none"): Rule(INHERENT, "an elastic replica drops out of and heals into the DP sync; with no DP "
+                                           "sync there is nothing to drop out of or heal from"),
+    ("anchor", "heterogeneous"): Rule(NOT_BUILT, "the anchor row is one replica of the fast replicas' split and meets "
+                                                 "them stage by stage; replicas of different depths have no common "
+                                                 "stages"),
+    ("anchor", "codec:subspace"): Rule(NOT_BUILT, "the anchor row would need the constraint and the frozen embedding "
+                                                  "too"),
+    ("lora", "codec:subspace"): Rule(INHERENT, _SUBSPACE_FROZEN),
+    **{("dp:none", f"compressor:{k}"): Rule(WORKS, "accepted; with no DP sync the compressor is unused")
+       for k in ("powersgd", "sparseloco", "int8")},
+}.items()}
+
+
+def rule(a: str, b: str) -> Rule:
+    """The matrix's entry for features ``a`` and ``b`` (distinct, of different axes)."""
+    if a == b or (BY_NAME[a].axis and BY_NAME[a].axis == BY_NAME[b].axis):
+        raise ValueError(f"{a} and {b} are alternatives ({BY_NAME[a].axis or a}), not a pair")
+    return RULES.get(frozenset((a, b)), Rule(WORKS, ""))
+
+
+def active(cfg) -> list[str]:
+    """The features a config turns on, in FEATURES order (the launch ones are not in it)."""
+    return [f.name for f in FEATURES if f.active is not None and f.active(cfg)]
+
+
+def refusal(cfg) -> str | None:
+    """The first refused pair of ``cfg``'s features as the validator's message, else None."""
+    for a, b in itertools.combinations(active(cfg), 2):
+        r = rule(a, b)
+        if r.kind == NOT_BUILT:
+            return f"{BY_NAME[a].flag} with {BY_NAME[b].flag} is not supported yet: {r.reason} (docs/composition.md)"
+        if r.kind == INHERENT:
+            return f"{BY_NAME[a].flag} with {BY_NAME[b].flag} cannot work: {r.reason} (docs/composition.md)"
+    return None
+
+
+# Tests that run features together (every pair of a tuple is run as a pair); the stacks of
+# tests/test_composition_runs.py are STACKS, the others' tuples are read off their flags.
+STACKS: dict[str, tuple[str, ...]] = {
+    "hetero-pca-lora-bf16-resume": ("local", "heterogeneous", "codec:pca", "lora", "bf16", "resume", "dp:diloco",
+                                    "compressor:sparseloco"),
+    "anchor-pca-lora-bf16-resume": ("local", "anchor", "codec:pca", "lora", "bf16", "resume", "dp:allreduce",
+                                       "compressor:int8"),
+    "hetero-aqsgd-allreduce-int8-resume": ("local", "heterogeneous", "codec:aqsgd", "dp:allreduce", "compressor:int8",
+                                           "resume", "bf16"),
+    "anchor-tahquant-diloco-powersgd": ("local", "anchor", "codec:tahquant", "dp:diloco", "compressor:powersgd",
+                                        "bf16", "resume"),
+    "hetero-subspace-none": ("local", "heterogeneous", "codec:subspace", "dp:none", "bf16", "resume"),
+    "bottleneck-lora-none": ("local", "codec:bottleneck", "lora", "dp:none", "bf16", "resume"),
+}
+COVERAGE: dict[str, tuple[str, ...]] = {
+    **{f"tests/test_composition_runs.py::test_stack[{k}]": v for k, v in STACKS.items()},
+    **{f"tests/test_lora_runs.py::test_lora_composes_with_every_circuit[{k}]": ("local", "lora", *v) for k, v in {
+        "pca": ("codec:pca",), "m95": ("codec:mask",), "int4": ("codec:int4",), "topk": ("codec:topk",),
+        "aqsgd": ("codec:aqsgd",), "tahquant": ("codec:tahquant",),
+        "sparseloco": ("codec:pca", "dp:diloco", "compressor:sparseloco"),
+        "int8-allreduce": ("codec:pca", "dp:allreduce", "compressor:int8"),
+        "m95-ap": ("codec:mask", "anchor", "dp:none", "compressor:powersgd"),
+        "replicas-1,2": ("heterogeneous", "codec:int4", "dp:diloco", "compressor:sparseloco"),
+        "bf16-base": ("codec:pca", "bf16", "dp:diloco", "compressor:powersgd")}.items()},
+    "tests/test_heterogeneous_pca.py::test_pca_trains_a_heterogeneous_mesh_and_counts_each_basis_once_per_sender":
+        ("local", "heterogeneous", "codec:pca", "dp:diloco", "compressor:sparseloco"),
+    "tests/test_elastic.py::test_killed_replica_is_restarted_heals_exactly_and_the_run_matches_an_uninterrupted_one":
+        ("local", "elastic", "codec:pca", "dp:allreduce", "compressor:powersgd"),
+    "tests/test_train.py::test_other_codecs_optimizers_and_compressors_train":
+        ("local", "codec:topk", "dp:allreduce", "compressor:int8"),
+    "tests/test_resume_exact.py::test_m95_ap_delay_mode_crash_then_resume_is_bit_identical":
+        ("local", "anchor", "resume", "codec:mask", "dp:diloco", "compressor:powersgd"),
+}
+
+
+def covered(a: str, b: str) -> list[str]:
+    """The tests of COVERAGE that run ``a`` and ``b`` together."""
+    return [t for t, feats in COVERAGE.items() if a in feats and b in feats]
+
+
+def pairs() -> list[tuple[str, str]]:
+    """Every pair of features of different axes, in FEATURES order."""
+    return [(a.name, b.name) for a, b in itertools.combinations(FEATURES, 2) if not (a.axis and a.axis == b.axis)]
+
+
+def markdown() -> str:
+    """docs/composition.md."""
+    names = [f.name for f in FEATURES]
+    mark = {INHERENT: "no", NOT_BUILT: "todo"}
+
+    def cell(a, b):
+        if a == b or (BY_NAME[a].axis and BY_NAME[a].axis == BY_NAME[b].axis):
+            return "·"
+        r = rule(a, b)
+        return mark.get(r.kind) or ("ok" if covered(a, b) else "ok*")
+
+    out = ["# Composition matrix", "",
+           "Generated by `python -m orchestration.config.composition --markdown` from",
+           "`orchestration/config/composition.py`, the source of the validator's refusals of a pair",
+           "(`orchestration/config/validate.py`); `tests/test_composition.py` checks this file equals it.", "",
+           "- **ok**: works, and a test runs the two together (listed below).",
+           "- **ok\\***: accepted and expected to work, but no test runs the two together yet.",
+           "- **no**: refused: the two cannot work together (the reason is inherent to the methods).",
+           "- **todo**: refused: not built yet (the reason says what is missing).",
+           "- **·**: alternatives (one boundary codec, one DP mode, one DP compressor, one launcher per run).", "",
+           "## Features", "", "| feature | how a run gets it |", "|---|---|"]
+    out += [f"| `{f.name}` | `{f.flag}` |" for f in FEATURES]
+    out += ["", "## Matrix", "", "| | " + " | ".join(f"`{n}`" for n in names) + " |",
+            "|---|" + "---|" * len(names)]
+    out += [f"| `{a}` | " + " | ".join(cell(a, b) for b in names) + " |" for a in names]
+    for kind, title in ((INHERENT, "Refused: cannot work together"), (NOT_BUILT, "Refused: not built yet")):
+        out += ["", f"## {title}", ""]
+        out += [f"- `{a}` + `{b}`: {rule(a, b).reason}." for a, b in pairs() if rule(a, b).kind == kind]
+    notes = [f"- `{a}` + `{b}`: {rule(a, b).reason}." for a, b in pairs() if rule(a, b).kind == WORKS and rule(a, b).reason]
+    out += ["", "## Notes", ""] + notes
+    out += ["", "## Tests that run features together", ""]
+    out += [f"- `{t}`: {', '.join(f'`{x}`' for x in feats)}" for t, feats in COVERAGE.items()]
+    return "\n".join(out) + "\n"
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m orchestration.config.composition", description=__doc__.split("\n")[0])
+    p.add_argument("--markdown", action="store_true", help="print docs/composition.md")
+    a = p.parse_args(argv)
+    if a.markdown:
+        print(markdown(), end="")
+    else:
+        for x, y in pairs():
+            r = rule(x, y)
+            print(f"{x} + {y}: {r.kind}{': ' + r.reason if r.reason else ''}")
+
+
+if __name__ == "__main__":
+    main()
