@@ -260,10 +260,17 @@ def bases_for_run(cfg, model, train_rows: torch.Tensor, run_dir: str | None = No
     return fit_layer_bases(model, rows, codec, _run_layers(cfg, n), grad_rows=codec.grad_rows)
 
 
+_ATTACHED: list = []  # (codec, its replica's boundary layers) of every codec ``attach`` gave a view
+
+
 def install(bases: dict[int, PCABasis]) -> None:
-    """Make ``bases`` (the run's, {boundary layer: basis}) this process's codecs.PCA_BASES."""
+    """Make ``bases`` (the run's, {boundary layer: basis}) this process's codecs.PCA_BASES,
+    and every attached codec's view of them (an elastic replica that adopts its peers'
+    bases after attach: orchestration.elastic.calibrated)."""
     codecs.PCA_BASES.clear()
     codecs.PCA_BASES.update(bases)
+    for codec, layers in _ATTACHED:
+        codec.bases = for_split(codecs.PCA_BASES, layers)
 
 
 def for_split(bases: dict[int, PCABasis], layers) -> dict[int, PCABasis]:
@@ -374,6 +381,7 @@ def attach(codec, cfg, plan, mesh, counter) -> None:
     if source and not os.path.isfile(os.path.join(plan.run_dir, BASIS_FILE)):
         save({L: codecs.PCA_BASES[L] for L in sorted(need)}, plan.run_dir)
     codec.bases = for_split(codecs.PCA_BASES, layers.get(mesh.row, []))
+    _ATTACHED[:] = [(codec, layers.get(mesh.row, []))]  # one trainer per process
     if not mesh.is_last:
         counter.add("pp_fwd", mesh.rank, mesh.next_rank, codec.one_off_bytes(mesh.stage))
 
