@@ -83,10 +83,16 @@ def run_row(name: str, rate_bps: float, a) -> dict:
     common = ["--model", a.model, "--data", "corpus:python", "--data.seq-len", str(a.seq_len),
               "--data.max-sequences", "256", "--train.batch-size", str(a.batch), "--train.microbatches", "2",
               "--steps", str(a.steps), "--run.name", name, "--run.bandwidth-bps", f"{rate_bps:.0f}",
-              "--checkpoint.every", "0", "--mesh.timeout-s", "600", "--run.eval-sequences", "0", *flags]
+              "--checkpoint.every", "0", "--mesh.timeout-s", "600", "--run.eval-sequences", "0",
+              # one directory every host sees: the final checkpoint's model assembly (minutes at these
+              # rates) stays out of what is timed (it is measured in tests/test_hosts_export.py)
+              "--checkpoint.dir", os.path.join(a.work, f"{name}-checkpoints"), *flags]
     env = {"MESHKERN_ANCHOR_SECRET": SECRET, "OMP_NUM_THREADS": "1"}
-    with Hosts(n, f"{rate_bps / 1e3:.0f}kbit", root=a.work, echo=a.verbose) as h:
-        calibrated = h.transfer(0, 1, max(1 << 16, int(rate_bps / 8 * 2)))  # ~2 s of payload through both links
+    # A small token bucket: tbf's default-sized burst would let each step's first few dozen kB
+    # through at line rate, and a step's messages are of that size at these rates (measured:
+    # with a 64 kB bucket a dense 1x2 pipeline ran 30% faster than its shaped rate allows).
+    with Hosts(n, f"{rate_bps / 1e3:.0f}kbit", burst="3kb", root=a.work, echo=a.verbose) as h:
+        calibrated = h.transfer(0, 1, max(1 << 16, int(rate_bps / 8 * 8)))  # ~8 s of payload through both links
         procs = [h.popen(i, h.torchrun(i, ["-m", "orchestration.train", *common], port=29500), env=env,
                          log=f"{name}.log") for i in range(n_fast)]
         if anchor:  # the anchor row: one process per stage on a host of its own, joining the fast circuit's store
@@ -125,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="", help="write the results as JSON here")
     ap.add_argument("--verbose", action="store_true", help="echo the hosts' output")
     a = ap.parse_args(argv)
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a kill unwinds: the namespaces are deleted
     from orchestration.hosts import available
 
     if (why := available()) is not None:

@@ -25,9 +25,9 @@ from orchestration.config.validate import validate
 
 PRESET_DIR = os.path.join(os.path.dirname(__file__), "presets")
 # With --mesh.replicas, unless a preset, config file or flag sets them: the paper's DP sync
-# (SparseLoCo, whose error feedback replaces DiLoCo's outer momentum) and boundaries.
-HETEROGENEOUS_DEFAULTS = {("dp", "compressor"): "sparseloco", ("boundary", "codec"): "int4",
-                          ("boundary", "compress"): "selective"}
+# (SparseLoCo, whose error feedback replaces DiLoCo's outer momentum) and selective boundaries
+# (the codec stays the default pca, which calibrates every replica's cuts).
+HETEROGENEOUS_DEFAULTS = {("dp", "compressor"): "sparseloco", ("boundary", "compress"): "selective"}
 
 def _hints(section_cls) -> dict:
     return typing.get_type_hints(section_cls)
