@@ -26,6 +26,14 @@ between two ranks are matched in order (one direction carries only activations, 
 other only gradients, and both ends follow the schedule's micro-batch order), so no
 tags are needed. Sends are asynchronous and completed at the end of the step; receives
 block, bounded by the process group's timeout (a dead peer is an error, not a hang).
+MoE models whose config turns ``output_router_logits`` on (orchestration.models.routing):
+the load-balancing loss needs every stage's expert counts T and row count n. With F(m) each
+stage also sends the running totals [T, n] (E + 1 fp32 values) after its wire; the last
+stage then knows micro-batch m's totals and sends them back after its B(m) gradient wire,
+and every stage adds its share ``stage_aux_term`` (scaled by 1/M: the micro-batches' mean,
+as gradient accumulation over M micro-batches gives) to what it backpropagates. The
+totals' bytes count on the pp axes. The logged loss stays the cross-entropy.
+
 A received tensor holding NaN/Inf is never decoded into the model: it is replaced by
 NaN, which makes the replica's gradient norm non-finite, and the trainer then skips
 that step's update on every stage of the replica (counted as ``skipped_steps``).
@@ -43,6 +51,7 @@ from orchestration.codecs import NonFiniteWire
 from orchestration.distributed.devices import needs_cpu_staging
 from orchestration.distributed.link_counter import LinkCounter
 from orchestration.distributed.stages import causal_lm_loss
+from orchestration.models.routing import num_experts, router_stats, stage_aux_term
 
 
 @dataclass
@@ -75,6 +84,8 @@ class PipelineExecutor:
         # gloo has no CUDA send/recv: ranks sharing a GPU send CPU copies (devices module doc)
         self.via_cpu = dist.is_initialized() and needs_cpu_staging(self.device, dist.get_backend(group))
         self.is_first, self.is_last = stage.is_first, stage.is_last
+        self.router = getattr(stage, "_router", None) is not None  # MoE with output_router_logits on
+        self.n_experts = num_experts(stage.config) if self.router else 0
         if self.is_first != (prev_rank is None) or self.is_last != (next_rank is None):
             raise ValueError(f"stage {self.index} (first={self.is_first}, last={self.is_last}) does not match "
                              f"neighbours prev={prev_rank}, next={next_rank}")
@@ -106,6 +117,19 @@ class PipelineExecutor:
         except NonFiniteWire:
             stats.rejected += 1
             return torch.full(tuple(shape), float("nan"), dtype=dtype, device=self.device)
+
+    def _recv_totals(self, src: int, stats: StepStats) -> torch.Tensor:
+        """[T, n] (E + 1 fp32) of the router's loss from ``src``, after its wire."""
+        where = "cpu" if self.via_cpu else self.device
+        buf = torch.empty(self.n_experts + 1, dtype=torch.float32, device=where)
+        t0 = time.perf_counter()
+        dist.recv(buf, src, group=self.group)
+        stats.wait_s += time.perf_counter() - t0
+        return buf.to(self.device)
+
+    def _aux(self, stats_s, totals: torch.Tensor, M: int) -> torch.Tensor:
+        """This stage's share of micro-batch m's router loss (mean over the M micro-batches)."""
+        return stage_aux_term(stats_s, totals[:-1], totals[-1], self.stage.config) / M
 
     # ------------------------------------------------------------------ one step
     def step(self, step: int, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
@@ -140,6 +164,8 @@ class PipelineExecutor:
         fwd_wire: dict[int, list] = {}
         outputs: dict[int, torch.Tensor] = {}
         ctxs: dict[int, object] = {}
+        rs: dict[int, tuple] = {}  # router loss: this stage's (T_s, R_s, n_s) per micro-batch
+        totals: dict[int, torch.Tensor] = {}  # router loss: [T, n] per micro-batch (running, then whole)
         pending: list = []
         for act in self.actions:
             m = act.microbatch
@@ -156,6 +182,10 @@ class PipelineExecutor:
                     stats.fwd_s.append(time.perf_counter() - t0)
                 t0 = time.perf_counter()
                 out = self.stage(x)
+                if self.router:  # running [T, n] of the router loss: this stage's added to what came
+                    rs[m] = router_stats(self.stage.router_logits, self.stage.config)
+                    mine = torch.cat([rs[m][0].detach(), rs[m][2].detach().reshape(1)])
+                    totals[m] = mine if self.is_first else self._recv_totals(self.prev_rank, stats) + mine
                 if self.is_last:
                     out = causal_lm_loss(out, mb_labels[m], num_items_in_batch=n_items)
                     stats.loss += float(out.detach())
@@ -170,11 +200,12 @@ class PipelineExecutor:
                 else:
                     stats.fwd_s.append(dt)
                 if not self.is_last:
-                    self._send(wire, self.next_rank, "pp_fwd", pending)
+                    self._send(list(wire) + ([totals[m]] if self.router else []), self.next_rank, "pp_fwd", pending)
             elif act.kind == "B":
                 if self.is_last:
                     t0 = time.perf_counter()
-                    outputs.pop(m).backward()
+                    out = outputs.pop(m)
+                    (out + self._aux(rs.pop(m), totals[m], M) if self.router else out).backward()
                 else:
                     wire_b = self._recv(shape, dtype, "bwd", self.next_rank, stats)
                     key = MaskKey(self.seed, self.index, step, m)
@@ -182,14 +213,18 @@ class PipelineExecutor:
                     ctx = ctxs.pop(m)
                     g = self._decode(lambda: self.codec.decode_bwd(wire_b, key, ctx),
                                      outputs[m].shape, dtype, stats)
-                    outputs.pop(m).backward(g)
+                    if self.router:  # the totals came back after the gradient wire
+                        totals[m] = self._recv_totals(self.next_rank, stats)
+                        torch.autograd.backward([outputs.pop(m), self._aux(rs.pop(m), totals[m], M)], [g, None])
+                    else:
+                        outputs.pop(m).backward(g)
                 if not self.is_first:
                     x = inputs.pop(m)
                     grad = x.grad if x.grad is not None else torch.zeros_like(x)
                     key = MaskKey(self.seed, self.index - 1, step, m)
                     wire_b = self.codec.encode_bwd(grad, key, fwd_wire.pop(m))
                     stats.bwd_s.append(time.perf_counter() - t0)
-                    self._send(wire_b, self.prev_rank, "pp_bwd", pending)
+                    self._send(list(wire_b) + ([totals.pop(m)] if self.router else []), self.prev_rank, "pp_bwd", pending)
                 else:
                     stats.bwd_s.append(time.perf_counter() - t0)
             else:

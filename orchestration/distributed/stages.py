@@ -33,7 +33,8 @@ original.
 MoE families with ``config.output_router_logits`` on: each stage records its layers'
 router logits during ``forward`` (``Stage.router_logits``); the unsplit model's auxiliary
 loss over all of them is orchestration.models.routing (``router_aux_loss`` in one process,
-``router_stats`` / ``stage_aux_term`` across processes). With it off nothing is recorded.
+``router_stats`` / ``stage_aux_term`` across processes, which the pipeline executor
+adds: orchestration.distributed.pipeline). With it off nothing is recorded.
 
 Tied embeddings (``lm_head.weight is embed_tokens.weight``): with one stage nothing
 changes. With several stages the input embedding lives on the first stage and the

@@ -95,13 +95,6 @@ def checked_model(cfg: Config):
         check_splittable(hf_cfg)  # one line saying why: encoder-decoder, vision tower, unknown family, ...
     except ValueError as e:
         raise ValueError(f"--model.path {path}: cannot be split into stages: {e}") from None
-    from orchestration.models.families import uses_router_loss
-
-    if uses_router_loss(hf_cfg):  # MoE configs ship with it off; training on without it would differ silently
-        raise ValueError(f"--model.path {path}: config.json turns output_router_logits on, and the pipeline does not "
-                         "add the router's load-balancing loss across stages yet (it needs every stage's routing "
-                         "totals of the whole batch before any backward); set output_router_logits to false in "
-                         "config.json to train without it, as the model's defaults do")
     n_layers = hf_cfg.num_hidden_layers
     lps = cfg.mesh.layers_per_stage
     if lps and sum(lps) != n_layers:

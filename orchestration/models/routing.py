@@ -45,6 +45,13 @@ def router_class(decoder) -> tuple[type, int] | None:
     return cls, int(getattr(rec, "index", 0) or 0)
 
 
+def num_experts(config) -> int:
+    """E: the experts of each MoE layer of ``config``."""
+    from orchestration.models.families import family_of
+
+    return _num_experts(config, family_of(config))
+
+
 def _num_experts(config, fam) -> int:
     return int(getattr(config, fam.experts))
 
