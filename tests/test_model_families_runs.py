@@ -85,3 +85,24 @@ def test_two_stage_lora_run_exports_what_peft_loads(family, family_dirs, tmp_pat
         torch.testing.assert_close(merged(ids).logits, got, rtol=1e-4, atol=1e-4)
     assert evaluate.main(["--model", adapter, "--data", str(root / "data.txt"), "--seq-len", "32",
                           "--max-batches", "1", "--threads", "1"]) == 0
+
+
+@pytest.mark.parametrize("family", ["gemma2", "phi3", "mixtral"])
+def test_the_other_circuits_run_on_the_most_different_families(family, family_dirs, tmp_path):
+    """Soft-capped Gemma 2, fused-projection Phi-3 and MoE Mixtral through the rest of the
+    stack: two fast replicas synced by Streaming DiLoCo + PowerSGD with the anchor row (its
+    updates applied), and a heterogeneous mesh (a full replica beside a 2-stage one) with
+    the default codec."""
+    root = family_dirs(family)
+    _, _, res = _run(_args(root, tmp_path / "anchor", "--mesh.rows", "3", "--mesh.stages", "2", "--train.steps", "6",
+                           "--train.lr", "1e-2", "--train.optimizer", "spectral", "--anchor.enabled",
+                           "--anchor.delay", "1", "--anchor.snapshot-every", "1", "--dp.mode", "diloco",
+                           "--dp.compressor", "powersgd", "--dp.sync-every", "2"))
+    fast = [r for r in res if r and "losses" in r]
+    assert all(torch.isfinite(torch.tensor(r["losses"])).all() for r in fast)
+    assert res[0]["bytes"]["dp"] > 0 and res[0]["bytes"]["anchor"] > 0
+    assert res[0]["summary"]["anchor"]["applied"] >= 1, res[0]["summary"]["anchor"]
+    _, _, het = _run(_args(root, tmp_path / "het", "--mesh.replicas", "1,2", "--train.steps", "4", "--dp.sync-every", "2",
+                           "--train.lr", "1e-2"))
+    assert all(torch.isfinite(torch.tensor(r["losses"])).all() for r in het if r)
+    assert het[0]["bytes"]["dp"] > 0

@@ -98,12 +98,35 @@ class PipelineExecutor:
             pending.append(dist.isend(t, dst, group=self.group))
             self.counter.add(axis, self.rank, dst, t.numel() * t.element_size())
 
-    def _recv(self, shape, dtype, direction: str, src: int, stats: StepStats) -> list[torch.Tensor]:
+    def _post_all(self, shape, dtype) -> dict:
+        """Every receive of this step, posted at its start in schedule order: {(direction, m):
+        [(buffer, work)]} (the wire's tensors, then the router totals where there are some).
+        Why all at once: gloo sends a message only once the receiver has posted its receive,
+        and that notice travels on the same TCP stream as data going the other way. Posted
+        when the action comes, the notice for micro-batch m+1's activations waited behind
+        micro-batch m's gradients on a slow link, and the two directions, which the schedule
+        overlaps, ran one after the other (a 1x2 1F1B pipeline at 500 kbit/s: 1.37x the link
+        model's step time; bench/hosts_bench.py)."""
         where = "cpu" if self.via_cpu else self.device
-        bufs = [torch.empty(s, dtype=d, device=where) for s, d in self.codec.wire_specs(shape, dtype, direction)]
+        posted: dict = {}
+        for act in self.actions:
+            direction, src = ("fwd", self.prev_rank) if act.kind == "F" else ("bwd", self.next_rank)
+            if src is None:
+                continue
+            specs = list(self.codec.wire_specs(shape, dtype, direction))
+            if self.router:
+                specs.append(((self.n_experts + 1,), torch.float32))
+            bufs = [torch.empty(sh, dtype=d, device=where) for sh, d in specs]
+            posted[(direction, act.microbatch)] = [(b, dist.irecv(b, src, group=self.group)) for b in bufs]
+        return posted
+
+    def _take(self, posted: dict, key: tuple, stats: StepStats) -> list[torch.Tensor]:
+        """The buffers of a posted receive, once complete (bounded by the group's timeout)."""
         t0 = time.perf_counter()
-        for b in bufs:
-            dist.recv(b, src, group=self.group)
+        bufs = []
+        for b, work in posted.pop(key):
+            work.wait()
+            bufs.append(b)
         stats.wait_s += time.perf_counter() - t0
         return [b.to(self.device) for b in bufs] if self.via_cpu else bufs
 
@@ -117,15 +140,6 @@ class PipelineExecutor:
         except NonFiniteWire:
             stats.rejected += 1
             return torch.full(tuple(shape), float("nan"), dtype=dtype, device=self.device)
-
-    def _recv_totals(self, src: int, stats: StepStats) -> torch.Tensor:
-        """[T, n] (E + 1 fp32) of the router's loss from ``src``, after its wire."""
-        where = "cpu" if self.via_cpu else self.device
-        buf = torch.empty(self.n_experts + 1, dtype=torch.float32, device=where)
-        t0 = time.perf_counter()
-        dist.recv(buf, src, group=self.group)
-        stats.wait_s += time.perf_counter() - t0
-        return buf.to(self.device)
 
     def _aux(self, stats_s, totals: torch.Tensor, M: int) -> torch.Tensor:
         """This stage's share of micro-batch m's router loss (mean over the M micro-batches)."""
@@ -167,13 +181,16 @@ class PipelineExecutor:
         rs: dict[int, tuple] = {}  # router loss: this stage's (T_s, R_s, n_s) per micro-batch
         totals: dict[int, torch.Tensor] = {}  # router loss: [T, n] per micro-batch (running, then whole)
         pending: list = []
+        posted = self._post_all(shape, dtype)
         for act in self.actions:
             m = act.microbatch
             if act.kind == "F":
                 if self.is_first:
                     x = mb_ids[m]
                 else:
-                    wire = self._recv(shape, dtype, "fwd", self.prev_rank, stats)
+                    wire = self._take(posted, ("fwd", m), stats)
+                    if self.router:  # the running totals came after the wire
+                        upstream = wire.pop()
                     key = MaskKey(self.seed, self.index - 1, step, m)
                     t0 = time.perf_counter()
                     x = self._decode(lambda: self.codec.decode_fwd(wire, key, shape, dtype),
@@ -185,7 +202,7 @@ class PipelineExecutor:
                 if self.router:  # running [T, n] of the router loss: this stage's added to what came
                     rs[m] = router_stats(self.stage.router_logits, self.stage.config)
                     mine = torch.cat([rs[m][0].detach(), rs[m][2].detach().reshape(1)])
-                    totals[m] = mine if self.is_first else self._recv_totals(self.prev_rank, stats) + mine
+                    totals[m] = mine if self.is_first else upstream + mine
                 if self.is_last:
                     out = causal_lm_loss(out, mb_labels[m], num_items_in_batch=n_items)
                     stats.loss += float(out.detach())
@@ -207,14 +224,15 @@ class PipelineExecutor:
                     out = outputs.pop(m)
                     (out + self._aux(rs.pop(m), totals[m], M) if self.router else out).backward()
                 else:
-                    wire_b = self._recv(shape, dtype, "bwd", self.next_rank, stats)
+                    wire_b = self._take(posted, ("bwd", m), stats)
+                    if self.router:  # the micro-batch's totals came back after the gradient wire
+                        totals[m] = wire_b.pop()
                     key = MaskKey(self.seed, self.index, step, m)
                     t0 = time.perf_counter()
                     ctx = ctxs.pop(m)
                     g = self._decode(lambda: self.codec.decode_bwd(wire_b, key, ctx),
                                      outputs[m].shape, dtype, stats)
-                    if self.router:  # the totals came back after the gradient wire
-                        totals[m] = self._recv_totals(self.next_rank, stats)
+                    if self.router:
                         torch.autograd.backward([outputs.pop(m), self._aux(rs.pop(m), totals[m], M)], [g, None])
                     else:
                         outputs.pop(m).backward(g)
@@ -231,7 +249,7 @@ class PipelineExecutor:
                 raise ValueError(f"unknown schedule action kind {act.kind!r}")
         for w in pending:
             w.wait()
-        if outputs or inputs:
+        if outputs or inputs or posted:
             raise RuntimeError(f"stage {self.index}: schedule left micro-batches {sorted(outputs) or sorted(inputs)} "
-                               f"without a backward")
+                               f"without a backward, or receives {sorted(posted)} never used")
         return stats
