@@ -160,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         rate, rule = scaled_rate(a.model, a.batch, a.seq_len, a.gpu_flops, a.gpu_link)
     with tempfile.TemporaryDirectory(prefix="hosts-bench-") as tmp:
         a.work = a.work or tmp
-        print(f"hosts_bench: rate {rate / 1e3:.0f} kbit/s" + (f" (rule: {json.dumps(rule)})" if rule else ""), flush=True)
+        print(f"hosts_bench: rate {rate / 1e3:.0f} kbit/s" + (f" (rule: {json.dumps(rule)})" if rule else ""),
+              flush=True)
         out = []
         for r in rows:
             res = run_row(r, rate, a)
@@ -168,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
             ratio = res["measured_over_modeled"]
             print(f"{r:7s} hosts {res['hosts']}  measured {res['measured_step_s']:.3f} s/step  modeled "
                   f"{res['modeled_step_s'] or float('nan'):.3f} s/step  measured/modeled "
-                  f"{ratio if ratio is not None else float('nan'):.2f}  (link calibrated {res['calibrated_bps'] / 1e3:.0f} kbit/s)",
+                  f"{ratio if ratio is not None else float('nan'):.2f}  "
+                  f"(link calibrated {res['calibrated_bps'] / 1e3:.0f} kbit/s)",
                   flush=True)
     if a.out:
         with open(a.out, "w") as f:

@@ -102,7 +102,8 @@ def test_the_other_circuits_run_on_the_most_different_families(family, family_di
     assert all(torch.isfinite(torch.tensor(r["losses"])).all() for r in fast)
     assert res[0]["bytes"]["dp"] > 0 and res[0]["bytes"]["anchor"] > 0
     assert res[0]["summary"]["anchor"]["applied"] >= 1, res[0]["summary"]["anchor"]
-    _, _, het = _run(_args(root, tmp_path / "het", "--mesh.replicas", "1,2", "--train.steps", "4", "--dp.sync-every", "2",
+    _, _, het = _run(_args(root, tmp_path / "het", "--mesh.replicas", "1,2", "--train.steps", "4",
+                           "--dp.sync-every", "2",
                            "--train.lr", "1e-2"))
     assert all(torch.isfinite(torch.tensor(r["losses"])).all() for r in het if r)
     assert het[0]["bytes"]["dp"] > 0

@@ -242,7 +242,8 @@ class PipelineExecutor:
                     key = MaskKey(self.seed, self.index - 1, step, m)
                     wire_b = self.codec.encode_bwd(grad, key, fwd_wire.pop(m))
                     stats.bwd_s.append(time.perf_counter() - t0)
-                    self._send(list(wire_b) + ([totals.pop(m)] if self.router else []), self.prev_rank, "pp_bwd", pending)
+                    self._send(list(wire_b) + ([totals.pop(m)] if self.router else []), self.prev_rank, "pp_bwd",
+                               pending)
                 else:
                     stats.bwd_s.append(time.perf_counter() - t0)
             else:
