@@ -42,7 +42,10 @@ import time
 ROWS = {
     "dense": (2, ["--mesh.rows", "1", "--mesh.stages", "2", "--boundary.codec", "dense"]),
     "pca": (2, ["--mesh.rows", "1", "--mesh.stages", "2"]),
-    "m95-ap": (2, ["--preset", "m95-ap", "--mesh.rows", "2", "--mesh.stages", "2", "--anchor.delay", "2",
+    # --anchor.delay 0: the asynchronous anchor (newest update first), the paper's; delay mode
+    # makes the fast circuit wait at step v + delay for snapshot v's update, which at these
+    # rates (a snapshot of the whole stage per round) stalls it for minutes
+    "m95-ap": (2, ["--preset", "m95-ap", "--mesh.rows", "2", "--mesh.stages", "2", "--anchor.delay", "0",
                    "--anchor.snapshot-every", "2"]),
     "dp": (2, ["--preset", "dp", "--mesh.rows", "2", "--mesh.stages", "1", "--dp.sync-every", "2"]),
 }
