@@ -130,9 +130,11 @@ def _skewed_bases(h: Hosts, i: int) -> None:
     calibration.save(bases, os.path.join(h.dirs[i], "runs", "eh"))
 
 
-@pytest.mark.xfail(strict=False, reason="issue 44, open: with --mesh.rejoin-timeout-s > 0 a replica whose quorum request "
-                   "timed out (at the start, or in an outage) was not let into a quorum again in 2 of 4 runs "
-                   "(docs/elastic.md, What still breaks)")
+@pytest.mark.skipif(os.environ.get("MESHKERN_KNOWN_BROKEN") != "1",
+                    reason="issue 44, open: with --mesh.rejoin-timeout-s > 0 a replica whose quorum request timed out "
+                           "(at the start, or in an outage) was not let into a quorum again in 2 of 4 runs "
+                           "(docs/elastic.md, What still breaks); it runs for many minutes, so only with "
+                           "MESHKERN_KNOWN_BROKEN=1")
 def test_replicas_on_hosts_survive_an_outage_and_a_new_disk_joins(tmp_path):
     """Two replicas on two hosts train together with the default codec (host 1's disk holds
     skewed pca bases: it takes the run's); host 1's link goes down for longer than the quorum
