@@ -13,6 +13,9 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import signal
+import subprocess
+import time
 
 import pytest
 
@@ -31,7 +34,43 @@ def _args(tiny, *extra):
             "0.001", "--run.eval-sequences", "0", "--mesh.rows", "2", "--mesh.stages", "2", "--mesh.timeout-s", "60",
             "--anchor.enabled", "--train.optimizer", "spectral", "--train.spectral-rank", "8",
             "--anchor.microbatches", "2", "--anchor.snapshot-every", "1", "--anchor.max-staleness", "40",
-            "--train.steps", "1000", "--checkpoint.every", "0", *extra]
+            "--train.steps", "1000000", "--checkpoint.every", "0", *extra]  # stopped by a signal, never by the count
+
+
+def _records(h: Hosts) -> list[dict]:
+    path = os.path.join(h.dirs[0], "runs", "t", "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    lines = open(path).read().splitlines()
+    return [json.loads(x) for x in (lines if not lines or lines[-1].endswith("}") else lines[:-1])]
+
+
+def _wait_record(h: Hosts, pred, procs, what: str, budget: float = 600.0) -> dict:
+    """The first record of host 0's metrics.jsonl that ``pred`` accepts (fails if a process
+    in ``procs`` ends first)."""
+    deadline = time.monotonic() + budget
+    while time.monotonic() < deadline:
+        got = [r for r in _records(h) if pred(r)]
+        if got:
+            return got[0]
+        for p in procs:
+            if p.done:
+                raise AssertionError(f"host {p.host} exited (rc {p.returncode}) before: {what}\n{p.tail(40)}")
+        time.sleep(0.2)  # polling the metrics file: each condition is a recorded step
+    raise AssertionError(f"timed out waiting for: {what}")
+
+
+def _workers(h: Hosts, i: int) -> list[int]:
+    """The training processes of host ``i`` (torchrun's workers, not the agent)."""
+    out = []
+    for pid in subprocess.run(["ip", "netns", "pids", h.names[i]], capture_output=True, text=True).stdout.split():
+        try:
+            argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if b"orchestration.train" in argv and b"torch.distributed.run" not in argv:
+            out.append(int(pid))
+    return out
 
 
 @pytest.mark.slow
@@ -61,9 +100,14 @@ def test_an_anchor_row_on_its_own_host_dies_and_rejoins(tiny, tmp_path):
         anchor_row(29542)
         back = lead.wait_line(r"\[anchor\] stage 0: step (\d+): anchor row generation 2 joined", 600, start=mark)
         assert int(back.group(1)) >= int(lost.group(1))
+        gen1_max = max(r["anchor_applied"] for r in _records(h) if r["anchor_generation"] == 1)
+        _wait_record(h, lambda r: r["anchor_generation"] == 2 and r["anchor_applied"] > gen1_max, fast,
+                     "generation 2's updates are applied")
+        for pid in _workers(h, 0):  # a clean stop, agreed by every rank at the next step
+            os.kill(pid, signal.SIGINT)
         assert h.wait_all(fast, timeout=900) == [0, 0], fast[0].tail(40) + fast[1].tail(40)
         assert h.procs[-1].wait(300) == 0, h.procs[-1].tail(40)  # generation 2 ends with the fast circuit
-        recs = [json.loads(line) for line in open(os.path.join(h.dirs[0], "runs", "t", "metrics.jsonl"))]
+        recs = _records(h)
         gen1 = [r["anchor_applied"] for r in recs if r["anchor_generation"] == 1]
         last = recs[-1]
         print(f"\nanchor updates applied: generation 1 {max(gen1)}, by the end {last['anchor_applied']}; "
