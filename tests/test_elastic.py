@@ -224,6 +224,43 @@ def test_late_join_heals_from_a_peer_and_a_wrong_secret_is_refused(tmp_path):
     assert any(x["step"] in joined for x in recs[(0, 0)] if x["committed"])
 
 
+def test_a_replica_whose_quorums_timed_out_gets_in_when_a_peer_comes(tmp_path):
+    """Replica 0 starts alone under --mesh.min-replicas 2: its quorum requests time out, it
+    says so and asks again (--mesh.rejoin-timeout-s); when replica 1 joins, the two train
+    together with one synced state. (torchft 0.2.0's Manager re-raises its last failed
+    quorum without asking the lighthouse again: before each retry got a new Manager, the
+    first timeout was the replica's last request and the two never met.)"""
+    run = tmp_path / "wait"
+    main = _start(_cmd(tmp_path, "wait", "--mesh.rows", "2", "--mesh.local-replicas", "0", "--mesh.min-replicas", "2",
+                       "--mesh.quorum-timeout-s", "3", "--mesh.rejoin-timeout-s", "600", "--train.steps", "400",
+                       "--dp.sync-every", "4", "--checkpoint.every", "0"), tmp_path / "wait.log")
+    joiner = None
+    try:
+        def asked_again():  # two timed-out requests, said in the log
+            return open(tmp_path / "wait.log").read().count("no quorum at step 0") >= 4  # 2 tries x 2 stages
+        _wait_for(asked_again, [main], "replica 0 says it waits for a quorum, twice")
+        lighthouse = open(run / "elastic" / "lighthouse").read().strip()
+        joiner = _start([sys.executable, "-m", "orchestration.train", "--config", str(run / "config.yaml"),
+                         "--mesh.join", lighthouse, "--mesh.replica-id", "1", "--run.progress", "false"],
+                        tmp_path / "join.log")
+        _wait_for(lambda: [x for x in _records(run).get((0, 0), []) if x["committed"] and x["step"] >= 8
+                           and x.get("participants") == 2], [main, joiner], "the two train together")
+        main.send_signal(signal.SIGINT)
+        joiner.send_signal(signal.SIGINT)
+        main.wait(BUDGET_S)
+        joiner.wait(BUDGET_S)
+    finally:
+        for p in (main, joiner):
+            if p is not None and p.poll() is None:
+                p.kill()
+    log = open(tmp_path / "wait.log").read()
+    assert main.returncode in (0, 130), log[-3000:]
+    assert "back in a quorum after" in log
+    recs = _records(run)
+    assert _digests_agree(recs) >= 2  # DiLoCo's global copies equal on both, sync after sync
+    assert {x["step"] for x in recs[(1, 0)] if x["committed"]} & {x["step"] for x in recs[(0, 0)] if x["committed"]}
+
+
 # ---------------------------------------------------------------- deaths without restarts
 def test_two_die_together_the_last_one_stops_the_run_with_a_valid_checkpoint(tmp_path):
     run = tmp_path / "deaths"

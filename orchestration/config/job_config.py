@@ -40,12 +40,11 @@ class MeshConfig:
     min_replicas: int = _f(1, "--mesh.elastic: fewest live replicas a step needs; below it a replica waits up to "
                               "--mesh.quorum-timeout-s, then stops with an error (the last checkpoint stays valid)")
     quorum_timeout_s: float = _f(60.0, "--mesh.elastic: how long a replica waits for a quorum of --mesh.min-replicas")
-    rejoin_timeout_s: float = _f(0.0, "--mesh.elastic: a replica that gets no quorum (its link is down, the lighthouse is "
-                                        "unreachable, or fewer than --mesh.min-replicas are live) keeps asking, with "
-                                        "backoff, for this long in all, saying what it waits for; when the link is back it "
-                                        "rejoins and heals from a live replica. After it: QuorumLost (0, the default: stop at "
-                                        "the first quorum that times out; >0 is not yet reliable with torchft 0.2.0: "
-                                        "docs/elastic.md)")
+    rejoin_timeout_s: float = _f(600.0, "--mesh.elastic: a replica that gets no quorum (its link is down, the lighthouse "
+                                          "is unreachable, or fewer than --mesh.min-replicas are live) keeps asking, with "
+                                          "backoff, for this long in all, saying what it waits for; when the link is back "
+                                          "it rejoins and heals from a live replica. After it: QuorumLost, the leader "
+                                          "saving its last committed step first (0: stop at the first quorum that times out)")
     heartbeat_s: float = _f(2.0, "--mesh.elastic: a replica silent this long (dead, or its link down) is out of the next quorum")
     join: str = _f("", "--mesh.elastic: start one fast replica (--mesh.replica-id) that joins the running elastic run whose "
                        "lighthouse is this URL (http://HOST:PORT, printed by its launcher; RUN_DIR/elastic/lighthouse); "

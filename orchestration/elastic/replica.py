@@ -41,6 +41,8 @@ from datetime import timedelta
 os.environ.setdefault("RUST_LOG", "warn")
 logging.getLogger("torchft").setLevel(logging.ERROR)
 
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 import torchft.manager as _tfm  # noqa: E402
 from torchft import Manager, ProcessGroupGloo  # noqa: E402
 from torchft._torchft import ManagerServer as _ManagerServer  # noqa: E402
@@ -88,7 +90,7 @@ class ElasticReplica:
         self._state_fn = self._load_fn = self._digest_fn = self._save_fn = self._codec_digest_fn = None
         self._began = False  # a quorum was had: a step was committed or healed to
         self.leader = mesh.row == 0  # the replica with the lowest number in the last quorum: it writes checkpoints
-        self.manager = Manager(
+        self._manager_kw = dict(
             pg=self.group, load_state_dict=self._load, state_dict=self._state, min_replica_size=m.min_replicas,
             use_async_quorum=False,  # the heal is applied inside start_quorum: the step then runs on healed weights
             timeout=tmo, quorum_timeout=timedelta(seconds=m.quorum_timeout_s), connect_timeout=tmo,
@@ -96,6 +98,7 @@ class ElasticReplica:
             store_addr=store_addr, store_port=store_port,
             lighthouse_addr=lighthouse, replica_id=f"replica{replica_id}", hostname=m.bind,
             checkpoint_transport=self.transport, init_sync=False)  # replicas start alike; a late one heals
+        self.manager: Manager | None = Manager(**self._manager_kw)
         # The compressors' ring byte counts need this rank's place in the group, which
         # dist.get_rank cannot tell for a torchft group (meshkern.compress.base).
         self.group.meshkern_rank = lambda: self.manager.participating_rank() or 0
@@ -104,8 +107,10 @@ class ElasticReplica:
         self.healed_to: int | None = None
         self._error: BaseException | None = None  # a DP failure since the last commit
         self._quorum: dict = {}
-        self.stats = {"quorums": 0, "heals": 0, "heal_bytes": 0, "heal_s": 0.0, "failed_commits": 0}
+        self.stats = {"quorums": 0, "heals": 0, "heal_bytes": 0, "heal_s": 0.0, "failed_commits": 0,
+                      "new_managers": 0}
         self._events = open(events, "a") if events else None
+        self._carry: dict = {}  # a retired Manager's step and commit counts, for the next one
 
     def attach(self, state_fn, load_fn, digest_fn=None, save_fn=None, codec_digest_fn=None) -> None:
         """``digest_fn() -> str``: a hash of what replicas hold alike after a commit (for
@@ -165,43 +170,109 @@ class ElasticReplica:
         return step if self.healed_to is None else self.healed_to
 
     def _quorum_or_wait(self, step: int) -> None:
-        """torchft's quorum; one that fails (no quorum of --mesh.min-replicas within
-        --mesh.quorum-timeout-s, or the lighthouse unreachable: a link that is down) is asked
-        for again with backoff, each wait said on stderr, for --mesh.rejoin-timeout-s in all;
-        then QuorumLost (the leader saves its last committed step first)."""
+        """torchft's quorum, taken by every stage of this replica together. A try that fails
+        on any stage (no quorum of --mesh.min-replicas within --mesh.quorum-timeout-s, the
+        lighthouse unreachable: a link that is down) fails on all of them (they agree over
+        the replica's own world, on loopback), every stage's torchft Manager is replaced
+        (``_retire`` / ``_new_manager``: why, there) and the quorum asked for again with
+        backoff, each wait said on stderr, for --mesh.rejoin-timeout-s in all; then
+        QuorumLost (the leader saves its last committed step first)."""
         m = self.cfg.mesh
         t0, tries, delay = time.monotonic(), 0, 1.0
         while True:
             t_try = time.monotonic()
-            try:
-                self.manager.start_quorum()
-            except Exception as e:  # the quorum RPC failed: torchft handles heal and reconfigure errors itself
-                tries += 1
-                left = m.rejoin_timeout_s - (time.monotonic() - t0)
-                if left <= 0:
-                    if self.leader and self._began and self._save_fn is not None:
-                        self._save_fn(step)  # where it stopped, valid: every step before it was committed
-                    raise QuorumLost(f"{self.mesh.describe()}: no quorum of >= {m.min_replicas} live replicas "
-                                     f"(--mesh.min-replicas) from the lighthouse {self.lighthouse} in {tries} tries "
-                                     f"over {time.monotonic() - t0:.0f} s (--mesh.quorum-timeout-s "
-                                     f"{m.quorum_timeout_s:g} each, --mesh.rejoin-timeout-s {m.rejoin_timeout_s:g} in "
-                                     f"all): {_short(e)}") from e
-                # Backoff between requests that fail fast (the lighthouse unreachable); one that waited
-                # out --mesh.quorum-timeout-s is asked again at once: a peer slower by a step is then
-                # still found asking (the lighthouse waits for every live replica it knows).
-                wait = min(max(0.0, delay - (time.monotonic() - t_try)), left)
-                print(f"[elastic] {self.mesh.describe()}: no quorum at step {step} ({_short(e)}); waiting for the "
-                      f"lighthouse {self.lighthouse} to answer with >= {m.min_replicas} live replica(s): asking again "
-                      f"in {wait:.0f} s, for up to {left:.0f} s more (--mesh.rejoin-timeout-s)",
-                      file=sys.stderr, flush=True)
-                time.sleep(wait)  # backoff between quorum requests, not a synchronisation
-                delay = min(2 * delay, 8.0)
-                continue
-            if tries:
-                print(f"[elastic] {self.mesh.describe()}: back in a quorum after {time.monotonic() - t0:.1f} s "
-                      f"without one ({tries} failed tries; {self.manager.num_participants()} replica(s))",
-                      file=sys.stderr, flush=True)
+            err = self._new_manager() if self.manager is None else None
+            if err is None:
+                try:
+                    self.manager.start_quorum()
+                except Exception as e:  # the quorum RPC failed: torchft handles heal and reconfigure errors itself
+                    err = e
+            # every stage of the replica ran this try's quorum, or none did: one that got a
+            # quorum while another's request timed out would otherwise run a step alone
+            failed = self._replica_max(err is not None)
+            if not failed:
+                if tries:
+                    print(f"[elastic] {self.mesh.describe()}: back in a quorum after {time.monotonic() - t0:.1f} s "
+                          f"without one ({tries} failed tries; {self.manager.num_participants()} replica(s))",
+                          file=sys.stderr, flush=True)
+                return
+            tries += 1
+            why = _short(err) if err is not None else "another stage of this replica got no quorum"
+            self._retire()
+            # the same decision on every stage: stage 0's clock
+            left = self._replica_max((m.rejoin_timeout_s - (time.monotonic() - t0)) if self.mesh.stage == 0 else -1e30)
+            if left <= 0:
+                if self.leader and self._began and self._save_fn is not None:
+                    self._save_fn(step)  # where it stopped, valid: every step before it was committed
+                raise QuorumLost(f"{self.mesh.describe()}: no quorum of >= {m.min_replicas} live replicas "
+                                 f"(--mesh.min-replicas) from the lighthouse {self.lighthouse} in {tries} tries "
+                                 f"over {time.monotonic() - t0:.0f} s (--mesh.quorum-timeout-s "
+                                 f"{m.quorum_timeout_s:g} each, --mesh.rejoin-timeout-s {m.rejoin_timeout_s:g} in "
+                                 f"all): {why}") from err
+            # Backoff between tries that fail fast (the lighthouse unreachable); at least the
+            # lighthouse's heartbeat timeout, so that it counts the retired Manager dead before
+            # the new one asks (a quorum naming the retired one would wait for it).
+            wait = min(max(m.heartbeat_s + 0.5, delay - (time.monotonic() - t_try)), left)
+            print(f"[elastic] {self.mesh.describe()}: no quorum at step {step} ({why}); waiting for the "
+                  f"lighthouse {self.lighthouse} to answer with >= {m.min_replicas} live replica(s): asking again "
+                  f"in {wait:.0f} s, for up to {left:.0f} s more (--mesh.rejoin-timeout-s)",
+                  file=sys.stderr, flush=True)
+            time.sleep(wait)  # backoff between quorum requests, not a synchronisation
+            delay = min(2 * delay, 8.0)
+
+    def _replica_max(self, x: float) -> float:
+        """The largest ``x`` over this replica's stages (its own world, on loopback)."""
+        t = torch.tensor([float(x)], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.mesh.fast)
+        return float(t[0])
+
+    def _retire(self) -> None:
+        """Ends this stage's torchft Manager after a failed quorum. Not asked again: torchft
+        0.2.0's ``start_quorum`` first re-raises the last quorum's error, so a Manager whose
+        quorum failed never asks the lighthouse again (measured: a replica back from an
+        outage waited forever); and its ManagerServer may still hold a request that the
+        lighthouse answers later, to whoever asks next. The heal server (``transport``) and
+        the DP group stay; the new Manager has a new replica id (torchft adds a uuid), which
+        the lighthouse sees as a replica that restarted."""
+        old, self.manager = self.manager, None
+        if old is None:  # no Manager was made in this try
             return
+        self._carry = {k: getattr(old, k) for k in ("_step", "_batches_committed", "_commit_failures")}
+        if old._manager is not None:
+            old._manager.shutdown()  # the ManagerServer (stage 0): its heartbeats and requests end
+        old._executor.shutdown(wait=False)
+
+    def _new_manager(self) -> BaseException | None:
+        """A new torchft Manager on every stage of this replica, or on none (the error, the
+        same on every stage). Stage 0's hosts the ManagerServer and must reach the lighthouse
+        (a link still down fails here, after --mesh.timeout-s at most); the others are made
+        after it, so they read its new address from the replica's torchft store."""
+        err: BaseException | None = None
+        if self.mesh.stage == 0:
+            try:
+                self.manager = Manager(**self._manager_kw)
+            except Exception as e:
+                err = e
+        if self._replica_max(err is not None):  # stage 0 could not: none tries
+            return err or RuntimeError("stage 0 of this replica could not reach the lighthouse")
+        if self.mesh.stage != 0:
+            try:
+                self.manager = Manager(**self._manager_kw)
+            except Exception as e:
+                err = e
+        if self._replica_max(err is not None):
+            if self.manager is not None:
+                self._carry_into(self.manager)
+                self._retire()
+            return err or RuntimeError("a stage of this replica could not start its torchft Manager")
+        self._carry_into(self.manager)
+        self.stats["new_managers"] += 1
+        return None
+
+    def _carry_into(self, manager) -> None:
+        # the step and commit counts go on: a replica behind its peers heals at the next quorum
+        for k, v in self._carry.items():
+            setattr(manager, k, v)
 
     def failed(self, err: BaseException) -> None:
         """A DP collective of this step failed (a peer died inside it): no commit, and this
@@ -249,7 +320,8 @@ class ElasticReplica:
         if self._events is not None:
             self._events.close()
         try:
-            self.manager.shutdown(wait=False)
+            if self.manager is not None:  # None: QuorumLost after the last Manager was retired
+                self.manager.shutdown(wait=False)
         finally:
             self.transport.shutdown()
 
