@@ -53,7 +53,9 @@ def _one(records: list[dict], kind: str) -> dict:
 
 @pytest.mark.slow
 def test_an_offline_wandb_run_holds_metrics_jsonls_scalars_and_the_config_and_a_resume_continues_it(
-        tiny, tmp_path, capfd):
+        tiny, tmp_path, capfd, monkeypatch):
+    for var in ("WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):  # wandb's own files stay in tmp_path too
+        monkeypatch.setenv(var, str(tmp_path / "wandb-home"))
     base = _args(tiny, tmp_path, "--mesh.rows", "1", "--mesh.stages", "1", "--checkpoint.every", "2",
                  "--run.log-every", "2", "--run.wandb", "--run.wandb-mode", "offline", "--run.wandb-project", "p")
     run_dir = tmp_path / "t"
