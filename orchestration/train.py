@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         return _dry_run(cfg)
     torch.set_num_threads(cfg.mesh.threads_per_rank)
     _check_tensorboard(cfg)
+    _check_wandb(cfg)
     try:
         start = devices.start_method(cfg.mesh.start_method, cfg.mesh.device)
         plan = prepare(cfg, load_model=start == "fork" and not under_torchrun())
@@ -78,6 +79,18 @@ def _check_tensorboard(cfg: Config) -> None:
             print("warning: --run.tensorboard: the tensorboard package is not installed (pip install tensorboard); "
                   "logging to metrics.jsonl only", file=sys.stderr, flush=True)
             cfg.run.tensorboard = False
+
+
+def _check_wandb(cfg: Config) -> None:
+    """--run.wandb without the wandb package: one warning line, and the run goes on with
+    W&B off (as --run.tensorboard without tensorboard)."""
+    if cfg.run.wandb:
+        from orchestration.components.metrics import wandb_available
+
+        if not wandb_available():
+            print("warning: --run.wandb: the wandb package is not installed (pip install wandb); "
+                  "logging to metrics.jsonl only", file=sys.stderr, flush=True)
+            cfg.run.wandb = False
 
 
 def _dry_run(cfg: Config) -> int:

@@ -161,6 +161,7 @@ def summarize(cfg, plan, history: list[dict], elapsed: float, steps_done: int, l
         "modeled_limit": None if model is None else model.limiting,
         "checkpoint": last_ckpt, "metrics_path": os.path.join(plan.run_dir, "metrics.jsonl"),
         "run_dir": plan.run_dir, "ranks": cfg.world_size, "tensorboard": bool(cfg.run.tensorboard),
+        "wandb": bool(cfg.run.wandb),
         "links_local": links_local(),
         "start_step": history[0]["step"] - 1, "steps_this": steps_done, "loss_first_run": None,
     }
@@ -214,7 +215,8 @@ def reduce_step(cfg, mesh, step: int, stats, gnorm: float, skipped: int, counter
 
 class RunLog:
     """Rank 0's metrics file (every ``run.log_every`` steps and the last), its TensorBoard
-    mirror (``--run.tensorboard``: the same scalars, RUN_DIR/tensorboard) and progress: a
+    mirror (``--run.tensorboard``: the same scalars, RUN_DIR/tensorboard), its W&B mirror
+    (``--run.wandb``: the same scalars at the same steps, RUN_DIR/wandb) and progress: a
     bar on a terminal, else one plain line every ``run.progress_every_s`` seconds (and at
     the first and last step), never carriage returns in a log file. Other ranks log nothing.
     ``clock`` and ``isatty`` are injectable for tests."""
@@ -231,6 +233,7 @@ class RunLog:
         self.writer = JsonlWriter(path) if active else None
         self.tb = (open_tensorboard(os.path.join(plan.run_dir, "tensorboard"), purge_step=start or None)
                    if active and cfg.run.tensorboard else None)
+        self.wb = open_wandb(cfg, plan.run_dir, start) if active and cfg.run.wandb else None
         self.bar = None
         self.last_line = None  # clock time of the last plain progress line
         tty = (isatty if isatty is not None else getattr(self.out, "isatty", lambda: False)())
@@ -253,6 +256,8 @@ class RunLog:
             if self.tb is not None:
                 for tag, v in scalars(rec).items():
                     self.tb.add_scalar(tag, v, rec["step"])
+            if self.wb is not None:
+                self.wb.log(scalars(rec), step=rec["step"])
         if self.bar is not None:
             self.bar.set_postfix_str(self._status(rec), refresh=False)
             self.bar.update(1)
@@ -272,6 +277,8 @@ class RunLog:
             self.writer.close()
         if self.tb is not None:
             self.tb.close()
+        if self.wb is not None:
+            close_wandb(self.wb)
 
 
 def scalars(rec: dict, prefix: str = "") -> dict[str, float]:
@@ -312,3 +319,75 @@ def open_tensorboard(log_dir: str, purge_step: int | None = None):
               "logging to metrics.jsonl only", file=sys.stderr, flush=True)
         return None
     return SummaryWriter(log_dir=log_dir, purge_step=purge_step)
+
+
+def wandb_available() -> bool:
+    try:
+        import wandb  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+WANDB_ID_FILE = "meshkern-run-id"  # in RUN_DIR/wandb: the W&B run id a resume continues
+
+
+def wandb_run_id(wandb_dir: str, start: int) -> str:
+    """The W&B run id of this run: the one RUN_DIR/wandb recorded when the run resumes
+    (``start`` > 0: the same W&B run goes on), else a new one, recorded there. (wandb's own
+    resume='auto' file is deleted when a run finishes, so a finished run that is later
+    extended would start a second W&B run.)"""
+    import secrets
+
+    path = os.path.join(wandb_dir, WANDB_ID_FILE)
+    if start > 0 and os.path.isfile(path):
+        with open(path) as f:
+            if rid := f.read().strip():
+                return rid
+    rid = secrets.token_hex(6)  # [0-9a-f]: a valid W&B run id
+    os.makedirs(wandb_dir, exist_ok=True)
+    with open(path, "w") as f:
+        f.write(rid + "\n")
+    return rid
+
+
+def open_wandb(cfg, run_dir: str, start: int):
+    """A wandb Run for this run (files under ``run_dir``/wandb, the run's config as its
+    config, mode ``--run.wandb-mode``), or None, with one warning line, when the wandb
+    package is absent or wandb.init fails (e.g. online without a login): W&B is optional
+    and never stops training. A resumed run (``start`` > 0) continues the same W&B run;
+    its steps are the trainer's, so they continue after ``start``. Offline and disabled
+    runs touch no network: no system metrics, machine or git probes, no error reports."""
+    try:
+        import wandb
+    except ImportError:
+        print("warning: --run.wandb: the wandb package is not installed (pip install wandb); "
+              "logging to metrics.jsonl only", file=sys.stderr, flush=True)
+        return None
+    r = cfg.run
+    local = r.wandb_mode != "online"
+    if local:  # read by wandb's service process when it starts; a user's own setting wins
+        os.environ.setdefault("WANDB_ERROR_REPORTING", "false")
+    try:
+        settings = wandb.Settings(
+            console="off",  # our progress lines stay ours (rank 0 may be a forked process: no fd redirection)
+            silent=local,  # offline: no banner per run; the run folder line names wandb/
+            x_disable_stats=local, x_disable_meta=local, x_disable_machine_info=local,  # no probes (cloud metadata)
+            disable_git=local, save_code=False, x_save_requirements=False)
+        return wandb.init(project=r.wandb_project, name=r.wandb_name or os.path.basename(run_dir.rstrip("/")),
+                          mode=r.wandb_mode, dir=run_dir, id=wandb_run_id(os.path.join(run_dir, "wandb"), start),
+                          resume="allow" if start > 0 else None, config=cfg.to_dict(), settings=settings)
+    except Exception as e:  # (wandb raises its own UsageError, CommError, ...; an older wandb, ValidationError)
+        print(f"warning: --run.wandb: wandb.init failed ({type(e).__name__}: {e}); logging to metrics.jsonl only",
+              file=sys.stderr, flush=True)
+        return None
+
+
+def close_wandb(run) -> None:
+    """Finishes ``run`` (its records flushed to RUN_DIR/wandb, online: uploaded; the run
+    marked finished) and stops wandb's service process: rank 0 may be a forked process
+    that leaves with os._exit, which skips wandb's own atexit teardown."""
+    import wandb
+
+    run.finish()
+    wandb.teardown()

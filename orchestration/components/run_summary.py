@@ -47,7 +47,8 @@ def summary_rows(s: dict) -> list[tuple[str, str, str]]:
     whole = " (whole run)" if resumed else ""
     rows = [
         ("run folder", s.get("run_dir", ""), "config.yaml, metrics.jsonl (one record per step), link_bytes.json, "
-                                            "checkpoints/" + (", tensorboard/" if s.get("tensorboard") else "")),
+                                            "checkpoints/" + (", tensorboard/" if s.get("tensorboard") else "")
+                                            + (", wandb/" if s.get("wandb") else "")),
         ("mesh", s["mesh"], "rows = data-parallel replicas, columns = pipeline stages; one process per cell"),
         ("model", s["model"], "the model adapted: its architecture, decoder layers and hidden size H"),
         ("boundary codec", s["codec"], "what crosses a stage boundary, both ways (docs/codecs.md; --boundary.codec)"),

@@ -181,6 +181,12 @@ class RunConfig:
     progress: bool = _f(True, "show progress on rank 0 (a bar on a terminal, a plain line every --run.progress-every-s otherwise)")
     progress_every_s: float = _f(30.0, "seconds between plain progress lines when stdout is not a terminal")
     tensorboard: bool = _f(False, "also log metrics.jsonl's scalars to RUN_DIR/tensorboard (needs the tensorboard package)")
+    wandb: bool = _f(False, "also log metrics.jsonl's scalars and the run's config to Weights & Biases, files under "
+                     "RUN_DIR/wandb (needs the wandb package); a resumed run continues the same W&B run")
+    wandb_project: str = _f("meshkern", "--run.wandb: the W&B project")
+    wandb_name: str = _f("", "--run.wandb: the W&B run's display name (empty: the run's name, --run.name)")
+    wandb_mode: str = _f("offline", "--run.wandb: offline (no network; upload later with wandb sync "
+                         "RUN_DIR/wandb/offline-run-*), online (needs wandb login) or disabled")
     bandwidth_bps: float = _f(200e6, "link model: bandwidth of every link in bit/s")
     latency_s: float = _f(0.0, "link model: one-way latency of every link in seconds")
     eval_sequences: int = _f(64, "held-out sequences scored by the final checkpoint (0: skip)")
@@ -230,6 +236,7 @@ SECTIONS = [f.name for f in dataclasses.fields(Config) if f.name != "preset"]
 COMPRESSORS = ("none", "powersgd", "sparseloco", "int8")
 ADAPTERS = ("none", "lora")
 ADAPTER_EXPORTS = ("adapter", "merged")
+WANDB_MODES = ("offline", "online", "disabled")  # wandb.init(mode=...)
 ANCHOR_TRANSPORTS = ("dense", "factored")  # orchestration.anchor.wire numbers them on the wire
 SNAPSHOT_CODECS = ("full", "int8")  # orchestration.anchor.snapshot.SnapshotCoder
 RENAMED = {("mesh", "backend"): "dist_backend"}  # old field name -> its name now (old config files)

@@ -10,7 +10,7 @@ import math
 
 from meshkern._checks import fraction
 from orchestration.config.job_config import (ADAPTER_EXPORTS, ADAPTERS, ANCHOR_TRANSPORTS, COMPRESSORS, SNAPSHOT_CODECS,
-                                             AdapterConfig, Config, DPConfig)
+                                             WANDB_MODES, AdapterConfig, Config, DPConfig)
 
 
 def ineffective_settings(cfg: Config) -> list[str]:
@@ -233,5 +233,7 @@ def _check_run(cfg: Config) -> None:
     _need(cfg.run.progress_every_s > 0, f"--run.progress-every-s must be > 0, got {cfg.run.progress_every_s}")
     _need(cfg.run.bandwidth_bps > 0 and cfg.run.latency_s >= 0, "--run.bandwidth-bps must be > 0, --run.latency-s >= 0")
     _need(cfg.run.fail_rank < cfg.world_size, f"--run.fail-rank {cfg.run.fail_rank} is not a rank of a {cfg.world_size}-rank mesh")
+    _need(cfg.run.wandb_mode in WANDB_MODES,
+          f"--run.wandb-mode must be one of {', '.join(WANDB_MODES)}, got {cfg.run.wandb_mode!r}")
 
 

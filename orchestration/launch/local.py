@@ -30,7 +30,8 @@ def launch_local(cfg, plan, layout: MeshLayout) -> int:
 
         return run_elastic(cfg, plan, layout, [cfg.mesh.replica_id], cfg.mesh.join)
     print(f"run folder: {plan.run_dir}/ (config.yaml, metrics.jsonl, checkpoints/"
-          + (", tensorboard/" if cfg.run.tensorboard else "") + "; a summary at the end)", flush=True)
+          + (", tensorboard/" if cfg.run.tensorboard else "") + (", wandb/" if cfg.run.wandb else "")
+          + "; a summary at the end)", flush=True)
     if plan.memory:
         print(plan.memory, flush=True)
     cfg.run.name = os.path.basename(plan.run_dir)  # so that --config RUN_DIR/config.yaml names this run
