@@ -13,8 +13,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import signal
-import subprocess
 import time
 
 import pytest
@@ -60,19 +58,6 @@ def _wait_record(h: Hosts, pred, procs, what: str, budget: float = 600.0) -> dic
     raise AssertionError(f"timed out waiting for: {what}")
 
 
-def _workers(h: Hosts, i: int) -> list[int]:
-    """The training processes of host ``i`` (torchrun's workers, not the agent)."""
-    out = []
-    for pid in subprocess.run(["ip", "netns", "pids", h.names[i]], capture_output=True, text=True).stdout.split():
-        try:
-            argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
-        except OSError:
-            continue
-        if b"orchestration.train" in argv and b"torch.distributed.run" not in argv:
-            out.append(int(pid))
-    return out
-
-
 @pytest.mark.slow
 def test_an_anchor_row_on_its_own_host_dies_and_rejoins(tiny, tmp_path):
     env = {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE", "HF_HUB_OFFLINE": "1",
@@ -103,8 +88,7 @@ def test_an_anchor_row_on_its_own_host_dies_and_rejoins(tiny, tmp_path):
         gen1_max = max(r["anchor_applied"] for r in _records(h) if r["anchor_generation"] == 1)
         _wait_record(h, lambda r: r["anchor_generation"] == 2 and r["anchor_applied"] > gen1_max, fast,
                      "generation 2's updates are applied")
-        for pid in _workers(h, 0):  # a clean stop, agreed by every rank at the next step
-            os.kill(pid, signal.SIGINT)
+        assert h.stop_training(0)  # a clean stop, agreed by every rank at the next step
         assert h.wait_all(fast, timeout=900) == [0, 0], fast[0].tail(40) + fast[1].tail(40)
         assert h.procs[-1].wait(300) == 0, h.procs[-1].tail(40)  # generation 2 ends with the fast circuit
         recs = _records(h)

@@ -20,6 +20,19 @@ from orchestration.distributed.devices import rank_device
 from orchestration.distributed.mesh import _KEEP, Mesh, MeshLayout, join_world, listen_socket
 
 
+# How long a stage waits for a sibling stage of its replica (the replica's own groups). A
+# stage's part of a step can wait on the network for long: its DP sync on a peer that went
+# silent (--mesh.timeout-s), a quorum (--mesh.quorum-timeout-s per try), a new torchft
+# Manager reaching a lighthouse that is unreachable, a heal sized by bytes and rate; its
+# siblings meanwhile wait for it in the pipeline, the per-step metrics or the quorum's
+# agreement (elastic.replica). With --mesh.timeout-s here the sibling timed out first
+# (measured: a survivor of an outage died in its metrics all-reduce while its other stage
+# waited out the lost peer). The stages are processes of one torchrun or one local launcher
+# on one host, which end every stage of a replica when one dies, so this bound never keeps
+# a stage waiting on a dead one.
+SIBLING_TIMEOUT_S = 6 * 3600
+
+
 def init_replica_world(layout: MeshLayout, row: int, *, timeout_s: float = 60.0, device: str = "cpu") -> Mesh:
     """--mesh.elastic: joins fast replica ``row``'s own world, its stages only (env://
     rendezvous as set by orchestration.launch.replicas or torchrun: RANK = the stage,
@@ -32,12 +45,12 @@ def init_replica_world(layout: MeshLayout, row: int, *, timeout_s: float = 60.0,
     A replica's stages are on one host, so its own world's gloo pairs are made on the
     loopback interface (``loopback_gloo``), whatever GLOO_SOCKET_IFNAME names for the
     replicas' DP groups: the replica keeps working, and restarts, while its host's outside
-    link is down."""
+    link is down. Its groups wait for a sibling stage up to SIBLING_TIMEOUT_S (why, there)."""
     stages = layout.stages_of(row)
     stage = int(os.environ.get("RANK", "0"))
     if not 0 <= stage < stages:
         raise ValueError(f"RANK={stage}: replica {row} of the mesh {layout.name} has stages 0..{stages - 1}")
-    tmo = timedelta(seconds=timeout_s)
+    tmo = timedelta(seconds=SIBLING_TIMEOUT_S)
     with loopback_gloo():
         join_world("gloo", stage, stages, timeout_s)
         if dist.get_world_size() != stages:

@@ -221,7 +221,8 @@ class ElasticReplica:
             delay = min(2 * delay, 8.0)
 
     def _replica_max(self, x: float) -> float:
-        """The largest ``x`` over this replica's stages (its own world, on loopback)."""
+        """The largest ``x`` over this replica's stages (its own world, on loopback, with a
+        bound longer than any stage's wait: replica_world.SIBLING_TIMEOUT_S)."""
         t = torch.tensor([float(x)], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.mesh.fast)
         return float(t[0])

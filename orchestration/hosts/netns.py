@@ -309,6 +309,26 @@ class Hosts:
             except (ProcessLookupError, ValueError):
                 pass
 
+    def stop_training(self, i: int, sig: int = signal.SIGINT) -> list[int]:
+        """Sends ``sig`` to host ``i``'s training processes (``orchestration.train`` ranks,
+        not a torchrun agent: an agent that gets SIGINT itself exits with an error, while
+        its workers' clean stop at the next step boundary makes it exit 0, as a user's stop
+        of one rank does). Returns their pids."""
+        pids = []
+        for pid in _sh("ip", "netns", "pids", self.names[i], check=False).stdout.split():
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    argv = f.read().split(b"\0")
+            except OSError:
+                continue  # ended meanwhile
+            if b"orchestration.train" in argv and b"torch.distributed.run" not in argv:
+                try:
+                    os.kill(int(pid), sig)
+                    pids.append(int(pid))
+                except ProcessLookupError:
+                    pass
+        return pids
+
     def wait_all(self, procs: list[Proc], timeout: float, *, fail_fast: bool = True) -> list[int]:
         """Waits for every process to exit (up to ``timeout`` s); ``fail_fast``: the first to
         fail has the others stopped (SIGTERM) instead of left waiting on a dead peer.
