@@ -110,7 +110,8 @@ class ElasticReplica:
         self.stats = {"quorums": 0, "heals": 0, "heal_bytes": 0, "heal_s": 0.0, "failed_commits": 0,
                       "new_managers": 0}
         self._events = open(events, "a") if events else None
-        self._carry: dict = {}  # a retired Manager's step and commit counts, for the next one
+        self._carry: dict = {}  # the step and commit counts a new Manager starts from (_quorum_or_wait)
+        self._attempts_at_try = 0  # the heal transport's receive attempts when this quorum try began
 
     def attach(self, state_fn, load_fn, digest_fn=None, save_fn=None, codec_digest_fn=None) -> None:
         """``digest_fn() -> str``: a hash of what replicas hold alike after a commit (for
@@ -143,7 +144,7 @@ class ElasticReplica:
         HealRefused (the run's secret is not ours), QuorumLost (too few live replicas for
         --mesh.quorum-timeout-s) or the heal's own error."""
         self.step, self.healed_to = step, None
-        n0, a0 = len(self.transport.recv_log), self.transport.recv_attempts
+        n0 = len(self.transport.recv_log)
         t0 = time.perf_counter()
         self._quorum_or_wait(step)
         err = self.manager.errored()
@@ -151,7 +152,7 @@ class ElasticReplica:
             cause = err.original_exception
             if isinstance(cause, HealRefused):
                 raise cause
-            if self.transport.recv_attempts > a0:  # the heal itself failed: this replica's state is behind
+            if self.transport.recv_attempts > self._attempts_at_try:  # the heal itself failed: this replica's state is behind
                 raise RuntimeError(f"{self.mesh.describe()}: healing from a peer failed: {cause}") from cause
             self._error = cause  # the group's reconfigure failed: this step will not commit
         rank = self.manager.participating_rank()
@@ -179,8 +180,13 @@ class ElasticReplica:
         QuorumLost (the leader saves its last committed step first)."""
         m = self.cfg.mesh
         t0, tries, delay = time.monotonic(), 0, 1.0
+        # what a new Manager starts from: the counts before this quorum, alike on every stage
+        # (a stage may have healed in a try that failed on another: the replica stays at the
+        # step it had, behind, so the try that succeeds heals every stage again)
+        self._carry = {k: getattr(self.manager, k) for k in ("_step", "_batches_committed", "_commit_failures")}
         while True:
             t_try = time.monotonic()
+            self._attempts_at_try = self.transport.recv_attempts
             err = self._new_manager() if self.manager is None else None
             if err is None:
                 try:
@@ -199,6 +205,7 @@ class ElasticReplica:
             tries += 1
             why = _short(err) if err is not None else "another stage of this replica got no quorum"
             self._retire()
+            self.healed_to = None
             # the same decision on every stage: stage 0's clock
             left = self._replica_max((m.rejoin_timeout_s - (time.monotonic() - t0)) if self.mesh.stage == 0 else -1e30)
             if left <= 0:
@@ -238,7 +245,6 @@ class ElasticReplica:
         old, self.manager = self.manager, None
         if old is None:  # no Manager was made in this try
             return
-        self._carry = {k: getattr(old, k) for k in ("_step", "_batches_committed", "_commit_failures")}
         if old._manager is not None:
             old._manager.shutdown()  # the ManagerServer (stage 0): its heartbeats and requests end
         old._executor.shutdown(wait=False)
@@ -262,9 +268,7 @@ class ElasticReplica:
             except Exception as e:
                 err = e
         if self._replica_max(err is not None):
-            if self.manager is not None:
-                self._carry_into(self.manager)
-                self._retire()
+            self._retire()
             return err or RuntimeError("a stage of this replica could not start its torchft Manager")
         self._carry_into(self.manager)
         self.stats["new_managers"] += 1
