@@ -102,8 +102,11 @@ class ElasticGate(StepGate):
         return self.committed
 
     def end_step(self, step: int, sync) -> bool:
-        if sync.allreduce is None:  # diloco: a commit closes each quorum; a step without one has none
-            self.committed = self.replica.commit() if self._quorum else True
+        if sync.allreduce is None:  # diloco: a commit closes each quorum; a step without one keeps its outcome
+            # (a replica whose quorum did not commit, e.g. one back from an outage whose first quorum
+            # failed, is not in step with its peers until a quorum commits: its steps until then are
+            # recorded uncommitted)
+            self.committed = self.replica.commit() if self._quorum else self.committed
         self.replica.record(step, self.committed, self._quorum)
         self._quorum = False
         if sync.allreduce is not None and not self.committed:
