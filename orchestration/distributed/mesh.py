@@ -321,13 +321,16 @@ def rendezvous_store(rank: int, world_size: int, timeout_s: float):
     return store
 
 
-def join_world(backend: str, rank: int, world_size: int, timeout_s: float) -> None:
+def join_world(backend: str, rank: int, world_size: int, timeout_s: float, *,
+               collective_timeout_s: float | None = None) -> None:
     """Joins the env:// world (MASTER_ADDR, MASTER_PORT) as ``rank`` of ``world_size``, unless
     this process already is in one: under torchrun its agent's store, else ``rendezvous_store``
-    (env:// as torch does it, but the store listens on MASTER_ADDR only: docs/security.md)."""
+    (env:// as torch does it, but the store listens on MASTER_ADDR only: docs/security.md).
+    ``timeout_s`` bounds the rendezvous, ``collective_timeout_s`` (default: the same) the
+    default group's collectives."""
     if dist.is_initialized():
         return
-    tmo = timedelta(seconds=timeout_s)
+    tmo = timedelta(seconds=timeout_s if collective_timeout_s is None else collective_timeout_s)
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":  # torchrun's agent holds the store
         dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size, timeout=tmo)
     else:

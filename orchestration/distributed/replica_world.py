@@ -25,7 +25,8 @@ from orchestration.distributed.mesh import _KEEP, Mesh, MeshLayout, join_world, 
 # silent (--mesh.timeout-s), a quorum (--mesh.quorum-timeout-s per try), a new torchft
 # Manager reaching a lighthouse that is unreachable, a heal sized by bytes and rate; its
 # siblings meanwhile wait for it in the pipeline, the per-step metrics or the quorum's
-# agreement (elastic.replica). With --mesh.timeout-s here the sibling timed out first
+# agreement (elastic.replica); at the start, stage 0 alone fits the pca bases the others
+# wait for (minutes for a real model on a CPU). With --mesh.timeout-s here the sibling timed out first
 # (measured: a survivor of an outage died in its metrics all-reduce while its other stage
 # waited out the lost peer). The stages are processes of one torchrun or one local launcher
 # on one host, which end every stage of a replica when one dies, so this bound never keeps
@@ -52,7 +53,7 @@ def init_replica_world(layout: MeshLayout, row: int, *, timeout_s: float = 60.0,
         raise ValueError(f"RANK={stage}: replica {row} of the mesh {layout.name} has stages 0..{stages - 1}")
     tmo = timedelta(seconds=SIBLING_TIMEOUT_S)
     with loopback_gloo():
-        join_world("gloo", stage, stages, timeout_s)
+        join_world("gloo", stage, stages, timeout_s, collective_timeout_s=SIBLING_TIMEOUT_S)
         if dist.get_world_size() != stages:
             raise ValueError(f"WORLD_SIZE={dist.get_world_size()} but replica {row} has {stages} stages")
         m = Mesh(layout, layout.rank_of(row, stage), row, stage, elastic=True)
