@@ -3,6 +3,7 @@ with and without one replica's link down for a while, held-out loss and wall tim
 
     python -m bench.elastic_outage                     # root: orchestration.hosts
     python -m bench.elastic_outage --steps 200 --outage-s 60 --rate 200mbit
+    python -m bench.elastic_outage --join-only --steps 6 -- --model.path smollm2-135m   # a heal's cost
 
 Two hosts (network namespaces, tbf-shaped links, each its own disk), the recipe of
 docs/elastic.md: the lighthouse on host 0, one ``torchrun --nproc-per-node 2`` per replica
@@ -12,6 +13,11 @@ a quarter of the steps, for ``--outage-s`` (it must exceed ``--quorum-timeout-s`
 outage torchft notices), then comes back; replica 1 waits, rejoins and heals (the run must
 be long enough for replica 0 to be still training then: it trains alone meanwhile). The
 held-out loss is the one the run's summary prints (the leader's final weights).
+
+``--join-only``: no outage and no baseline; replica 1 starts once replica 0 has committed 2
+steps and heals over the shaped link (what a host that comes up late, or with an empty
+disk, pays): the heal's bytes and seconds. Flags after ``--`` go to every replica (the
+model, for one).
 """
 from __future__ import annotations
 
@@ -33,7 +39,7 @@ def _flags(a) -> list[str]:
             "--dp.sync-every", "4", "--checkpoint.every", "0", "--run.eval-sequences", str(a.eval_sequences),
             "--run.progress", "false", "--mesh.heartbeat-s", "1", "--mesh.quorum-timeout-s", str(a.quorum_timeout_s),
             "--mesh.timeout-s", "30", "--mesh.rejoin-timeout-s", str(10 * a.outage_s + 300),
-            "--run.bandwidth-bps", str(a.rate_bps), "--train.seed", str(a.seed)]
+            "--run.bandwidth-bps", str(a.rate_bps), "--train.seed", str(a.seed), *a.extra]
 
 
 def _committed(run_dir: str, replica: int) -> int:
@@ -62,14 +68,26 @@ def run(a, outage: bool) -> dict:
                          "--join-timeout-ms", "2000"], env=env, log="lighthouse.log")
         lh.wait_line(r"^LIGHTHOUSE http://", 300)
         t0 = time.monotonic()
-        reps = [h.popen(i, [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                            "29600", "--max-restarts", "0", "-m", "orchestration.train", "--config", "run.yaml",
-                            "--anchor.secret-file", "run.secret", "--mesh.bind", "{addr}", "--mesh.join",
-                            f"http://{h.addr(0)}:{LIGHTHOUSE_PORT}", "--mesh.replica-id", str(i)],
-                        env=env, log=f"replica{i}.log") for i in (0, 1)]
+
+        def replica(i: int):
+            return h.popen(i, [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                               "29600", "--max-restarts", "0", "-m", "orchestration.train", "--config", "run.yaml",
+                               "--anchor.secret-file", "run.secret", "--mesh.bind", "{addr}", "--mesh.join",
+                               f"http://{h.addr(0)}:{LIGHTHOUSE_PORT}", "--mesh.replica-id", str(i)],
+                           env=env, log=f"replica{i}.log")
+
+        run0 = os.path.join(h.dirs[0], "runs", "eo")
+        if a.join_only:  # replica 1 comes up once replica 0 trains: it heals from it
+            reps = [replica(0)]
+            while _committed(run0, 0) < 2:
+                if reps[0].done:
+                    raise RuntimeError("replica 0 ended before the join:\n" + reps[0].tail(30))
+                time.sleep(0.5)  # polling replica 0's event file
+            reps.append(replica(1))
+        else:
+            reps = [replica(0), replica(1)]
         down_s = None
         if outage:
-            run0 = os.path.join(h.dirs[0], "runs", "eo")
             while _committed(run0, 0) < a.steps // 4:
                 if any(p.done for p in reps):
                     raise RuntimeError("a replica ended before the outage:\n" + "\n".join(p.tail(30) for p in reps))
@@ -112,7 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", default="", help="where the hosts' directories go (default: the temp dir)")
     ap.add_argument("--out", default="", help="write the results as JSON here")
     ap.add_argument("--verbose", action="store_true", help="echo the hosts' output")
-    a = ap.parse_args(argv)
+    ap.add_argument("--join-only", action="store_true", help="replica 1 joins late and heals; no outage, no baseline")
+    argv = sys.argv[1:] if argv is None else argv
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    a = ap.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    a.extra = extra
     from bench.hosts_links import rate_bps
     from orchestration.hosts import available
 
@@ -123,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.outage_s <= a.quorum_timeout_s:
         ap.error(f"--outage-s {a.outage_s:g} must exceed --quorum-timeout-s {a.quorum_timeout_s:g}")
     a.rate_bps = rate_bps(a.rate)
-    rows = [run(a, outage=False), run(a, outage=True)]
+    rows = [run(a, outage=False)] if a.join_only else [run(a, outage=False), run(a, outage=True)]
     print(f"{a.steps} steps, seed {a.seed}, 2 replicas x 2 stages on 2 hosts at {a.rate}, DiLoCo every 4 steps")
     print("| run | link down s | wall s | held-out loss | replica 1 committed | replica 0 alone | heal (stage 0) |")
     print("|---|---|---|---|---|---|---|")
