@@ -37,8 +37,8 @@ class MeshConfig:
                               "quorum and the others go on; the local launcher starts a lighthouse and restarts dead "
                               "replicas, which heal from a live one. Off by default")
     replica_restarts: int = _f(2, "--mesh.elastic, local launcher: restart dead fast replicas up to this many times in all")
-    min_replicas: int = _f(1, "--mesh.elastic: fewest live replicas a step needs; below it a replica waits up to "
-                              "--mesh.quorum-timeout-s, then stops with an error (the last checkpoint stays valid)")
+    min_replicas: int = _f(1, "--mesh.elastic: fewest live replicas a step needs; below it a replica keeps asking "
+                              "for --mesh.rejoin-timeout-s, then stops with an error (the last checkpoint stays valid)")
     quorum_timeout_s: float = _f(60.0, "--mesh.elastic: how long a replica waits for a quorum of --mesh.min-replicas")
     rejoin_timeout_s: float = _f(600.0, "--mesh.elastic: a replica that gets no quorum (its link is down, the lighthouse "
                                           "is unreachable, or fewer than --mesh.min-replicas are live) keeps asking, with "
