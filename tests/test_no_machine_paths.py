@@ -6,12 +6,15 @@ leaks how that machine is laid out. Write such paths run-relative (``runs/<name>
 generic (``~/.cache/meshkern/...``, ``<repo>/...``) instead.
 
 What counts as such a path (``machine_paths``): the checkout root of this test run, the
-home directory of this run, ``/work/...``, ``/root/...``, ``/home/<user>/...``, the Python
-of a virtual environment, and ``/tmp/<name>`` for a name of three characters or more (a
-session's scratch directory: ``/tmp/hxwork``, ``/tmp/pytest-of-root``); one- and
-two-letter placeholders such as ``/tmp/x`` in usage examples are fine, and so are the
-generic instruction paths in ``TMP_INSTRUCTIONS``. A path inside a URL or a relative path
-(``runs/work/...``) is not one: the match must start a path.
+home directory of this run, anything under the top-level ``work`` or ``root`` directories or
+under a user's directory in ``home``, the Python of a virtual environment, and a name of
+three characters or more directly under the top-level ``tmp`` (a session's scratch
+directory); one- and two-letter placeholders under ``tmp`` in usage examples are fine, and so
+are the generic instruction paths in ``TMP_INSTRUCTIONS``. A path inside a URL or a relative
+path (``runs/work/...``) is not one: the match must start a path.
+
+This file writes the paths it looks for, and the ones it plants to test itself, from their
+parts (``_abs``), so that it holds none of them literally.
 """
 from __future__ import annotations
 
@@ -26,19 +29,25 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 THIS = Path(__file__).resolve().relative_to(ROOT).as_posix()
 
-# /tmp/<name> paths that are a generic instruction's output, not any machine's scratch
+# names under the top-level tmp that are a generic instruction's output, not any machine's scratch
 TMP_INSTRUCTIONS = {"mask_select_profile"}  # bench/mask_select_profile.cpp: a compile-and-run line
+
+def _abs(*parts: str) -> str:
+    """An absolute path from its parts (see the module docstring: none is written whole)."""
+    return "/" + "/".join(parts)
+
 
 # a path starts here: not inside a word, a relative path, a URL or "~/..."/"$HOME/..."
 _START = r"(?<![\w.~$/-])"
 _FIXED = [
-    _START + r"/work/[\w.-]",
-    _START + r"/root/[\w.-]",
-    _START + r"/home/[\w.-]+/",
-    _START + r"/tmp/[\w.-]{3,}",
+    _START + _abs("work", r"[\w.-]"),
+    _START + _abs("root", r"[\w.-]"),
+    _START + _abs("home", r"[\w.-]+/"),
+    _START + _abs("tmp", r"[\w.-]{3,}"),
     r"/\.pyenv/",
-    _START + r"/usr/local/lib/python\d",
+    _START + _abs("usr", "local", "lib", r"python\d"),
 ]
+_TMP = _abs("tmp") + "/"
 
 
 def _run_paths() -> list[str]:
@@ -59,7 +68,7 @@ def machine_paths(text: str, extra: list[str] | tuple[str, ...] = ()) -> list[st
     for pat in _FIXED + [_START + re.escape(p) for p in extra]:
         for m in re.finditer(pat, text):
             tail = re.match(r"[\w./-]*", text[m.start():]).group(0)
-            if tail.startswith("/tmp/") and tail[5:].split("/")[0] in TMP_INSTRUCTIONS:
+            if tail.startswith(_TMP) and tail[len(_TMP):].split("/")[0] in TMP_INSTRUCTIONS:
                 continue
             hits[m.start()] = tail
     return [hits[k] for k in sorted(hits)]
@@ -74,14 +83,19 @@ def _tracked_files() -> list[str]:
 
 
 def test_checker_finds_planted_paths():
+    meas, cache = _abs("work", "meas", "runs", "real"), _abs("root", ".cache", "meshkern", "base-v1")
+    readme, scratch = _abs("home", "alice", "meshkern", "README.md"), _abs("tmp", "long_runs")
+    pytest_tmp = _abs("tmp", "pytest-of-root", "pytest-3", "x")
+    pip = _abs("home", "bob", ".pyenv", "versions", "3.11", "bin", "pip")
+    torch_dir = _abs("usr", "local", "lib", "python3.11", "site-packages", "torch")
     planted = {
-        "--run.out-dir /work/meas/runs/real": "/work/meas/runs/real",
-        '"model": "/root/.cache/meshkern/base-v1",': "/root/.cache/meshkern/base-v1",
-        "see /home/alice/meshkern/README.md": "/home/alice/meshkern/README.md",
-        "--work /tmp/long_runs": "/tmp/long_runs",
-        "argv: ['/tmp/pytest-of-root/pytest-3/x']": "/tmp/pytest-of-root/pytest-3/x",
-        "pip: /home/bob/.pyenv/versions/3.11/bin/pip": "/home/bob/.pyenv/versions/3.11/bin/pip",
-        "at /usr/local/lib/python3.11/site-packages/torch": "/usr/local/lib/python3.11/site-packages/torch",
+        f"--run.out-dir {meas}": meas,
+        f'"model": "{cache}",': cache,
+        f"see {readme}": readme,
+        f"--work {scratch}": scratch,
+        f"argv: ['{pytest_tmp}']": pytest_tmp,
+        f"pip: {pip}": pip,
+        f"at {torch_dir}": torch_dir,
     }
     for line, path in planted.items():
         assert path in machine_paths(line), line
@@ -97,8 +111,8 @@ def test_checker_leaves_generic_paths_alone():
         "/usr/bin/time -v python -m orchestration.train",
         "text under /usr/share/doc and man pages",
         "https://github.com/someone/work/tree/main and runs/work/x",
-        "python -m orchestration.experiments --quick --out /tmp/x",
-        "c++ -O2 bench/mask_select_profile.cpp -o /tmp/mask_select_profile && /tmp/mask_select_profile",
+        f"python -m orchestration.experiments --quick --out {_abs('tmp', 'x')}",
+        f"c++ -O2 bench/mask_select_profile.cpp -o {_TMP}mask_select_profile && {_TMP}mask_select_profile",
         ". .venv/bin/activate",
     ]
     for line in fine:
