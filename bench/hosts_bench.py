@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     import signal
 
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # a kill unwinds: the namespaces are deleted
-    from orchestration.hosts import available
+    from orchestration.hosts import available, rate_bps
 
     if (why := available()) is not None:
         print(f"error: cannot build hosts here: {why}", file=sys.stderr)
@@ -154,11 +154,11 @@ def main(argv: list[str] | None = None) -> int:
         a.model = default_base_model()
     rule = {}
     if a.rate:
-        m = re.fullmatch(r"([0-9.]+)\s*([kmg]?)bit", a.rate.lower())
-        if not m:
+        try:
+            rate = rate_bps(a.rate)
+        except ValueError:
             print(f"error: --rate {a.rate!r}: like 500kbit or 2mbit", file=sys.stderr)
             return 2
-        rate = float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)]
     else:
         rate, rule = scaled_rate(a.model, a.batch, a.seq_len, a.gpu_flops, a.gpu_link)
     with tempfile.TemporaryDirectory(prefix="hosts-bench-") as tmp:

@@ -19,7 +19,7 @@ import argparse
 import json
 import sys
 
-from orchestration.hosts import Hosts, available
+from orchestration.hosts import Hosts, available, rate_bps
 
 SINK = r'''
 import socket, sys, threading
@@ -60,14 +60,6 @@ if rank == 0:
     print("RESULT " + json.dumps(out), flush=True)
 dist.destroy_process_group()
 '''
-
-
-def rate_bps(rate: str) -> float:
-    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
-    for u, k in units.items():
-        if rate.endswith(u):
-            return float(rate[: -len(u)]) * k
-    raise ValueError(f"--rate {rate!r}: give it as tc does, e.g. 500kbit or 2mbit")
 
 
 def main(argv: list[str] | None = None) -> int:

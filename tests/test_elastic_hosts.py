@@ -84,16 +84,7 @@ def _records(h: Hosts) -> dict:
 
 def _wait(pred, procs, what: str, budget: float = BUDGET_S):
     """``pred()``'s first true value; fails naming ``what`` if a process in ``procs`` ends first."""
-    deadline = time.monotonic() + budget
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        for p in procs:
-            if p.done:
-                raise AssertionError(f"host {p.host} exited (rc {p.returncode}) before: {what}\n{p.tail(40)}")
-        time.sleep(0.2)  # polling the event files; every condition is a recorded event
-    raise AssertionError(f"timed out waiting for: {what}")
+    return Hosts.wait_until(pred, procs, what, budget)
 
 
 def _committed(recs, replica, stage=0, **match):

@@ -55,6 +55,14 @@ def test_link_down_is_silence_and_up_restores_it(tmp_path):
         assert h.transfer(1, 0, 1 << 19) > 0.6 * 8e6
 
 
+def test_rate_bps_reads_rates_as_tc_writes_them():
+    from orchestration.hosts import rate_bps
+
+    assert [rate_bps(r) for r in ("500kbit", "2mbit", "200Mbit", "1gbit", "9600bit")] == [5e5, 2e6, 2e8, 1e9, 9600.0]
+    with pytest.raises(ValueError, match="like 500kbit"):
+        rate_bps("5mb")
+
+
 def test_a_failed_build_leaves_nothing(tmp_path, monkeypatch):
     """A harness whose topology fails half way deletes what it made."""
     from orchestration.hosts import netns

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import time
 
 import pytest
 
@@ -46,16 +45,7 @@ def _records(h: Hosts) -> list[dict]:
 def _wait_record(h: Hosts, pred, procs, what: str, budget: float = 600.0) -> dict:
     """The first record of host 0's metrics.jsonl that ``pred`` accepts (fails if a process
     in ``procs`` ends first)."""
-    deadline = time.monotonic() + budget
-    while time.monotonic() < deadline:
-        got = [r for r in _records(h) if pred(r)]
-        if got:
-            return got[0]
-        for p in procs:
-            if p.done:
-                raise AssertionError(f"host {p.host} exited (rc {p.returncode}) before: {what}\n{p.tail(40)}")
-        time.sleep(0.2)  # polling the metrics file: each condition is a recorded step
-    raise AssertionError(f"timed out waiting for: {what}")
+    return h.wait_until(lambda: next((r for r in _records(h) if pred(r)), None), procs, what, budget)
 
 
 @pytest.mark.slow

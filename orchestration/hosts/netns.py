@@ -47,6 +47,15 @@ _AVAILABLE: list = []
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def rate_bps(rate: str) -> float:
+    """A link rate as tc writes it (``500kbit``, ``2mbit``, ``1gbit``) in bit/s; ValueError
+    naming the form otherwise."""
+    m = re.fullmatch(r"([0-9.]+)\s*([kmg]?)bit", rate.strip().lower())
+    if not m:
+        raise ValueError(f"rate {rate!r}: give it as tc does, like 500kbit or 2mbit")
+    return float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)]
+
+
 class HostsError(RuntimeError):
     """A namespace command that failed (the message holds the command and its stderr)."""
 
@@ -308,6 +317,24 @@ class Hosts:
                 os.kill(int(pid), signal.SIGKILL)
             except (ProcessLookupError, ValueError):
                 pass
+
+    @staticmethod
+    def wait_until(pred, procs: list[Proc], what: str, timeout: float, poll_s: float = 0.2):
+        """``pred()``'s first true value, polled every ``poll_s`` s (a condition on files the
+        hosts write: event records, metrics); HostsError naming ``what`` if a process in
+        ``procs`` exits first, TimeoutError after ``timeout`` s."""
+        deadline = time.monotonic() + timeout
+        while True:
+            got = pred()
+            if got:
+                return got
+            for p in procs:
+                if p.done:
+                    raise HostsError(f"host {p.host} exited (code {p.returncode}) before: {what}; its last "
+                                     f"lines:\n{p.tail(40)}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"timed out after {timeout:.0f} s waiting for: {what}")
+            time.sleep(poll_s)  # the hosts write files, which announce nothing: polled
 
     def stop_training(self, i: int, sig: int = signal.SIGINT) -> list[int]:
         """Sends ``sig`` to host ``i``'s training processes (``orchestration.train`` ranks,
