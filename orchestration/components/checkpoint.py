@@ -33,7 +33,9 @@ share a disk. Each disk keeps its own ranks' rank files, published there by its 
 as a checkpoint of its own (meta.json over those files, with "disk": its ranks, whether it
 holds the model); the model shards (or adapters) of stages on other disks travel to the
 leader over the fast group (counted as "export" bytes) and the leader's disk holds the
-whole model as above. A resume on the same hosts reads each host's own disk. With one disk
+whole model as above, and (--checkpoint.leader-copy) a copy of every other disk's rank
+files, from which a host replaced with an empty disk resumes (checkpoint_hosts.resume_state).
+A resume on the same hosts reads each host's own disk. With one disk
 for all (one machine, a shared filesystem) nothing travels and nothing changes. On a fixed
 mesh the model's shards travel in the background (checkpoint_export): every disk's state
 is published during the save as always, the leader's model lands later and is published
@@ -111,6 +113,15 @@ def write_adapter_shard(tmp: str, tensors: dict, stage: int, num_stages: int) ->
     write_bytes(os.path.join(tmp, fname), data)
 
 
+def state_bytes_estimate(stage) -> int:
+    """About the bytes of a rank file: its stage's weights and, for Adam, two fp32 moments
+    of each trainable one (DiLoCo's outer copy and momentum adds up to two more): sizes the
+    export's timeout only."""
+    weights = sum(p.numel() * p.element_size() for p in stage.parameters())
+    trainable = sum(p.numel() for p in stage.parameters() if p.requires_grad)
+    return weights + 4 * 4 * trainable + (1 << 20)
+
+
 def write_rank_state(tmp: str, rank: int, state: dict) -> None:
     path = os.path.join(tmp, f"rank_{rank:05d}.pt")
     torch.save(state, path + ".part")
@@ -179,10 +190,12 @@ def set_latest(root: str, path: str) -> None:
 
 def _prune(root: str, keep: int, protect: set) -> None:
     """Deletes all but the ``keep`` newest complete checkpoints (by step), never those
-    named in ``protect`` (the one just written, which ``latest`` names, and the ones above)."""
+    named in ``protect`` (the one just written, which ``latest`` names, and the ones above),
+    which are kept besides them: an older checkpoint kept for its model (the newest whose
+    model landed) must not cost a newer one its place (a resume from it on every disk)."""
     done = [d for d in os.listdir(root) if d.startswith("step_") and not d.endswith(".tmp") and d[5:].isdigit()]
     done.sort(key=lambda d: int(d[5:]))
-    for d in [d for d in done if d not in protect][:max(0, len(done) - keep)]:
+    for d in [d for d in done[:max(0, len(done) - keep)] if d not in protect]:
         shutil.rmtree(os.path.join(root, d), ignore_errors=True)
 
 
@@ -221,7 +234,8 @@ class Checkpointer:
             shard = mesh.row == 0
             tensors = (self._adapters.tensors() if self._adapters is not None else stage.hf_state_dict()) if shard else {}
             self.export = ModelExport.create(cfg, plan, mesh, stage.index if shard else -1,
-                                             sum(t.numel() * t.element_size() for t in tensors.values()))
+                                             sum(t.numel() * t.element_size() for t in tensors.values()),
+                                             self.state_rank, state_bytes_estimate(stage))
 
     @property
     def _adapters(self):
@@ -269,6 +283,7 @@ class Checkpointer:
         adapters = self._adapters
         shard = mesh.row == 0 or mesh.elastic  # elastic: only the leader replica saves, all of it
         view = hosts.disk_view(tmp, mesh.fast, mesh.device, self.stage.index if shard else -1)
+        data = None  # this rank's shard, when it travels to the leader
         if shard and view.on_leader_disk and send_model:
             if adapters is not None:
                 write_adapter_shard(tmp, adapters.tensors(), self.stage.index, y0)
@@ -277,19 +292,26 @@ class Checkpointer:
         elif shard and send_model:  # the leader's disk is not ours: the shard travels (counted as "export")
             fname, data = (adapter_shard(adapters.tensors(), self.stage.index, y0) if adapters is not None
                            else stage_shard(self.stage, y0, untied=self.untied_embeddings))
-            if exp is not None:
-                exp.send(step, self.stage.index, data)
-                n = len(data) + hosts.HEAD_BYTES
-            else:
-                n = hosts.send_file(data, 0, mesh.fast, mesh.device)
-            if self.parts.get("counter") is not None:
-                self.parts["counter"].add("export", mesh.rank, dist.get_global_rank(mesh.fast, 0), n)
+            # counted now, so that this step's rank file holds it (the background path's too)
+            self._count_export(hosts.send_file(data, 0, mesh.fast, mesh.device) if exp is None
+                               else len(data) + hosts.HEAD_BYTES)
         name_of = adapter_shard_name if adapters is not None else shard_name
         if view.me == 0 and exp is None:
             hosts.recv_shards(view, tmp, name_of, y0, mesh)
-        state = {"step": step}
+        sending = exp is not None and exp.member and not exp.leader and send_model  # in the background
+        copying = sending and cfg.checkpoint.leader_copy
+        # the rank file cannot hold its own size: its copy's bytes are counted after it is written, and again
+        # at a resume from it ("export_copy", load)
+        state = {"step": step, "export_copy": copying}
         state.update({k: None if v is None else v.state_dict() for k, v in self.parts.items()})
         write_rank_state(tmp, self.state_rank, state)
+        if sending:
+            copy = None
+            if copying:
+                with open(os.path.join(tmp, f"rank_{self.state_rank:05d}.pt"), "rb") as f:
+                    copy = f.read()
+                self._count_export(len(copy) + hosts.HEAD_BYTES)
+            exp.send(step, self.stage.index, data, copy)
         dist.barrier(group=mesh.fast)
         final = step_dir(root, step)
         if view.publisher:  # the leader (rank 0 / elastic stage 0), and the first rank of every other disk
@@ -318,6 +340,10 @@ class Checkpointer:
             check_failures(exp, mesh)
         return final
 
+    def _count_export(self, n: int) -> None:
+        if self.parts.get("counter") is not None:
+            self.parts["counter"].add("export", self.mesh.rank, dist.get_global_rank(self.mesh.fast, 0), n)
+
     def close(self) -> None:
         """Waits until this rank's part of a model on its way is done (a run that stops
         between checkpoints leaves a complete model: call before the process group goes)."""
@@ -330,10 +356,11 @@ class Checkpointer:
         publications, or a divergence rolled back only the leader's) all load the oldest
         of their steps, which every disk must still hold."""
         st = None if is_no_local(path) else load_rank_state(path, self.state_rank)
-        if not self.mesh.elastic:
-            hosts.check_every_host_has_one(st, path, self.mesh, self.plan.ckpt_dir, self.state_rank)
-            st = hosts.agree_step(path, st, self.mesh, self.state_rank)
+        if not self.mesh.elastic:  # a host with an empty disk gets its state from the leader's copy
+            st = hosts.resume_state(st, path, self.mesh, self.plan.ckpt_dir, self.state_rank, self.cfg.mesh.timeout_s)
         for name, part in self.parts.items():
             if part is not None and st.get(name) is not None:
                 part.load_state_dict(st[name])
+        if st.get("export_copy"):  # that save's copy of this rank file went to the leader (save)
+            self._count_export(st["_file_bytes"] + hosts.HEAD_BYTES)
         return int(st["step"])

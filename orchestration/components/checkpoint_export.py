@@ -1,8 +1,13 @@
-"""The user-facing model assembled on the leader in the background (issue 40).
+"""The user-facing model, and the leader's copy of every rank's state, assembled on the
+leader in the background (issue 40).
 
 A fixed mesh whose replica-0 stages are on other disks than the leader's (global rank 0)
 sends those stages' model shards (or LoRA adapters) to the leader at every checkpoint
-(orchestration.components.checkpoint_hosts). A full model's stage over a home uplink takes
+(orchestration.components.checkpoint_hosts). With --checkpoint.leader-copy (the default)
+every rank on another disk also sends its rank file (its weights, optimizer and counters:
+for Adam about three times its stage's weights; LoRA's are small), after its shard, so the
+leader's checkpoint holds every rank's state and a host replaced with an empty disk resumes
+from it (checkpoint_hosts.resume_state). A full model's stage over a home uplink takes
 minutes; the training must not wait for it. So, when the disks differ:
 
   * at init, every fast rank probes the checkpoint directory (``disk_view``) and, if some
@@ -81,7 +86,7 @@ class ModelExport:
     """One fast rank's part of the background assembly (module doc): the leader receives,
     a sending rank sends, every fast rank takes part in the collective decisions."""
 
-    def __init__(self, group, leader: bool, senders: list[tuple[int, int]], timeout_s: float, rate_bps: float = 0.0):
+    def __init__(self, group, leader: bool, senders: list[tuple[int, int, int]], timeout_s: float, rate_bps: float = 0.0):
         self.group, self.leader, self.senders, self.timeout_s = group, leader, senders, timeout_s
         self.rate_bps = rate_bps  # the senders' pace (EXPORT_SHARE of --run.bandwidth-bps)
         self.chunk = hosts.paced_chunk(rate_bps) if rate_bps else hosts.CHUNK
@@ -89,29 +94,44 @@ class ModelExport:
         self.step: int | None = None   # the step whose model is on its way (this rank's part of it)
         self.path = ""                 # leader: the directory it completes
         self.error = ""
+        self.state_ranks: list[int] = []  # leader, --checkpoint.leader-copy: every fast rank's state file it completes
 
     @classmethod
-    def create(cls, cfg, plan, mesh, shard_stage: int, shard_bytes: int) -> "ModelExport | None":
-        """Collective on mesh.fast at init: the export of a fixed mesh whose model shards
-        cross disks, else None (one disk, or every replica-0 stage on the leader's)."""
+    def create(cls, cfg, plan, mesh, shard_stage: int, shard_bytes: int, state_rank: int,
+               state_bytes: int) -> "ModelExport | None":
+        """Collective on mesh.fast at init: the export of a fixed mesh whose files cross
+        disks (replica 0's model shards; with --checkpoint.leader-copy every rank's state
+        file too), else None (one disk, or nothing off the leader's disk to send).
+        ``state_bytes``: an estimate of this rank's rank file (the export's timeout)."""
         os.makedirs(plan.ckpt_dir, exist_ok=True)
         view = hosts.disk_view(plan.ckpt_dir, mesh.fast, mesh.device, shard_stage)
-        remote = [r for r, s in enumerate(view.shard) if s >= 0 and not view.same_disk(0, r)]
+        copy = bool(cfg.checkpoint.leader_copy)
+        state_ranks = hosts.gather_ints(state_rank, mesh.fast, mesh.device)
+        remote = [r for r, s in enumerate(view.shard) if not view.same_disk(0, r) and (s >= 0 or copy)]
         if not remote:
             return None
-        nbytes = hosts.reduce_int(shard_bytes if view.me in remote else 0, mesh.fast, mesh.device, dist.ReduceOp.SUM)
+        mine = (shard_bytes if shard_stage >= 0 else 0) + (state_bytes if copy else 0)
+        nbytes = hosts.reduce_int(mine if view.me in remote else 0, mesh.fast, mesh.device, dist.ReduceOp.SUM)
         tmo = export_timeout_s(nbytes, cfg)
         members = [dist.get_global_rank(mesh.fast, r) for r in [0] + remote]
         group = dist.new_group(members, timeout=timedelta(seconds=tmo), backend="gloo")  # every fast rank enters it
         if view.me not in [0] + remote:
             return cls(None, False, [], tmo)
-        senders = [(dist.get_group_rank(group, dist.get_global_rank(mesh.fast, r)), view.shard[r]) for r in remote]
+        senders = [(dist.get_group_rank(group, dist.get_global_rank(mesh.fast, r)), view.shard[r],
+                    state_ranks[r] if copy else -1) for r in remote]
         if view.me == 0:
-            _say(f"the model's shards of stages {[s for _, s in senders]} ({_mib(nbytes)}) reach the leader in the "
-                 f"background at every checkpoint (their disks are not the leader's), paced at "
+            shards = [s for _, s, _ in senders if s >= 0]
+            what = [f"the model's shards of stages {shards}"] if shards else []
+            if copy:
+                what.append(f"the training state of ranks {[g for _, _, g in senders]} (--checkpoint.leader-copy: a "
+                            "host replaced with an empty disk resumes from it)")
+            _say(f"{' and '.join(what)} ({_mib(nbytes)}, estimated) reach the leader in the background at every "
+                 f"checkpoint (their disks are not the leader's), paced at "
                  f"{EXPORT_SHARE * cfg.run.bandwidth_bps / 1e6:g} Mbit/s ({EXPORT_SHARE:g} x --run.bandwidth-bps); "
                  f"transfer timeout {tmo:.0f} s")
-        return cls(group, view.me == 0, senders, tmo, EXPORT_SHARE * cfg.run.bandwidth_bps)
+        ex = cls(group, view.me == 0, senders, tmo, EXPORT_SHARE * cfg.run.bandwidth_bps)
+        ex.state_ranks = sorted(state_ranks) if copy else []
+        return ex
 
     @property
     def member(self) -> bool:
@@ -140,41 +160,54 @@ class ModelExport:
             print(f"error: [checkpoint] {self.error}", file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------------ a sending rank
-    def send(self, step: int, stage: int, data: bytes) -> None:
-        """Sends ``data`` (stage ``stage``'s shard file of ``step``) to the leader, in the background."""
+    def send(self, step: int, stage: int, shard: bytes | None, state: bytes | None) -> None:
+        """Sends this rank's files of ``step`` to the leader, in the background: ``shard``
+        (stage ``stage``'s model shard; None when this rank writes none) then ``state``
+        (its rank file, with --checkpoint.leader-copy), in the order ``receive`` expects."""
         self.step = step
-        _say(f"step {step}: sending stage {stage}'s model shard ({_mib(len(data))}) to the leader in the background")
-        self._run(self._send, step, stage, data)
+        what = ([f"stage {stage}'s model shard ({_mib(len(shard))})"] if shard is not None else []) + (
+            [f"its training state ({_mib(len(state))})"] if state is not None else [])
+        _say(f"step {step}: sending {' and '.join(what)} to the leader in the background")
+        self._run(self._send, step, [d for d in (shard, state) if d is not None], " and ".join(what))
 
-    def _send(self, step: int, stage: int, data: bytes) -> None:
+    def _send(self, step: int, files: list[bytes], what: str) -> None:
         t0 = time.perf_counter()
-        hosts.send_file(data, 0, self.group, CPU, chunk=self.chunk, rate_bps=self.rate_bps)
-        dt = time.perf_counter() - t0
-        _say(f"step {step}: stage {stage}'s model shard sent ({_mib(len(data))} in {dt:.1f} s)")
+        for data in files:
+            hosts.send_file(data, 0, self.group, CPU, chunk=self.chunk, rate_bps=self.rate_bps)
+        _say(f"step {step}: sent {what} in {time.perf_counter() - t0:.1f} s")
 
     # ------------------------------------------------------------------ the leader
     def receive(self, step: int, path: str, name_of, num_stages: int) -> None:
         """Receives every travelling shard into the published checkpoint ``path`` and
         completes its model (``complete_model``), in the background."""
         self.step, self.path = step, path
-        _say(f"step {step}: state published; the model's shards of stages {[s for _, s in self.senders]} are on "
-             "their way (training goes on)")
+        shards, states = [s for _, s, _ in self.senders if s >= 0], [g for _, _, g in self.senders if g >= 0]
+        what = ([f"the model's shards of stages {shards}"] if shards else []) + (
+            [f"the state of ranks {states}"] if states else [])
+        _say(f"step {step}: state published; {' and '.join(what)} are on their way (training goes on)")
         self._run(self._receive, step, path, name_of, num_stages)
 
     def _receive(self, step: int, path: str, name_of, num_stages: int) -> None:
         t0, n = time.perf_counter(), 0
-        for src, stage in self.senders:
-            n += hosts.recv_file(os.path.join(path, name_of(stage, num_stages)), src, self.group, CPU, chunk=self.chunk)
+        for src, stage, state_rank in self.senders:
+            if stage >= 0:
+                n += hosts.recv_file(os.path.join(path, name_of(stage, num_stages)), src, self.group, CPU,
+                                     chunk=self.chunk)
+            if state_rank >= 0:
+                n += hosts.recv_file(os.path.join(path, f"rank_{state_rank:05d}.pt"), src, self.group, CPU,
+                                     chunk=self.chunk)
         dt = time.perf_counter() - t0
-        complete_model(path, num_stages, {"bytes": n, "seconds": round(dt, 3)})
+        complete_model(path, num_stages, {"bytes": n, "seconds": round(dt, 3)}, self.state_ranks)
         _say(f"step {step}: the model landed ({_mib(n)} in {dt:.1f} s, {8 * n / max(dt, 1e-9) / 1e6:.2f} Mbit/s) and "
              f"is published in {path}")
 
 
-def complete_model(path: str, num_stages: int, transfer: dict) -> None:
+def complete_model(path: str, num_stages: int, transfer: dict, state_ranks: list[int] = ()) -> None:
     """The leader, once every shard of published checkpoint ``path`` is there: the index
     (LoRA: the PEFT folder), then meta.json listing every file with ``"model": True``
-    (replaced atomically, last); LoRA's per-stage shards go after that."""
+    and, with the leader's copy, ``"ranks"``: ``state_ranks`` (every rank's state file is
+    there: checkpoint_hosts.newest_copy) (replaced atomically, last); LoRA's per-stage
+    shards go after that."""
     with open(os.path.join(path, "meta.json")) as f:
         meta = json.load(f)
     gone = []
@@ -191,6 +224,8 @@ def complete_model(path: str, num_stages: int, transfer: dict) -> None:
         fsync_file(p)
         files[name] = {"sha256": sha256_file(p), "size": os.path.getsize(p)}
     disk = {k: v for k, v in meta["disk"].items() if k not in ("pending", "skipped")}
+    if state_ranks:
+        disk["ranks"] = sorted(set(disk["ranks"]) | set(state_ranks))
     meta.update(files=files, disk=dict(disk, model=True, export=transfer))
     write_json_atomic(os.path.join(path, "meta.json"), meta)
     fsync_dir(path)

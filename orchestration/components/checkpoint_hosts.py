@@ -22,7 +22,12 @@ What goes where:
     torch.distributed send/recv on the fast group, in chunks of ``CHUNK`` bytes (no pickle:
     the leader writes the bytes and checks the hash; safetensors parses them later). The
     sender counts them on the LinkCounter's "export" axis. With a shared disk nothing is
-    sent (0 export bytes).
+    sent (0 export bytes);
+  * with --checkpoint.leader-copy (a fixed mesh; the default) every rank on another disk
+    also sends its rank file the same way, so the leader's checkpoint holds every rank's
+    state; a host whose disk is empty at a resume gets its file back from it
+    (``resume_state``, ``heal_from_leader``), sha256-checked and read with
+    torch.load(weights_only=True) like any rank file: tensors and plain values only.
 
 When it is sent: at every checkpoint; in the background on a fixed mesh
 (orchestration.components.checkpoint_export: the training does not wait for it), during the
@@ -42,11 +47,13 @@ import hashlib
 import os
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from orchestration.components.checkpoint_read import CheckpointError, load_rank_state, newest_model, step_dir, verify
+from orchestration.components.checkpoint_read import (CheckpointError, _step_dirs, load_rank_state, newest_model, read_meta,
+                                                       step_dir, verify)
 
 CHUNK = 4 << 20  # bytes per send: one op stays short on a slow link (the gloo timeout is per op)
 HEAD_BYTES = 40  # what send_file adds to a file's bytes: its size (8) and sha256 (32)
@@ -189,6 +196,13 @@ def recv_file(path: str, src: int, group, device, *, chunk: int = 0) -> int:
     return len(head) + size
 
 
+def gather_ints(value: int, group, device) -> list[int]:
+    """Every rank's ``value`` on ``group``, by group rank (every rank calls it)."""
+    out = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, _tensor([value], device), group=group)
+    return [int(t.item()) for t in out]
+
+
 def reduce_int(value: int, group, device, op) -> int:
     """``value`` reduced with ``op`` over ``group`` (every rank calls it)."""
     t = _tensor([value], device)
@@ -230,51 +244,140 @@ def agree_step(path: str, st: dict, mesh, state_rank: int) -> dict:
     return st
 
 
-_NAME = 48  # bytes of a host name gathered for check_every_host_has_one
+_NAME = 48  # bytes of a host name gathered for resume_state
 
 
-def check_every_host_has_one(st: dict | None, path: str, mesh, ckpt_dir: str, state_rank: int) -> None:
-    """Collective on the fast group at a resume, before anything is loaded: CheckpointError
-    on every rank (within seconds of the rendezvous, never a wait until a timeout) if any
-    rank found no checkpoint on its disk (``st`` None: a replaced host with an empty disk,
-    orchestration.launch.prepare), naming each such rank, its host (torchrun's node rank
-    and host name) and what to copy there; or where the leader's disk has the newest
-    whole model, to start a new run from when that host's disk is gone. The fixed mesh
-    keeps each rank's optimizer state on its own disk only: nothing else holds it."""
+def resume_state(st: dict | None, path: str, mesh, ckpt_dir: str, state_rank: int, timeout_s: float) -> dict:
+    """Collective on the fast group at a resume, before anything is loaded: the rank state
+    every rank loads. Each host read its own ``latest`` (``path``; ``st`` None: a replaced
+    host with an empty disk, orchestration.launch.prepare). If every rank has one, the
+    step they agree on (``agree_step``). If some have none, the leader's disk holds every
+    rank's state where --checkpoint.leader-copy sent it (checkpoint_export): every rank
+    resumes from the newest such step, and the ranks that lack it on their own disk get
+    their file from the leader (``heal_from_leader``). Otherwise CheckpointError on every
+    rank (within seconds of the rendezvous, never a wait until a timeout) naming each rank
+    without a checkpoint, its host (torchrun's node rank and host name) and what to copy
+    there; or where the leader's disk has the newest whole model, to start a new run from
+    when that host's disk is gone."""
     import socket
 
-    newest = newest_model_step(ckpt_dir) if mesh.rank == 0 and st is not None else -1
+    leader = mesh.rank == 0 and st is not None
+    newest, copied = (newest_model_step(ckpt_dir), newest_copy_step(ckpt_dir)) if leader else (-1, -1)
     name = socket.gethostname().encode()[:_NAME].ljust(_NAME, b"\0")
     row = [int(st is None), -1 if st is None else int(st["step"]), int(os.environ.get("GROUP_RANK", "-1")),
-           newest, *name]
+           newest, copied, state_rank, *name]
     n = dist.get_world_size(mesh.fast)
     rows = [torch.zeros(len(row), dtype=torch.int64, device=mesh.device) for _ in range(n)]
     dist.all_gather(rows, _tensor(row, mesh.device), group=mesh.fast)
     table = [[int(v) for v in r.tolist()] for r in rows]
     missing = [r for r in range(n) if table[r][0]]
     if not missing:
-        return
+        return agree_step(path, st, mesh, state_rank)
     if len(missing) == n:
         raise CheckpointError(f"--checkpoint.resume latest: no host has a checkpoint in {ckpt_dir} (check --run.name "
                               "/ --checkpoint.dir, or start the run without --checkpoint.resume)")
+    if 0 not in missing and table[0][4] >= 0:
+        return heal_from_leader(st, table[0][4], [table[r][5] for r in range(n)], missing, mesh, ckpt_dir,
+                                state_rank, timeout_s)
     steps = sorted({table[r][1] for r in range(n) if r not in missing})
     who = []
     for r in missing:
         g = dist.get_global_rank(mesh.fast, r)
-        host = bytes(table[r][4:]).rstrip(b"\0").decode(errors="replace")
+        host = bytes(table[r][6:]).rstrip(b"\0").decode(errors="replace")
         node = f"torchrun --node-rank {table[r][2]}, " if table[r][2] >= 0 else ""
-        who.append(f"{mesh.describe(g)} on the host of {node}hostname {host!r} (it needs rank_{g:05d}.pt)")
+        who.append(f"{mesh.describe(g)} on the host of {node}hostname {host!r} (it needs rank_{table[r][5]:05d}.pt)")
     step = steps[0]
     msg = (f"cannot resume: {'; '.join(who)}: no checkpoint in {ckpt_dir} on that host (an empty disk: a replaced "
-           f"machine?), while the other hosts resume from step {'/'.join(map(str, steps))}. A rank's training state "
-           "(its stage's weights, optimizer and counters) is kept only on the disk of the host that ran it: copy "
-           f"{ckpt_dir}/{os.path.basename(step_dir(ckpt_dir, step))}/ and {ckpt_dir}/latest from that machine's old "
-           "disk to the same place on the new one and start it again")
+           f"machine?), while the other hosts resume from step {'/'.join(map(str, steps))}, and the leader's disk "
+           "holds no copy of every rank's state (--checkpoint.leader-copy was off, or no copy had landed yet). A "
+           "rank's training state (its stage's weights, optimizer and counters) is then kept only on the disk of the "
+           f"host that ran it: copy {ckpt_dir}/{os.path.basename(step_dir(ckpt_dir, step))}/ and {ckpt_dir}/latest "
+           "from that machine's old disk to the same place on the new one and start it again")
     if 0 not in missing and table[0][3] >= 0:
         msg += (f". If that disk is lost: the leader's disk (global rank 0's host) holds the whole model of step "
                 f"{table[0][3]} ({step_dir(ckpt_dir, table[0][3])}); start a new run from it with --model.path "
                 "pointing there (every rank's optimizer state starts afresh)")
     raise CheckpointError(msg)
+
+
+def heal_from_leader(st: dict | None, step: int, state_ranks: list[int], missing: list[int], mesh, ckpt_dir: str,
+                     state_rank: int, timeout_s: float) -> dict:
+    """Collective on the fast group (``resume_state``): every rank resumes from ``step``,
+    the newest checkpoint whose copy of every rank's state is on the leader's disk. A rank
+    loads it from its own disk if that holds it (verified), else the leader sends the
+    file (``send_file``: sha256-checked, loaded with weights_only) over a gloo group of
+    the fast ranks whose timeout allows 1 Mbit/s for every byte, so that ranks waiting
+    for another's transfer do not time out. Returns this rank's state of ``step``."""
+    me = dist.get_rank(mesh.fast)
+    src = step_dir(ckpt_dir, step)
+    mine = None
+    if st is not None and int(st["step"]) == step:
+        mine = st
+    elif me not in missing:
+        try:
+            verify(src)
+            mine = load_rank_state(src, state_rank)
+        except (CheckpointError, OSError):
+            mine = None  # pruned here (or corrupt): the leader's copy instead
+    need = gather_ints(int(mine is None), mesh.fast, mesh.device)
+    takers = [r for r in range(len(need)) if need[r]]
+    files = [os.path.join(src, f"rank_{state_ranks[r]:05d}.pt") for r in takers]
+    sizes = [os.path.getsize(f) for f in files] if me == 0 else [0] * len(takers)
+    total = reduce_int(sum(sizes), mesh.fast, mesh.device, dist.ReduceOp.SUM)
+    members = [dist.get_global_rank(mesh.fast, r) for r in range(len(need))]
+    group = dist.new_group(members, timeout=timedelta(seconds=timeout_s + 8.0 * total / 1e6), backend="gloo")
+    cpu, t0, moved = torch.device("cpu"), time.monotonic(), 0
+    if me == 0:
+        verify(src)  # the copy's files against the leader's meta.json, before any of them is sent
+    for r, f in zip(takers, files):
+        if me == 0:
+            with open(f, "rb") as fh:
+                moved += send_file(fh.read(), dist.get_group_rank(group, members[r]), group, cpu)
+        elif me == r:
+            part = os.path.join(ckpt_dir, f".from-leader-{os.path.basename(f)}")
+            os.makedirs(ckpt_dir, exist_ok=True)
+            recv_file(part, dist.get_group_rank(group, members[0]), group, cpu)
+            mine = torch.load(part, weights_only=True, map_location="cpu")
+            mine["_file_bytes"] = os.path.getsize(part)
+            os.remove(part)
+    dist.barrier(group=group)
+    dist.destroy_process_group(group)
+    if int(mine["step"]) != step:
+        raise CheckpointError(f"the leader's copy of rank {state_rank}'s state in {src} holds step {mine['step']}, "
+                              f"not {step}")
+    if me == 0:
+        lost = [dist.get_global_rank(mesh.fast, r) for r in missing]
+        print(f"warning: ranks {lost} had no checkpoint on their host's disk (a replaced machine?): every rank "
+              f"resumes from step {step}, the newest whose state the leader holds for all; the leader sent "
+              f"{len(takers)} rank file(s) ({moved / 2**20:.2f} MiB) in {time.monotonic() - t0:.1f} s", flush=True)
+    return mine
+
+
+def newest_copy_step(root: str) -> int:
+    """The step of the newest checkpoint under ``root`` (the leader's disk) that holds the
+    whole model and every fast rank's state (checkpoint_export's leader copy, or one
+    disk for all), verified; or -1."""
+    for d in _step_dirs(root):
+        try:
+            meta = read_meta(d)
+        except (OSError, ValueError):
+            continue
+        disk = meta.get("disk")
+        if disk and not (disk.get("model") and len(disk.get("ranks", ())) == meta_ranks(meta)):
+            continue
+        try:
+            verify(d)
+        except CheckpointError:
+            continue
+        return int(os.path.basename(d)[5:])
+    return -1
+
+
+def meta_ranks(meta: dict) -> int:
+    """How many fast ranks wrote the checkpoint of ``meta``: its replicas' stages."""
+    if meta.get("replicas"):
+        return sum(int(y) for y in meta["replicas"])
+    return meta["stages"] * (meta["rows"] - bool(meta.get("anchor")))  # before heterogeneous meshes
 
 
 def newest_model_step(root: str) -> int:

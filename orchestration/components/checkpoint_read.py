@@ -144,7 +144,9 @@ def load_rank_state(path: str, rank: int) -> dict:
     f = os.path.join(path, f"rank_{rank:05d}.pt")
     if not os.path.isfile(f):
         raise CheckpointError(f"checkpoint {path} has no state for rank {rank} ({os.path.basename(f)} is missing)")
-    return torch.load(f, weights_only=True, map_location="cpu")
+    st = torch.load(f, weights_only=True, map_location="cpu")
+    st["_file_bytes"] = os.path.getsize(f)  # what its copy to the leader cost (Checkpointer.load)
+    return st
 
 
 def _has_model(meta: dict) -> bool:

@@ -171,6 +171,10 @@ class CheckpointConfig:
     dir: str = _f("", "checkpoint directory (empty: RUN_DIR/checkpoints)")
     resume: str = _f("", "resume from: a checkpoint directory, or 'latest' (the newest in the checkpoint dir)")
     keep: int = _f(2, "complete checkpoints kept (older ones are deleted)")
+    leader_copy: bool = _f(True, "hosts with disks of their own: every rank's training state (weights, optimizer) also "
+                           "travels to the leader, in the background with the model, so that a host replaced with an "
+                           "empty disk resumes from the leader's copy (off: only the model travels; such a host is "
+                           "then refused, naming what to copy). Costs the rank files' bytes on the export axis")
 
 
 @dataclass
