@@ -1,4 +1,4 @@
-"""The commands the README and docs show work as written: every ``python -m MODULE`` they
+"""The commands the README, docs and the lab notebook show work as written: every ``python -m MODULE`` they
 name is a module that exists (or the page says which commit holds its code), and every
 command of the README's code blocks parses: the trainer's through its own parser and
 checks (``orchestration.config.parse_args``, what ``--print-config`` and a real run do
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), ROOT / "results" / "NOTEBOOK.md"]
 
 # "python -m x.y", "python3 -m x.y" and torchrun's "-m x.y" (after its own flags)
 _MODULE = re.compile(r"(?:\bpython3? -m|\btorchrun\b[^\n`]*?\s-m)\s+([A-Za-z_][\w.]*\w)")
