@@ -7,7 +7,7 @@ code books, packed into one bit stream per token.
     h_hat = decode_reference(wire, U, sd, bits, shape, dtype, mean=mean)
 
 Why: in the default codec (int4 on the top k = H/2 coordinates, the rest dropped) the
-dropped coordinates cost more than the int4 rounding of the kept ones (docs/results.md,
+dropped coordinates cost more than the int4 rounding of the kept ones (results/NOTEBOOK.md,
 "What pca loses"). Classic transform coding spends a fixed bit budget the other way:
 every coordinate gets bits in proportion to its log-variance (reverse water-filling), so
 the few high-variance coordinates get 4-6 bits and the long tail 1-2 bits instead of 0.

@@ -1,4 +1,5 @@
-"""Every relative markdown link in README.md and docs/**/*.md points to a path that exists
+"""Every relative markdown link in README.md, docs/**/*.md and results/**/*.md (the lab notebook,
+the generated tables) points to a path that exists
 (issue #38): a file that moved or was removed must take its links with it."""
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ def test_broken_link_is_found(tmp_path):
 
 
 def test_every_relative_doc_link_resolves():
-    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), *sorted((ROOT / "results").rglob("*.md"))]
     assert len(pages) > 5  # the docs are there to check
     bad = [f"{p.relative_to(ROOT)}: {link}" for p in pages for link in broken_links(p)]
     assert not bad, "broken relative links:\n" + "\n".join(bad)

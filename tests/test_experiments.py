@@ -181,7 +181,7 @@ def test_results_go_under_runs_by_default_and_into_docs_only_when_asked():
                                   os.path.join("runs", "experiments", "results", "figures"))
     a = experiments.build_parser().parse_args(["--docs"])
     experiments.output_dirs(a)
-    assert (a.out, a.figures) == (os.path.join("docs", "results"), os.path.join("docs", "figures"))
+    assert (a.out, a.figures) == ("results", os.path.join("results", "figures"))
     a = experiments.build_parser().parse_args(["--out", "x"])
     experiments.output_dirs(a)
     assert (a.out, a.figures) == ("x", os.path.join("x", "figures"))

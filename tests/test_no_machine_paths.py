@@ -106,7 +106,7 @@ def test_checker_finds_planted_paths():
 def test_checker_leaves_generic_paths_alone():
     fine = [
         "--run.out-dir runs/real-prose --model ~/.cache/meshkern/base-v1",
-        "$HOME/.cache/meshkern and <repo>/docs/results",
+        "$HOME/.cache/meshkern and <repo>/results",
         "/usr/bin/time -v python -m orchestration.train",
         "text under /usr/share/doc and man pages",
         "https://github.com/someone/work/tree/main and runs/work/x",

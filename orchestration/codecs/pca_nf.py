@@ -30,7 +30,7 @@ class PCANFCodec(PCABaseCodec):
     per token, and the basis keeps every coordinate that gets a bit (k <= H); the backward
     allocates the same bytes over the same k coordinates by the gradient std gsd. One fp16
     scale per token. ``calib_rows`` defaults to 64: the widths follow the calibrated
-    variances, and a 16-row basis overfits them (docs/codecs.md).
+    variances, and a 16-row basis overfits them (results/NOTEBOOK.md).
     Wire per direction, for a boundary tensor [..., T, H] (T' = T - 1 with sink, else T):
         codes [..., T', nbytes] uint8 and scales [..., T', 1] fp16, nbytes = nf_code_bytes;
         with sink first position 0: [..., H] int8 + [..., 1] fp32 scale.

@@ -1,7 +1,7 @@
 """``python -m orchestration.experiments``: the paper's table at small scale, measured.
 
     python -m orchestration.experiments                          # main rows, 3 seeds, into runs/experiments/
-    python -m orchestration.experiments --docs                   # the same, into the tracked docs/results, docs/figures
+    python -m orchestration.experiments --docs                   # the same, into the tracked results, results/figures
     python -m orchestration.experiments --rows baselines,ablations --seeds 0
     python -m orchestration.experiments --rows dense,m95 --quick --out /tmp/x   # tiny (tests)
     python -m orchestration.experiments --table-only              # rebuild table + plots
@@ -26,7 +26,7 @@ finished (``"complete": true``); a finished row is never run again (resumable: k
 and restart at will; a partial run directory is discarded and the row re-run). After
 the runs, ``OUT/table.md``, ``OUT/summary.csv`` and PNG plots in ``--figures`` (default
 ``OUT/figures``; OUT defaults to runs/experiments/results, and only ``--docs`` writes into
-the repository's tracked docs/results and docs/figures) are
+the repository's tracked results and results/figures) are
 rebuilt from every complete JSON in ``OUT/records`` whose settings match this
 invocation's (so several invocations with disjoint ``--rows`` can run side by side).
 

@@ -2,7 +2,7 @@
 orchestration.experiments).
 
     python -m orchestration.experiments                          # main rows, 3 seeds, into runs/experiments/
-    python -m orchestration.experiments --docs                   # the same, into the tracked docs/results, docs/figures
+    python -m orchestration.experiments --docs                   # the same, into the tracked results, results/figures
     python -m orchestration.experiments --rows baselines,ablations --seeds 0
     python -m orchestration.experiments --rows dense,m95 --quick --out /tmp/x   # tiny (tests)
     python -m orchestration.experiments --table-only              # rebuild table + plots
@@ -25,7 +25,7 @@ from orchestration.experiments.rows import DEFAULT, QUICK, RECORDS, ROW_BY_NAME,
 from orchestration.experiments.runner import run_row
 
 OUT_DEFAULT = os.path.join("runs", "experiments", "results")  # untracked: a run never edits the docs by accident
-DOCS_OUT, DOCS_FIGURES = os.path.join("docs", "results"), os.path.join("docs", "figures")
+DOCS_OUT, DOCS_FIGURES = "results", os.path.join("results", "figures")
 
 
 def build_parser() -> argparse.ArgumentParser:

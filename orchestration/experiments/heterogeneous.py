@@ -1,7 +1,7 @@
 """Selective vs compress-all on a heterogeneous mesh (issue #16's experiment):
 
-    python -m orchestration.experiments.heterogeneous --out docs/results/heterogeneous \
-        --figures docs/figures/heterogeneous
+    python -m orchestration.experiments.heterogeneous --out results/heterogeneous \
+        --figures results/figures/heterogeneous
 
 On one full replica beside two 2-stage pipeline replicas (``--replicas 1,2,2``, the default),
 SparseLoCo DiLoCo, continued pre-training of ``--model`` on ``--data``, for every seed:
