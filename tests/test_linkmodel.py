@@ -191,3 +191,23 @@ def test_model_step_diloco_fragments_must_fit_their_overlap_window():
     # window 2 of period 5: stall = (10 + 2*(6-7)) + 0 = 8 s per 5 steps
     m = model_step(sched, ct, mb, L, dp_fragments=2, dp_overlap_steps=2, anchor_down_bytes=[6 * ONE_S, 0], **kw)
     assert m.step_s == pytest.approx(8.0 + 8.0 / 5) and "downlink of stage 0" in m.limiting
+
+
+def test_model_run_takes_diloco_bytes_at_their_steady_rate():
+    """Under Streaming DiLoCo every record is taken with one fragment's sync in flight (its
+    bytes count once its collectives ran): each record of this history holds the syncs of the
+    steps before it. The model takes the rate between records, B per node and step, not the
+    last total over all steps (11/12 of it)."""
+    from types import SimpleNamespace
+
+    from orchestration.config import parse_args
+
+    cfg, _ = parse_args(["--preset", "dp", "--mesh.rows", "2", "--mesh.stages", "1", "--run.bandwidth-bps", "1e6"])
+    B = 125_000  # bytes each of the 2 nodes sends per sync: 1.0 s at 1 Mbit/s
+    hist = [{"step": k, "fwd_s": [0.01], "bwd_s": [0.02], "dp_bytes_by_stage": [2 * B * (k - 1)],
+             "bytes": {"anchor": 0}} for k in range(1, 13)]
+    from orchestration.distributed.linkmodel import model_run
+
+    m = model_run(cfg, SimpleNamespace(hidden_size=192), hist)
+    assert m.bytes["dp"] == pytest.approx(2 * B)
+    assert m.step_s == pytest.approx(1.0, rel=0.01)  # the sync's wire time, the compute hidden under it

@@ -385,10 +385,20 @@ def model_run(cfg, plan, history: list[dict]) -> StepModel | None:
     shape = (t.batch_size // t.microbatches, cfg.data.seq_len, plan.hidden_size)
     dtype = getattr(torch, cfg.model.dtype)
     msg = {"F": codec.wire_bytes(shape, dtype, "fwd"), "B": codec.wire_bytes(shape, dtype, "bwd")}
-    # Measured DP bytes each node sent per step (ring all-reduce), back to the payload.
-    n = history[-1]["step"]  # counters are cumulative since step 0 (restored on resume)
+    # Measured DP bytes each node sent per step (ring all-reduce), back to the payload. Counters
+    # are cumulative since step 0 (restored on resume). DP's is the steady rate between the first
+    # and the last record: under Streaming DiLoCo a fragment's sync is still in flight at each
+    # record (counted once its collectives ran), so the last record's total over all steps
+    # misses one sync: 1/12 of them in a 12-step run across hosts, where that was 8% of the gap.
+    n = history[-1]["step"]
     ring = 2.0 * (X - 1) / X if X > 1 else 1.0
-    dp_payload = [history[-1]["dp_bytes_by_stage"][s] / n / X / ring for s in range(Y)]
+    first, last = history[0], history[-1]
+    if last["step"] > first["step"]:
+        dp_step = [(last["dp_bytes_by_stage"][s] - first["dp_bytes_by_stage"][s]) / (last["step"] - first["step"])
+                   for s in range(Y)]
+    else:
+        dp_step = [last["dp_bytes_by_stage"][s] / n for s in range(Y)]
+    dp_payload = [b / X / ring for b in dp_step]
     anchor = history[-1]["bytes"]["anchor"] / n / max(1, X * Y)
     tied = history[-1]["bytes"].get("tied", 0) / n / X / 2  # per end node and step
     return model_step(make_schedule(t.schedule, Y, t.microbatches), compute, msg,
