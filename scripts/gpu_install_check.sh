@@ -5,7 +5,8 @@
 # outside the source tree and without a GPU, that `import meshkern` works and that every op
 # with a CUDA kernel (csrc/**/*.cu, the ATen CUDA registration in csrc/spectral/project.cpp)
 # or a Triton kernel (meshkern/triton_kernels/) reaches it on CUDA tensors, asking the
-# dispatcher and meshkern's backend choice (not the file list). Runs no kernel: no GPU needed.
+# dispatcher and meshkern's backend choice (not the file list), and that the extensions'
+# fat binaries hold code for every arch asked for. Runs no kernel: no GPU needed.
 #
 # DOWNLOADS SEVERAL GB (torch 2.13.0 + cu13 ~0.5 GB, its nvidia-*/cuda-toolkit libraries
 # ~2.5 GB more, triton, transformers, ...) and installs ~7 GB, compiles for minutes: NOT
@@ -138,6 +139,47 @@ for so in sorted(glob.glob(os.path.join(pkg, "_*_C*.so"))):
 fails = []
 if not all(loaded.values()):
     fails.append(f"extensions not loaded: {_backend._problems}")
+if set(info["cuda_groups"]) != {"mask", "spectral"}:
+    fails.append(f"cuda_groups {info['cuda_groups']}: want mask and spectral (the groups with .cu files)")
+
+def fatbin_archs(path):
+    """{(kind, sm)} of the CUDA fat binary in an extension (.nv_fatbin of the ELF): kind is
+    SASS (a cubin for that arch) or PTX (JIT-compiled by the driver on newer GPUs)."""
+    import struct
+    data = open(path, "rb").read()
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
+    secs = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
+    names = secs[shstrndx][4]
+    out = set()
+    for s in secs:
+        if data[names + s[0]:data.index(b"\0", names + s[0])] != b".nv_fatbin":
+            continue
+        p, stop = s[4], s[4] + s[5]
+        while p + 16 <= stop:  # fatbin headers (magic 0xBA55ED50), each followed by its entries
+            magic, _, hsize, fsize = struct.unpack_from("<IHHQ", data, p)
+            if magic != 0xBA55ED50:
+                p += 8
+                continue
+            q, end = p + hsize, p + hsize + fsize
+            while q < end:
+                kind, _, ehsize, padded = struct.unpack_from("<HHII", data, q)
+                out.add(({1: "PTX", 2: "SASS"}.get(kind, f"kind{kind}"), struct.unpack_from("<I", data, q + 28)[0]))
+                q += ehsize + padded
+            p = end
+    return out
+
+want = set()
+for a in os.environ["TORCH_CUDA_ARCH_LIST"].replace(" ", ";").split(";"):
+    if a:
+        sm = int(a.split("+")[0].replace(".", ""))
+        want |= {("SASS", sm)} | ({("PTX", sm)} if a.endswith("+PTX") else set())
+for group in info["cuda_groups"]:
+    so, = glob.glob(os.path.join(pkg, f"{_backend.GROUPS[group]}*.so"))
+    got = fatbin_archs(so)
+    print(f"  {os.path.basename(so)} device code: " + " ".join(f"{k.lower()}_{sm}" for k, sm in sorted(got)))
+    if not want <= got:
+        fails.append(f"{os.path.basename(so)} lacks {sorted(want - got)} of TORCH_CUDA_ARCH_LIST")
 
 # The CUDA kernels in C++: every m.impl inside a TORCH_LIBRARY_IMPL(meshkern_C, CUDA, m) block
 # of the sources (.cu kernels, and project.cpp's ATen/cuBLAS composition), which must equal
