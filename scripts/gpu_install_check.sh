@@ -8,9 +8,10 @@
 # dispatcher and meshkern's backend choice (not the file list), and that the extensions'
 # fat binaries hold code for every arch asked for. Runs no kernel: no GPU needed.
 #
-# DOWNLOADS SEVERAL GB (torch 2.13.0 + cu13 ~0.5 GB, its nvidia-*/cuda-toolkit libraries
-# ~2.5 GB more, triton, transformers, ...) and installs ~7 GB, compiles for minutes: NOT
-# part of .ci/run. Run it by hand before a release or when the CUDA build changes.
+# DOWNLOADS ~2.8 GB (torch 2.13.0 0.53 GB, its nvidia-* CUDA 13 libraries ~2 GB, triton 0.2 GB,
+# then ~50 MB of meshkern's dependencies), fills a ~5 GB venv, and compiles for 6-13 min on 2
+# cores: NOT part of .ci/run. Run it by hand before a release or when the CUDA build changes.
+# Figures of a run: docs/gpu-install.md.
 #
 #   scripts/gpu_install_check.sh
 #   VENV=~/gpuvenv TORCH_CUDA_ARCH_LIST="8.6" scripts/gpu_install_check.sh
@@ -106,7 +107,7 @@ T=$SECONDS
 logged "$WORK/wheel.log" "$VENV/bin/pip" wheel --no-build-isolation --no-deps -w "$WORK/dist" .
 BUILD_S=$((SECONDS - T))
 WHEEL="$(ls "$WORK"/dist/meshkern-*.whl)"
-WHEEL_FIG="$(basename "$WHEEL") $(du -k "$WHEEL" | awk '{printf "%.1f MB", $1 / 1024}')"
+WHEEL_FIG="$(basename "$WHEEL") $(stat -c %s "$WHEEL" | awk '{printf "%d bytes (%.1f MB)", $1, $1 / 1e6}')"
 say "built in $BUILD_S s: $WHEEL_FIG"
 T=$SECONDS
 # --- the install (reuses the objects the wheel step compiled in this tree) ---
