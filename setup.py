@@ -45,16 +45,20 @@ def _write_build_info(torch_version, groups, cuda_groups):
 
 
 def _torch_requirement():
-    """``torch==<the build's torch.__version__>`` (local label included: 2.13.0+cpu and
-    2.13.0+cu128 are different binaries) when extensions are built, else ``torch>=2.4``.
-    meshkern/_backend.py refuses an extension built for another torch, so a looser pin
-    would let pip install a torch (e.g. the newest CUDA one) under which every op silently
-    falls back to the pure-torch reference."""
+    """``torch==<the build torch's distribution version>`` when extensions are built, else
+    ``torch>=2.4``. meshkern/_backend.py refuses an extension built for another torch, so a
+    looser pin would let pip install a torch (e.g. the newest CUDA one) under which every op
+    silently falls back to the pure-torch reference.
+
+    The version pip knows (the dist-info's), not ``torch.__version__``: the local label is
+    kept where the wheel has one (the CPU wheel: 2.13.0+cpu in both), but PyPI's CUDA wheel
+    is 2.13.0 to pip and 2.13.0+cu130 to torch, and ``torch==2.13.0+cu130`` is not
+    satisfied by the torch that built the extension (pip then looks for it and fails)."""
     if os.environ.get("MESHKERN_NO_EXT") == "1":
         return "torch>=2.4"
-    import torch
+    from importlib.metadata import version
 
-    return f"torch=={torch.__version__}"
+    return f"torch=={version('torch')}"
 
 
 def _ext_modules():
