@@ -19,7 +19,7 @@ from orchestration.anchor.links import FAST, PREFIX, FastCircuitGone, is_store_e
 from orchestration.anchor.snapshot import SnapshotCoder
 from orchestration.anchor.wire import (CODE_DTYPES, F_DTYPE, F_KIND, F_LAYOUT, F_MAGIC, F_NUMEL, F_TRANSPORT,
                                        F_VERSION, HEADER_BYTES, HEADER_LEN, MAGIC, REQ, SNAP, STOP, Layout,
-                                       ProtocolError, eligible_params, header, recv, send)
+                                       ProtocolError, eligible_params, header, payload_timeout, recv, send)
 from orchestration.codecs import make_codec
 from orchestration.data.sampling import BatchSampler
 from orchestration.distributed.failures import is_peer_error
@@ -165,7 +165,7 @@ def run_anchor_rank(ctx) -> dict:
             got, rec["restored"] = load_state(path, run_id, layout, momentum, bool(plan.resume_from))
             k, want = got or 0, 0
         while True:
-            got = _pull_snapshot(mesh, links[0], want, params, coder, rec)
+            got = _pull_snapshot(mesh, links[0], want, params, coder, rec, cfg.mesh.timeout_s)
             if got is None:
                 rec["stopped"] = "the fast circuit finished"
                 break
@@ -227,7 +227,7 @@ def run_anchor_rank(ctx) -> dict:
     return rec
 
 
-def _pull_snapshot(mesh, link, want: int, params, coder: SnapshotCoder, rec) -> int | None:
+def _pull_snapshot(mesh, link, want: int, params, coder: SnapshotCoder, rec, timeout_s: float) -> int | None:
     """Loads the stage parameters of snapshot version >= ``want`` from fast replica 0
     (``link``, decoded by ``coder``), the same version on every anchor stage (agreed over
     the anchor row's world); None when the fast circuit ended."""
@@ -246,7 +246,8 @@ def _pull_snapshot(mesh, link, want: int, params, coder: SnapshotCoder, rec) -> 
                 if code not in CODE_DTYPES or not 0 < n <= 4 * coder.numel + 4096:
                     raise ProtocolError(f"anchor protocol: snapshot of {n} elements, dtype code {code}, from "
                                        f"replica 0; this stage has {coder.numel} parameters")
-                payload = recv(n, CODE_DTYPES[code], FAST, link)
+                size = n * torch.empty(0, dtype=CODE_DTYPES[code]).element_size()
+                payload = recv(n, CODE_DTYPES[code], FAST, link, payload_timeout(size, timeout_s))
                 rec["bytes_from_fast"] += payload.numel() * payload.element_size()
                 flat = coder.decode(int(h[F_TRANSPORT]), payload)
                 version = int(h[F_VERSION])

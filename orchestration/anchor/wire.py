@@ -180,7 +180,21 @@ def send(tensors, peer: int, pg) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def recv(numel: int, dtype, peer: int, pg) -> torch.Tensor:
+def recv(numel: int, dtype, peer: int, pg, timeout: timedelta = LINK_TIMEOUT) -> torch.Tensor:
+    """The next message from ``peer``: ``numel`` values of ``dtype``. ``timeout``: for a
+    payload whose header arrived (``payload_timeout``); the next message itself may take
+    any time (LINK_TIMEOUT)."""
     t = torch.empty(numel, dtype=dtype)
-    pg.recv([t], peer, TAG).wait(LINK_TIMEOUT)
+    pg.recv([t], peer, TAG).wait(timeout)
     return t
+
+
+PAYLOAD_FLOOR_BPS = 1e6  # the slowest link a payload's timeout allows for (as the checkpoint export's)
+
+
+def payload_timeout(nbytes: int, timeout_s: float) -> timedelta:
+    """How long the payload of a header that arrived may take: ``timeout_s`` (--mesh.timeout-s)
+    plus its bytes at PAYLOAD_FLOOR_BPS. A sender that died mid-payload (gloo does not always
+    wake a receive posted to a peer whose connection closed) is then a link failure, not a
+    wait of LINK_TIMEOUT."""
+    return timedelta(seconds=timeout_s + 8.0 * nbytes / PAYLOAD_FLOOR_BPS)
