@@ -343,3 +343,16 @@ def test_held_out_split_does_not_depend_on_the_training_seed(tiny, tmp_path):
     for key in ((1, 0), (7, 0)):
         assert torch.equal(plans[key].eval_rows, base.eval_rows) and torch.equal(plans[key].train_rows, base.train_rows)
     assert not torch.equal(plans[0, 1].eval_rows, base.eval_rows)
+
+
+def test_a_checkpoint_kept_for_its_model_does_not_take_a_newer_ones_place(tmp_path):
+    """Across hosts the leader keeps the newest checkpoint whose model landed (step 2) while a
+    later one's model was skipped (step 4): with --checkpoint.keep 2 the two newest (4, 6) stay
+    as well, so every disk still holds step 4 to resume from."""
+    root = tmp_path / "ck"
+    for step in (2, 4, 6):
+        (root / f"step_{step:08d}").mkdir(parents=True)
+    ckpt._prune(str(root), 2, {"step_00000006"}, {"step_00000002"})
+    assert sorted(os.listdir(root)) == ["step_00000002", "step_00000004", "step_00000006"]
+    ckpt._prune(str(root), 2, {"step_00000006"}, {"step_00000006"})  # the model is the one just written
+    assert sorted(os.listdir(root)) == ["step_00000004", "step_00000006"]

@@ -173,7 +173,7 @@ def finalize(root: str, tmp: str, step: int, meta: dict, model_dir: str | None, 
     fsync_dir(root)
     set_latest(root, final)
     newest = newest_model(root) if meta.get("disk") else None
-    _prune(root, keep, {os.path.basename(final), *protect, *([os.path.basename(newest)] if newest else [])})
+    _prune(root, keep, {os.path.basename(final)}, {*protect, *([os.path.basename(newest)] if newest else [])})
     return final
 
 
@@ -188,14 +188,17 @@ def set_latest(root: str, path: str) -> None:
     fsync_dir(root)
 
 
-def _prune(root: str, keep: int, protect: set) -> None:
+def _prune(root: str, keep: int, protect, extra=()) -> None:
     """Deletes all but the ``keep`` newest complete checkpoints (by step), never those
-    named in ``protect`` (the one just written, which ``latest`` names, and the ones above),
-    which are kept besides them: an older checkpoint kept for its model (the newest whose
-    model landed) must not cost a newer one its place (a resume from it on every disk)."""
+    named in ``protect`` (the one just written, which ``latest`` names: it counts among the
+    ``keep``) nor in ``extra`` (the newest whose model landed, one whose model is on its
+    way), which are kept besides them: an older checkpoint kept for its model must not cost
+    a newer one its place (a resume from it on every disk)."""
     done = [d for d in os.listdir(root) if d.startswith("step_") and not d.endswith(".tmp") and d[5:].isdigit()]
     done.sort(key=lambda d: int(d[5:]))
-    for d in [d for d in done[:max(0, len(done) - keep)] if d not in protect]:
+    protect = {protect} if isinstance(protect, str) else set(protect)
+    counted = [d for d in done if d not in set(extra) - protect]
+    for d in [d for d in counted if d not in protect][:max(0, len(counted) - keep)]:
         shutil.rmtree(os.path.join(root, d), ignore_errors=True)
 
 
