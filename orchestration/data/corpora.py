@@ -1,4 +1,4 @@
-"""Embedded corpora: text that every machine already has, in two domains.
+"""Embedded corpora: text that every machine already has, in three domains.
 
 The default task must run offline anywhere, and it must be a real *adaptation* task:
 the base model is pretrained on domain A and then adapted to domain B, whose text it
@@ -13,6 +13,12 @@ has not seen.
     Vim's help files.
   - ``python`` (domain B, source code): the Python standard library's ``.py`` files,
     without its test suites, ``encodings`` tables, ``site-packages`` or ``pydoc_data``.
+  - ``locales`` (a far domain, issue #43): glibc's locale definitions
+    (/usr/share/i18n/locales: month and day names, formats and character classes of ~300
+    locales, the text mostly as <Uxxxx> code points), where the system has them; else
+    CPython's single-byte code page tables (``encodings/*.py``). Structured data the base
+    model knows much less than code or prose: the largest dense gain of the candidates
+    measured (docs/far-domain.md).
 
 Selection is deterministic for a given set of installed files: candidates are ordered
 by a SHA-1 of their source-relative name (which spreads the picks over all packages
@@ -233,68 +239,33 @@ def _stdlib_sources() -> list[_Doc]:
     return docs
 
 
-# ------------------------------------------------------------------ far-domain candidates
-# (issue #43 item 1: measured by a short dense probe, only the winner stays)
-@functools.lru_cache(maxsize=None)
-def _man_pages_l10n() -> list[_Doc]:
-    """Man pages in languages other than English (/usr/share/man/<lang>/man{1,5,7,8})."""
-    docs, per_family = [], {}
-    pages = [p for lang in sorted(os.listdir("/usr/share/man")) if os.path.isdir(f"/usr/share/man/{lang}")
-             and not lang.startswith("man")
-             for section in ("man1", "man5", "man7", "man8")
-             for p in _files(f"/usr/share/man/{lang}/{section}")] if os.path.isdir("/usr/share/man") else []
-    for p in sorted(pages, key=lambda p: (_order(str(p.relative_to("/usr/share/man"))), str(p))):
-        lang = p.parent.parent.name
-        family = (lang, re.split(r"[_.\-]", p.name, maxsplit=1)[0])
-        per_family[family] = per_family.get(family, 0) + 1
-        if per_family[family] > MAN_PAGES_PER_FAMILY:
-            continue
-
-        def load(p=p):
-            src = _read(p)
-            return None if src is None or src.lstrip().startswith(".so ") else roff_to_text(src)
-        docs.append(_Doc(f"man-l10n/{lang}/{p.parent.name}/{p.name}", load))
-    return docs
+# Per-language definitions of glibc (month and day names, date and number formats, collation
+# and character classes, the text mostly written as <Uxxxx> code points): the domain issue #43's
+# probe measured farthest from SmolLM2-135M among local text (the largest dense gain, 0.50 in
+# 25 steps against python's 0.14; docs/far-domain.md).
+LOCALE_DIR = "/usr/share/i18n/locales"
 
 
-@functools.lru_cache(maxsize=None)
-def _c_headers() -> list[_Doc]:
+@functools.lru_cache(maxsize=None)  # the installed files do not change within a run
+def _locale_definitions() -> list[_Doc]:
+    return [_Doc(f"locale/{p.name}", (lambda p=p: _read(p))) for p in _files(LOCALE_DIR)]
+
+
+@functools.lru_cache(maxsize=None)  # the installed files do not change within a run
+def _charmap_tables() -> list[_Doc]:
+    """CPython's single-byte codec tables (``encodings/*.py`` with a ``decoding_table``:
+    every character of a code page with its Unicode name): the same kind of data as the
+    locale definitions, shipped with every CPython. Only where the system has no glibc
+    locale sources, so a machine that has them gets the domain the probe measured."""
+    if _locale_definitions():
+        return []
+    root = Path(sysconfig.get_paths()["stdlib"]) / "encodings"
     docs = []
-    for root in ("/usr/include", sysconfig.get_paths()["include"]):
-        for p in _files(root, (".h",)):
-            docs.append(_Doc(f"h/{Path(root).name}/{p.relative_to(root).as_posix()}", (lambda p=p: _read(p))))
+    for p in _files(str(root), (".py",)):
+        text = _read(p)
+        if text and "decoding_table = (" in text:
+            docs.append(_Doc(f"charmap/{p.name}", (lambda p=p: _read(p))))
     return docs
-
-
-@functools.lru_cache(maxsize=None)
-def _locale_defs() -> list[_Doc]:
-    return [_Doc(f"locale/{p.name}", (lambda p=p: _read(p))) for p in _files("/usr/share/i18n/locales")]
-
-
-@functools.lru_cache(maxsize=None)
-def _perl_modules() -> list[_Doc]:
-    docs = []
-    for d in sorted(glob.glob("/usr/share/perl/5*")) + ["/usr/share/perl5"]:
-        for p in _files(d, (".pm", ".pod", ".pl")):
-            docs.append(_Doc(f"perl/{p.relative_to(d).as_posix()}", (lambda p=p: _read(p))))
-    return docs
-
-
-@functools.lru_cache(maxsize=None)
-def _licences() -> list[_Doc]:
-    docs = [_Doc(f"lic/{p.name}", (lambda p=p: _read(p))) for p in _files("/usr/share/common-licenses")]
-    root = Path(sysconfig.get_paths()["stdlib"])
-    docs.append(_Doc("lic/python", lambda: _read(root / "LICENSE.txt")))
-    return docs
-
-
-CANDIDATES = {
-    "man-l10n": Domain("man-l10n", "non-English man pages", (_man_pages_l10n,)),
-    "c-headers": Domain("c-headers", "C headers", (_c_headers,)),
-    "locales": Domain("locales", "glibc locale definitions", (_locale_defs,)),
-    "perl": Domain("perl", "Perl modules and POD", (_perl_modules,)),
-    "licences": Domain("licences", "licence texts", (_licences,)),
-}
 
 
 DOMAINS: dict[str, Domain] = {
@@ -302,7 +273,8 @@ DOMAINS: dict[str, Domain] = {
                     (_pydoc_topics, _share_doc, _man_pages, _vim_help)),
     "python": Domain("python", "Python source code: the standard library (no tests)",
                      (_stdlib_sources,)),
-    **CANDIDATES,
+    "locales": Domain("locales", "locale data: glibc's locale definitions (CPython's code page tables where the "
+                      "system has none)", (_locale_definitions, _charmap_tables)),
 }
 
 
