@@ -64,6 +64,8 @@ def test_measure_scores_the_deployed_model_and_its_codec_as_the_evaluation_does(
         on = evaluation.codec_eval_loss(model, held, cfg, run_dir=d)["loss"]
     assert rec["loss"]["codec"] == pytest.approx(on, rel=1e-5)
     assert 0 <= rec["outside_energy"] <= 1 and set(rec["loss"]) >= {"span", "quant", "outside-1"}
+    (few,) = mismatch.measure(model, held, codec, {0: bases[L]}, 2, top=(1,), only=("codec",))
+    assert few["loss"] == {"deployed": rec["loss"]["deployed"], "codec": rec["loss"]["codec"]}
 
 
 def test_cli_names_a_directory_that_is_no_run(tmp_path, capsys):

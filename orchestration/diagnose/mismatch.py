@@ -1,6 +1,7 @@
 """Why a model trained through the pca codec scores worse without it (issue #43 item 2).
 
-    python -m orchestration.diagnose.mismatch RUN_DIR [--rows 32] [--steps 0,100,200] [--top 1,4,16] [--out FILE]
+    python -m orchestration.diagnose.mismatch RUN_DIR [--rows 32] [--steps 0,100,200] [--top 1,4,16]
+        [--variants codec,span] [--out FILE]
 
 The deployed model sees the boundary's hidden state ``h``; the run trained on the codec's
 ``h_hat``. For the base model (step 0) and the run's checkpoints, per stage boundary
@@ -100,8 +101,9 @@ def variants(codec, basis, h: torch.Tensor, key, top: tuple[int, ...], outside_d
 
 
 def measure(model, rows: torch.Tensor, codec, bases: dict, num_stages: int, layers_per_stage=None,
-            top: tuple[int, ...] = (1, 4, 16), chunk: int = 4) -> list[dict]:
-    """Per boundary: {variant: loss} (and the energy shares) for ``model`` on ``rows``."""
+            top: tuple[int, ...] = (1, 4, 16), chunk: int = 4, only: tuple[str, ...] = ()) -> list[dict]:
+    """Per boundary: {variant: loss} (and the energy shares) for ``model`` on ``rows``;
+    ``only``: these variants (and ``deployed``), not all."""
     from orchestration.distributed.stages import split_model
 
     stages = split_model(model, num_stages, layers_per_stage or None)
@@ -127,6 +129,8 @@ def measure(model, rows: torch.Tensor, codec, bases: dict, num_stages: int, laye
             ids = rows[i * chunk:(i + 1) * chunk]
             key = MaskKey(0, b, 0, 0)
             for name, h in variants(codec, basis, ins[b + 1].float(), key, top, outside_dirs).items():
+                if only and name != "deployed" and name not in only:
+                    continue
                 tot, n = _loss_from(stages, b, h.to(ins[b + 1].dtype), ids)
                 acc = sums.setdefault(name, [0.0, 0])
                 acc[0] += tot
@@ -141,7 +145,7 @@ def measure(model, rows: torch.Tensor, codec, bases: dict, num_stages: int, laye
 
 
 def measure_run(run_dir: str, rows: int = 32, steps: list[int] | None = None, top=(1, 4, 16),
-                progress=print) -> list[dict]:
+                progress=print, only: tuple[str, ...] = ()) -> list[dict]:
     from orchestration.config import parse_args
     from orchestration.launch.prepare import prepare
     from orchestration.models.loading import load_causal_lm
@@ -159,7 +163,7 @@ def measure_run(run_dir: str, rows: int = 32, steps: list[int] | None = None, to
         if steps is not None and step not in steps:
             continue
         model, _ = load_causal_lm(path, dtype=dtype)
-        for rec in measure(model, held, codec, bases, cfg.mesh.stages, cfg.mesh.layers_per_stage, top):
+        for rec in measure(model, held, codec, bases, cfg.mesh.stages, cfg.mesh.layers_per_stage, top, only=only):
             rec = {"step": step, "checkpoint": path, **rec}
             out.append(rec)
             progress(format_row(rec))
@@ -183,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, default=32, help="held-out rows scored (default 32, as the experiments)")
     ap.add_argument("--steps", default="", help="comma list of steps (default: 0 and every checkpoint)")
     ap.add_argument("--top", default="1,4,16", help="outside-j variants: comma list of j ('' for none)")
+    ap.add_argument("--variants", default="", help="comma list: score only these (and deployed), e.g. codec,span "
+                    "(default: all)")
     ap.add_argument("--out", default=None, help="JSONL output (default RUN_DIR/mismatch.jsonl)")
     a = ap.parse_args(argv)
     if not os.path.isfile(os.path.join(a.run_dir, "config.yaml")):
@@ -192,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     steps = [int(s) for s in a.steps.split(",") if s] or None
     top = tuple(int(s) for s in a.top.split(",") if s)
     try:
-        recs = measure_run(a.run_dir, a.rows, steps, top, progress=lambda s: print(s, flush=True))
+        recs = measure_run(a.run_dir, a.rows, steps, top, progress=lambda s: print(s, flush=True),
+                           only=tuple(v for v in a.variants.split(",") if v))
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
