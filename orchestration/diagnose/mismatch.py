@@ -1,7 +1,7 @@
 """Why a model trained through the pca codec scores worse without it (issue #43 item 2).
 
     python -m orchestration.diagnose.mismatch RUN_DIR [--rows 32] [--steps 0,100,200] [--top 1,4,16]
-        [--variants codec,span] [--out FILE]
+        [--variants codec,span] [--basis FILE] [--out FILE]
 
 The deployed model sees the boundary's hidden state ``h``; the run trained on the codec's
 ``h_hat``. For the base model (step 0) and the run's checkpoints, per stage boundary
@@ -145,7 +145,7 @@ def measure(model, rows: torch.Tensor, codec, bases: dict, num_stages: int, laye
 
 
 def measure_run(run_dir: str, rows: int = 32, steps: list[int] | None = None, top=(1, 4, 16),
-                progress=print, only: tuple[str, ...] = ()) -> list[dict]:
+                progress=print, only: tuple[str, ...] = (), basis_file: str | None = None) -> list[dict]:
     from orchestration.config import parse_args
     from orchestration.launch.prepare import prepare
     from orchestration.models.loading import load_causal_lm
@@ -153,10 +153,16 @@ def measure_run(run_dir: str, rows: int = 32, steps: list[int] | None = None, to
     cfg, _ = parse_args(["--config", os.path.join(run_dir, "config.yaml"), "--checkpoint.resume", ""])
     codec = codecs.codec_for(cfg.boundary)
     if not codec.needs_calibration:
-        raise ValueError(f"{run_dir}: mismatch is measured for a pca run (this one: {cfg.boundary.codec})")
+        if not basis_file:
+            raise ValueError(f"{run_dir}: not a pca run ({cfg.boundary.codec}): pass --basis (a pca run's pca_basis.pt)")
+        codec = codecs.make_codec("pca")
     plan = prepare(cfg, load_model=False)
     held = plan.eval_rows[:rows]
-    bases = calibration.load_split(run_dir, plan.num_layers, cfg.mesh.stages, cfg.mesh.layers_per_stage)
+    if basis_file:
+        layers = calibration.boundary_layers(plan.num_layers, cfg.mesh.stages, cfg.mesh.layers_per_stage)
+        bases = calibration.for_split(calibration.read(basis_file, layers), layers)
+    else:
+        bases = calibration.load_split(run_dir, plan.num_layers, cfg.mesh.stages, cfg.mesh.layers_per_stage)
     dtype = getattr(torch, cfg.model.dtype)
     out = []
     for step, path in [(0, plan.model_path)] + ckpt.complete_checkpoints(os.path.join(run_dir, "checkpoints")):
@@ -189,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top", default="1,4,16", help="outside-j variants: comma list of j ('' for none)")
     ap.add_argument("--variants", default="", help="comma list: score only these (and deployed), e.g. codec,span "
                     "(default: all)")
+    ap.add_argument("--basis", default=None, help="a pca_basis.pt to measure with instead of the run's own (a run of "
+                    "another codec, e.g. dense, needs one; it is measured with the default pca codec)")
     ap.add_argument("--out", default=None, help="JSONL output (default RUN_DIR/mismatch.jsonl)")
     a = ap.parse_args(argv)
     if not os.path.isfile(os.path.join(a.run_dir, "config.yaml")):
@@ -199,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     top = tuple(int(s) for s in a.top.split(",") if s)
     try:
         recs = measure_run(a.run_dir, a.rows, steps, top, progress=lambda s: print(s, flush=True),
-                           only=tuple(v for v in a.variants.split(",") if v))
+                           only=tuple(v for v in a.variants.split(",") if v), basis_file=a.basis)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
