@@ -170,7 +170,7 @@ def measure_run(run_dir: str, rows: int = 32, steps: list[int] | None = None, to
             continue
         model, _ = load_causal_lm(path, dtype=dtype)
         for rec in measure(model, held, codec, bases, cfg.mesh.stages, cfg.mesh.layers_per_stage, top, only=only):
-            rec = {"step": step, "checkpoint": path, **rec}
+            rec = {"step": step, "checkpoint": path if step else "(the base model)", **rec}  # (no machine path)
             out.append(rec)
             progress(format_row(rec))
         del model
