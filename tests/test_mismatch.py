@@ -27,11 +27,12 @@ def test_variants_split_the_codec_error_into_its_parts():
     d = {n: x - h for n, x in v.items()}
     assert torch.equal(v["deployed"], h)
     for n, x in d.items():  # position 0 (the sink) is exact but where the codec's int8 row is put back
-        if n not in ("codec", "quant", "sink"):
+        if n not in ("codec", "quant", "sink", "span+sink"):
             assert torch.equal(x[:, 0], torch.zeros_like(x[:, 0])), n
     # codec error = (span - h) + quantization error, the two orthogonal
     assert torch.allclose(d["codec"], d["span"] + d["quant"], atol=1e-4)
     assert torch.equal(d["sink"][:, 0], d["codec"][:, 0]) and not d["sink"][:, 1:].any()
+    assert torch.equal(v["span+sink"][:, 1:], v["span"][:, 1:]) and torch.equal(v["span+sink"][:, 0], v["codec"][:, 0])
     U = basis.U
     assert torch.allclose(d["span"][:, 1:] @ U, torch.zeros(8, 15, k), atol=1e-3)  # span drops only the outside
     assert torch.allclose(d["quant"][:, 1:] - (d["quant"][:, 1:] @ U) @ U.T, torch.zeros_like(h[:, 1:]), atol=1e-4)

@@ -14,6 +14,8 @@ The deployed model sees the boundary's hidden state ``h``; the run trained on th
     quant      h + (h_hat - span): the quantization error only (position 0's int8 included),
                the part of h outside the span kept
     sink       h with position 0 as the codec sends it (int8 over all H dims)
+    span+sink  both: the codec without its quantization of positions >= 1 (a transform a
+               deployed model could keep at no wire bytes)
     outside-j  h less the top-j principal directions of its part outside the span (fitted
                on these rows): does the mismatch live in a few directions?
     bits-w     h + U_w (c_hat_w - c_w): the quantization error of the coordinates that got
@@ -83,6 +85,9 @@ def variants(codec, basis, h: torch.Tensor, key, top: tuple[int, ...], outside_d
         sink = h.clone()
         sink[:, 0] = h_hat[:, 0]
         out["sink"] = sink
+        span_sink = span.clone()
+        span_sink[:, 0] = h_hat[:, 0]
+        out["span+sink"] = span_sink
     if outside_dirs is not None:
         r = (h[:, start:] - mean) - c @ U.T
         for j in top:
