@@ -285,3 +285,32 @@ def test_record_settings_name_the_model_from_home_not_this_machine():
     home_model = os.path.join(os.path.expanduser("~"), ".cache", "meshkern", "base-v1")
     assert Settings(model=home_model, data="corpus:python", **DEFAULT).key()["model"] == "~/.cache/meshkern/base-v1"
     assert Settings(model="/opt/models/x", data="corpus:python", **DEFAULT).key()["model"] == "/opt/models/x"
+
+
+def test_share_of_dense_gain_is_paired_by_seed_in_both_tables():
+    """Issue #43: the tables report the share of dense's gain (base - row) / (base - dense),
+    seed by seed at every evaluation and at the end, also for the codec-on loss."""
+    from orchestration.experiments.report import gain_share, make_curve_table, make_table
+
+    assert gain_share(2.1, 3.0, 2.0) == pytest.approx(0.9)
+    assert gain_share(2.5, 3.0, 3.0) != gain_share(2.5, 3.0, 3.0)  # NaN: dense gained nothing
+
+    def rec(seed, losses, codec_on=None):
+        c = [{"step": s, "loss": v} for s, v in losses.items()]
+        return {"seed": seed, "curve": c, "base_loss": c[0]["loss"], "final_loss": c[-1]["loss"],
+                "final_perplexity": 1.0, "bytes_per_token": dict.fromkeys(("pp_fwd", "pp_bwd", "dp", "anchor", "tied"), 0.0),
+                "bytes_per_token_total": 0.0, "hidden_size": 8, "modeled_tokens_per_s": 1.0,
+                "network_bound_tokens_per_s": 1.0, "codec_on_loss": codec_on}
+    by_row = {"dense": [rec(0, {0: 3.0, 10: 2.0}), rec(1, {0: 3.0, 10: 2.5})],
+              "a": [rec(0, {0: 3.0, 10: 2.2}, codec_on=2.1), rec(1, {0: 3.0, 10: 2.55}, codec_on=2.5)]}
+    s = rows.Settings(model="m", data="d", steps=10, fast_rows=1, stages=2, batch_size=1, microbatches=1,
+                      seq_len=8, eval_every=10, eval_sequences=1, prune=())
+    table = make_table(by_row, s).splitlines()
+    head = [c.strip() for c in table[0].split("|")]
+    a = [c.strip() for c in table[3].split("|")]
+    assert a[head.index("share of Dense's gain (paired)")] == "85.0 ± 7.1 %"  # 0.8 and 0.9
+    assert a[head.index("codec-on share of Dense's gain")] == "95.0 ± 7.1 %"  # 0.9 and 1.0
+    curve = make_curve_table(by_row).splitlines()
+    head = [c.strip() for c in curve[0].split("|")]
+    assert [c.strip() for c in curve[3].split("|")][head.index("share of Dense's gain @ 10 (paired)")] == "85.0 ± 7.1 %"
+    assert [c.strip() for c in curve[2].split("|")][head.index("share of Dense's gain @ 10 (paired)")] == "100 %"

@@ -44,7 +44,9 @@ def builtin_sources() -> list[tuple[str, str]]:
 
     out = [("corpus:python", "the Python standard library's .py files (domain B; the default --data)"),
            ("corpus:prose", "English prose: Python's reference topics, local package docs and man pages "
-                            "(domain A; the base model's pretraining text)")]
+                            "(domain A; the base model's pretraining text)"),
+           ("corpus:locales", "locale data: glibc's locale definitions, CPython's code page tables where the system "
+                              "has none (a domain far from pretrained models, issue #43)")]
     out.append(("task:all", "synthetic exact-match tasks: " + ", ".join(sorted(TASKS))))
     out += [(f"task:{n}", t.description) for n, t in sorted(TASKS.items())]
     return out

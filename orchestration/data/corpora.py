@@ -1,4 +1,4 @@
-"""Embedded corpora: text that every machine already has, in two domains.
+"""Embedded corpora: text that every machine already has, in three domains.
 
 The default task must run offline anywhere, and it must be a real *adaptation* task:
 the base model is pretrained on domain A and then adapted to domain B, whose text it
@@ -13,6 +13,12 @@ has not seen.
     Vim's help files.
   - ``python`` (domain B, source code): the Python standard library's ``.py`` files,
     without its test suites, ``encodings`` tables, ``site-packages`` or ``pydoc_data``.
+  - ``locales`` (a far domain, issue #43): glibc's locale definitions
+    (/usr/share/i18n/locales: month and day names, formats and character classes of ~300
+    locales, the text mostly as <Uxxxx> code points), where the system has them; else
+    CPython's single-byte code page tables (``encodings/*.py``). Structured data the base
+    model knows much less than code or prose: the largest dense gain of the candidates
+    measured (docs/far-domain.md).
 
 Selection is deterministic for a given set of installed files: candidates are ordered
 by a SHA-1 of their source-relative name (which spreads the picks over all packages
@@ -233,11 +239,42 @@ def _stdlib_sources() -> list[_Doc]:
     return docs
 
 
+# Per-language definitions of glibc (month and day names, date and number formats, collation
+# and character classes, the text mostly written as <Uxxxx> code points): the domain issue #43's
+# probe measured farthest from SmolLM2-135M among local text (the largest dense gain, 0.50 in
+# 25 steps against python's 0.14; docs/far-domain.md).
+LOCALE_DIR = "/usr/share/i18n/locales"
+
+
+@functools.lru_cache(maxsize=None)  # the installed files do not change within a run
+def _locale_definitions() -> list[_Doc]:
+    return [_Doc(f"locale/{p.name}", (lambda p=p: _read(p))) for p in _files(LOCALE_DIR)]
+
+
+@functools.lru_cache(maxsize=None)  # the installed files do not change within a run
+def _charmap_tables() -> list[_Doc]:
+    """CPython's single-byte codec tables (``encodings/*.py`` with a ``decoding_table``:
+    every character of a code page with its Unicode name): the same kind of data as the
+    locale definitions, shipped with every CPython. Only where the system has no glibc
+    locale sources, so a machine that has them gets the domain the probe measured."""
+    if _locale_definitions():
+        return []
+    root = Path(sysconfig.get_paths()["stdlib"]) / "encodings"
+    docs = []
+    for p in _files(str(root), (".py",)):
+        text = _read(p)
+        if text and "decoding_table = (" in text:
+            docs.append(_Doc(f"charmap/{p.name}", (lambda p=p: _read(p))))
+    return docs
+
+
 DOMAINS: dict[str, Domain] = {
     "prose": Domain("prose", "English prose: Python reference topics, /usr/share/doc, man pages, Vim help",
                     (_pydoc_topics, _share_doc, _man_pages, _vim_help)),
     "python": Domain("python", "Python source code: the standard library (no tests)",
                      (_stdlib_sources,)),
+    "locales": Domain("locales", "locale data: glibc's locale definitions (CPython's code page tables where the "
+                      "system has none)", (_locale_definitions, _charmap_tables)),
 }
 
 

@@ -28,6 +28,21 @@ def _fmt(xs: list[float], digits: int = 3) -> str:
     return f"{m:.{digits}f} ± {sd:.{digits}f}"
 
 
+def gain_share(loss: float, base: float, dense_loss: float) -> float:
+    """Share of dense's gain a row keeps: (base - loss) / (base - dense_loss), the
+    headline quality figure of issue #43 (unlike the loss gap it does not grow with how far
+    the domain is from the base model). NaN when dense gained nothing."""
+    gain = base - dense_loss
+    return (base - loss) / gain if gain > 0 else float("nan")
+
+
+def _pct(xs: list[float]) -> str:
+    """Shares as percentages, mean ± sd over seeds ("-" if none or any is NaN)."""
+    if not xs or any(math.isnan(x) for x in xs):
+        return "-"
+    return _fmt([100 * x for x in xs], 1) + " %"
+
+
 def collect(out: str, s: Settings) -> tuple[dict[str, list[dict]], int]:
     """Complete results in OUT/records matching these settings, by row (table order);
     also the count of complete results left out for other settings."""
@@ -48,10 +63,11 @@ def collect(out: str, s: Settings) -> tuple[dict[str, list[dict]], int]:
 def make_table(by_row: dict[str, list[dict]], s: Settings) -> str:
     """The markdown table: mean ± sample sd over seeds."""
     dense = {r["seed"]: r["final_loss"] for r in by_row.get("dense", [])}
+    dense_base = {r["seed"]: r["base_loss"] for r in by_row.get("dense", [])}
     prune_cols = [str(f) for f in s.prune]
     has_em = any("exact_match" in r for rs in by_row.values() for r in rs)
     has_codec = any(r.get("codec_on_loss") is not None for rs in by_row.values() for r in rs)
-    head = ["row", "seeds", "held-out loss", "Δ vs base", "Δ vs Dense (paired)", "ppl",
+    head = ["row", "seeds", "held-out loss", "Δ vs base", "Δ vs Dense (paired)", "share of Dense's gain (paired)", "ppl",
             "B/tok PP fwd", "B/tok PP bwd", "PP x less than dense fp32 / bf16", "B/tok DP", "B/tok anchor", "B/tok tied", "B/tok total",
             "modeled tok/s @200Mbps", "network-only tok/s"]
     has_state = any("trainable_params" in r for rs in by_row.values() for r in rs)
@@ -60,19 +76,21 @@ def make_table(by_row: dict[str, list[dict]], s: Settings) -> str:
     if s.prune:
         head.append("prune " + "/".join(f"{float(f):.0%}" for f in s.prune) + " (loss +%)")
     if has_codec:
-        head += ["codec-on loss", "codec-on − deployed"]
+        head += ["codec-on loss", "codec-on − deployed", "codec-on share of Dense's gain"]
     if has_em:
         head.append("exact match")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, rs in by_row.items():
         bpt = lambda ax: [r["bytes_per_token"][ax] for r in rs]  # noqa: E731
         paired = [r["final_loss"] - dense[r["seed"]] for r in rs if r["seed"] in dense]
+        share = [gain_share(r["final_loss"], dense_base[r["seed"]], dense[r["seed"]]) for r in rs if r["seed"] in dense]
         prune = "-"
         if all("pruning" in r for r in rs):
             prune = " / ".join(_fmt([r["pruning"][c]["loss_increase_pct"] for r in rs], 1) for c in prune_cols)
         cells = [f"{name}", ",".join(str(r["seed"]) for r in rs),
                  _fmt([r["final_loss"] for r in rs]), _fmt([r["final_loss"] - r["base_loss"] for r in rs]),
                  _fmt(paired) if name != "dense" else "0",
+                 _pct(share) if name != "dense" else "100 %",
                  _fmt([r["final_perplexity"] for r in rs], 1),
                  _fmt(bpt("pp_fwd"), 1), _fmt(bpt("pp_bwd"), 1), _ratio_cell(rs, s), _fmt(bpt("dp"), 1), _fmt(bpt("anchor"), 1),
                  _tied_cell(rs), _fmt([r["bytes_per_token_total"] for r in rs], 1),
@@ -88,7 +106,9 @@ def make_table(by_row: dict[str, list[dict]], s: Settings) -> str:
         if has_codec:
             co = [r for r in rs if r.get("codec_on_loss") is not None]
             cells += [_fmt([r["codec_on_loss"] for r in co]) if co else "= deployed (dense codec)",
-                      _fmt([r["codec_on_loss"] - r["final_loss"] for r in co]) if co else "0"]
+                      _fmt([r["codec_on_loss"] - r["final_loss"] for r in co]) if co else "0",
+                      _pct([gain_share(r["codec_on_loss"], dense_base[r["seed"]], dense[r["seed"]])
+                            for r in co if r["seed"] in dense]) if co else "-"]
         if has_em:
             cells.append(", ".join(f"{t} {_fmt([r['exact_match'][t] for r in rs])}"
                                    for t in (rs[0].get("exact_match") or {})) or "-")
@@ -124,6 +144,7 @@ def make_curve_table(by_row: dict[str, list[dict]]) -> str:
     dense = {r["seed"]: r for r in by_row.get("dense", [])}
     head = ["row", "seeds"] + [f"loss @ step {st}" for st in steps]
     head += [f"Δ vs base @ {st}" for st in steps if st] + [f"Δ vs Dense @ {st} (paired)" for st in steps if st]
+    head += [f"share of Dense's gain @ {st} (paired)" for st in steps if st]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, rs in by_row.items():
         cells = [name, ",".join(str(r["seed"]) for r in rs)]
@@ -135,6 +156,12 @@ def make_curve_table(by_row: dict[str, list[dict]]) -> str:
             d = [at(r, st) - at(dense[r["seed"]], st) for r in rs
                  if r["seed"] in dense and at(r, st) is not None and at(dense[r["seed"]], st) is not None]
             cells.append("0" if name == "dense" else _fmt(d))
+        for st in steps:
+            if not st:
+                continue
+            sh = [gain_share(at(r, st), dense[r["seed"]]["base_loss"], at(dense[r["seed"]], st)) for r in rs
+                  if r["seed"] in dense and at(r, st) is not None and at(dense[r["seed"]], st) is not None]
+            cells.append("100 %" if name == "dense" else _pct(sh))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
