@@ -120,10 +120,10 @@ def test_load_rank_state_names_the_missing_rank(run_copy):
 def test_a_rank_dying_mid_save_leaves_only_tmp_and_resolve_ignores_it(tiny, tmp_path, monkeypatch):
     real = ckpt.write_rank_state
 
-    def dying(tmp, rank, state):  # forked ranks inherit the patch
+    def dying(tmp, rank, state, **kw):  # forked ranks inherit the patch
         if rank == 1 and tmp.endswith("step_00000002.tmp"):
             os.kill(os.getpid(), signal.SIGKILL)
-        real(tmp, rank, state)
+        return real(tmp, rank, state, **kw)
 
     monkeypatch.setattr(ckpt, "write_rank_state", dying)
     with pytest.raises(MeshFailure, match="rank 1"):

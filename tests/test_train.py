@@ -145,7 +145,7 @@ def test_pruning_never_deletes_the_checkpoint_just_written(tmp_path):
     root = tmp_path / "ck"
     for step in (6, 10, 3):  # stale step_6 / step_10 from another run, then this run's step_3
         (root / f"step_{step:08d}").mkdir(parents=True)
-    ckpt._prune(str(root), 2, protect="step_00000003")
+    ckpt._prune(str(root), 2, protect={"step_00000003"})
     assert sorted(os.listdir(root)) == ["step_00000003", "step_00000010"]
 
 

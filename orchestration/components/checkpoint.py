@@ -71,7 +71,7 @@ from orchestration.components.checkpoint_files import (  # noqa: F401  (re-expor
     write_bytes, write_index)
 from orchestration.components.checkpoint_read import (  # noqa: F401  (their home is here for the callers)
     LATEST, CheckpointError, complete_checkpoints, disk_is_empty, is_no_local, load_rank_state, model_problem, newest_model,
-    newest_valid, no_local_checkpoint, read_meta, resolve, sha256_file, step_dir, verify)
+    newest_valid, no_local_checkpoint, read_meta, replica_stages, resolve, sha256_file, step_dir, verify)
 
 # What travels beside the weights: the tokenizer and generation settings (a LoRA export
 # copies these; a checkpoint the model's config.json too).
@@ -122,11 +122,24 @@ def state_bytes_estimate(stage) -> int:
     return weights + 4 * 4 * trainable + (1 << 20)
 
 
-def write_rank_state(tmp: str, rank: int, state: dict) -> None:
+def write_rank_state(tmp: str, rank: int, state: dict, *, want_bytes: bool = False) -> bytes | None:
+    """Writes ``state`` as ``tmp``/rank_XXXXX.pt (as .part, fsynced, renamed). ``want_bytes``:
+    serialized in memory and returned too (what the leader's copy sends: once, not read
+    back from disk); otherwise streamed to the file."""
+    import io
+
     path = os.path.join(tmp, f"rank_{rank:05d}.pt")
-    torch.save(state, path + ".part")
-    fsync_file(path + ".part")
+    data = None
+    if want_bytes:
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        data = buf.getvalue()
+        write_bytes(path + ".part", data)
+    else:
+        torch.save(state, path + ".part")
+        fsync_file(path + ".part")
     os.replace(path + ".part", path)
+    return data
 
 
 def finalize(root: str, tmp: str, step: int, meta: dict, model_dir: str | None, num_stages: int,
@@ -188,7 +201,7 @@ def set_latest(root: str, path: str) -> None:
     fsync_dir(root)
 
 
-def _prune(root: str, keep: int, protect, extra=()) -> None:
+def _prune(root: str, keep: int, protect: set, extra=()) -> None:
     """Deletes all but the ``keep`` newest complete checkpoints (by step), never those
     named in ``protect`` (the one just written, which ``latest`` names: it counts among the
     ``keep``) nor in ``extra`` (the newest whose model landed, one whose model is on its
@@ -196,8 +209,7 @@ def _prune(root: str, keep: int, protect, extra=()) -> None:
     a newer one its place (a resume from it on every disk)."""
     done = [d for d in os.listdir(root) if d.startswith("step_") and not d.endswith(".tmp") and d[5:].isdigit()]
     done.sort(key=lambda d: int(d[5:]))
-    protect = {protect} if isinstance(protect, str) else set(protect)
-    counted = [d for d in done if d not in set(extra) - protect]
+    counted = [d for d in done if d not in set(extra) - set(protect)]
     for d in [d for d in counted if d not in protect][:max(0, len(counted) - keep)]:
         shutil.rmtree(os.path.join(root, d), ignore_errors=True)
 
@@ -307,13 +319,10 @@ class Checkpointer:
         # at a resume from it ("export_copy", load)
         state = {"step": step, "export_copy": copying}
         state.update({k: None if v is None else v.state_dict() for k, v in self.parts.items()})
-        write_rank_state(tmp, self.state_rank, state)
+        copy = write_rank_state(tmp, self.state_rank, state, want_bytes=copying)
+        if copying:
+            self._count_export(len(copy) + hosts.HEAD_BYTES)
         if sending:
-            copy = None
-            if copying:
-                with open(os.path.join(tmp, f"rank_{self.state_rank:05d}.pt"), "rb") as f:
-                    copy = f.read()
-                self._count_export(len(copy) + hosts.HEAD_BYTES)
             exp.send(step, self.stage.index, data, copy)
         dist.barrier(group=mesh.fast)
         final = step_dir(root, step)

@@ -52,8 +52,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from orchestration.components.checkpoint_read import (CheckpointError, _step_dirs, load_rank_state, newest_model, read_meta,
-                                                       step_dir, verify)
+from orchestration.components.checkpoint_read import (CheckpointError, complete_checkpoints, load_rank_state, newest_model,
+                                                       read_meta, replica_stages, step_dir, verify)
 
 CHUNK = 4 << 20  # bytes per send: one op stays short on a slow link (the gloo timeout is per op)
 HEAD_BYTES = 40  # what send_file adds to a file's bytes: its size (8) and sha256 (32)
@@ -326,9 +326,7 @@ def heal_from_leader(st: dict | None, step: int, state_ranks: list[int], missing
     total = reduce_int(sum(sizes), mesh.fast, mesh.device, dist.ReduceOp.SUM)
     members = [dist.get_global_rank(mesh.fast, r) for r in range(len(need))]
     group = dist.new_group(members, timeout=timedelta(seconds=timeout_s + 8.0 * total / 1e6), backend="gloo")
-    cpu, t0, moved = torch.device("cpu"), time.monotonic(), 0
-    if me == 0:
-        verify(src)  # the copy's files against the leader's meta.json, before any of them is sent
+    cpu, t0, moved = torch.device("cpu"), time.monotonic(), 0  # (the leader verified src: newest_copy_step)
     for r, f in zip(takers, files):
         if me == 0:
             with open(f, "rb") as fh:
@@ -357,27 +355,20 @@ def newest_copy_step(root: str) -> int:
     """The step of the newest checkpoint under ``root`` (the leader's disk) that holds the
     whole model and every fast rank's state (checkpoint_export's leader copy, or one
     disk for all), verified; or -1."""
-    for d in _step_dirs(root):
+    for step, d in reversed(complete_checkpoints(root)):
         try:
             meta = read_meta(d)
         except (OSError, ValueError):
             continue
         disk = meta.get("disk")
-        if disk and not (disk.get("model") and len(disk.get("ranks", ())) == meta_ranks(meta)):
+        if disk and not (disk.get("model") and len(disk.get("ranks", ())) == sum(replica_stages(meta))):
             continue
         try:
             verify(d)
         except CheckpointError:
             continue
-        return int(os.path.basename(d)[5:])
+        return step
     return -1
-
-
-def meta_ranks(meta: dict) -> int:
-    """How many fast ranks wrote the checkpoint of ``meta``: its replicas' stages."""
-    if meta.get("replicas"):
-        return sum(int(y) for y in meta["replicas"])
-    return meta["stages"] * (meta["rows"] - bool(meta.get("anchor")))  # before heterogeneous meshes
 
 
 def newest_model_step(root: str) -> int:

@@ -140,6 +140,14 @@ def read_meta(path: str) -> dict:
         return json.load(f)
 
 
+def replica_stages(meta: dict) -> list[int]:
+    """The stages of each fast replica of the mesh that wrote the checkpoint of ``meta``."""
+    if meta.get("replicas") is not None:
+        return [int(y) for y in meta["replicas"]]
+    # a checkpoint from before heterogeneous meshes: rows (the anchor row included) x stages
+    return [meta["stages"]] * (meta["rows"] - bool(meta.get("anchor")))
+
+
 def load_rank_state(path: str, rank: int) -> dict:
     f = os.path.join(path, f"rank_{rank:05d}.pt")
     if not os.path.isfile(f):

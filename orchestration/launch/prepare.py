@@ -178,10 +178,7 @@ def _run_paths(cfg: Config, hf_cfg) -> tuple[str, str, str]:
     if cfg.checkpoint.resume:
         resume_from = ckpt.resolve(cfg.checkpoint.resume, ckpt_dir)
         meta = ckpt.read_meta(resume_from)
-        if meta.get("replicas") is not None:  # stages of each fast replica
-            was, now = [int(y) for y in meta["replicas"]], cfg.replica_stages
-        else:  # a checkpoint from before heterogeneous meshes: rows (the anchor row included) x stages
-            was, now = [meta["stages"]] * (meta["rows"] - bool(meta.get("anchor"))), cfg.replica_stages
+        was, now = ckpt.replica_stages(meta), cfg.replica_stages
         if was != now:
             raise ValueError(f"--checkpoint.resume {resume_from} was written by a mesh of {mesh_name(was)}, "
                              f"this run is {mesh_name(now)}")
