@@ -6,6 +6,7 @@ diagnostics run splits rows and builds the anchor exactly as a training run woul
 """
 from __future__ import annotations
 
+import json
 import sys
 import time
 
@@ -29,3 +30,11 @@ def log(msg: str) -> None:
 def fmt(x, nd=3) -> str:
     """A number for the table and the progress lines; None (not measurable) as a dash."""
     return "   -  " if x is None else f"{x:.{nd}f}"
+
+
+def write_jsonl(path: str, records) -> None:
+    """``records`` as ``path``, one JSON object a line, and a line saying where they went."""
+    with open(path, "w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+    print(f"wrote {path}", flush=True)

@@ -28,7 +28,6 @@ and prints the table.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -39,6 +38,7 @@ from orchestration import codecs
 from orchestration.components import calibration
 from orchestration.components import checkpoint as ckpt
 from orchestration.components.calibration import boundary_states
+from orchestration.diagnose.common import write_jsonl
 
 
 def _share(num: torch.Tensor, den: torch.Tensor) -> float:
@@ -155,11 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    out = a.out or os.path.join(a.run_dir, "drift.jsonl")
-    with open(out, "w") as f:
-        for r in records:
-            f.write(json.dumps(r) + "\n")
-    print(f"wrote {out}", flush=True)
+    write_jsonl(a.out or os.path.join(a.run_dir, "drift.jsonl"), records)
     return 0
 
 

@@ -30,7 +30,6 @@ boundary) to ``--out`` (default RUN_DIR/mismatch.jsonl) and prints a table.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -42,6 +41,7 @@ from meshkern.mask import MaskKey
 from orchestration import codecs
 from orchestration.components import calibration
 from orchestration.components import checkpoint as ckpt
+from orchestration.diagnose.common import write_jsonl
 
 
 @torch.no_grad()
@@ -216,11 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    out = a.out or os.path.join(a.run_dir, "mismatch.jsonl")
-    with open(out, "w") as f:
-        for r in recs:
-            f.write(json.dumps(r) + "\n")
-    print(f"wrote {out}", flush=True)
+    write_jsonl(a.out or os.path.join(a.run_dir, "mismatch.jsonl"), recs)
     return 0 if all(math.isfinite(v) for r in recs for v in r["loss"].values()) else 1
 
 
