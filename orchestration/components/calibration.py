@@ -287,7 +287,7 @@ def save(bases: dict[int, PCABasis], run_dir: str) -> str:
     """RUN_DIR/pca_basis.pt: ``{"after_layer": {L: PCABasis.state_dict()}}``."""
     path = os.path.join(run_dir, BASIS_FILE)
     os.makedirs(run_dir, exist_ok=True)
-    tmp = path + ".tmp"
+    tmp = f"{path}.tmp{os.getpid()}"  # local elastic replicas fit at once and write to one run folder
     torch.save({"after_layer": {int(L): v.state_dict() for L, v in bases.items()}}, tmp)
     os.replace(tmp, path)
     return path
