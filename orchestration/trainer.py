@@ -91,7 +91,15 @@ class Trainer:
             "optimizer": self.optimizer, **self.sync.parts(),
             "counter": self.counter, "guard": self.guard,
             "anchor": self.hook if cfg.anchor.enabled else None})  # delay mode: what makes a resume exact
-        self.gate.attach(params=self.params, optimizer=self.optimizer, sync=self.sync, save=self.save)
+        self.gate.attach(params=self.params, optimizer=self.optimizer, sync=self.sync, save=self.save,
+                         facts=self._anchor_facts if cfg.anchor.enabled else None)
+
+    def _anchor_facts(self) -> dict:
+        """The anchor's part of an elastic replica's step record: the generation linked and
+        the updates applied so far (by this incarnation)."""
+        s = self.hook.stats()
+        return {"anchor_generation": s["generation"], "anchor_applied": s["applied"], "anchor_joins": s["joins"],
+                "anchor_snapshots_sent": s["snapshots_sent"]}
 
     # ------------------------------------------------------------------ one step
     def step(self, step: int):

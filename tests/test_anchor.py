@@ -279,7 +279,7 @@ def test_stalled_anchor_never_stops_the_fast_circuit(tiny, tmp_path, monkeypatch
     monkeypatch.setenv("MESHKERN_ANCHOR_FAULT", "stall:0=inf")
     _, plan, res, recs = _run(_argv(tiny, tmp_path, "stall", "--train.steps", "10", "--anchor.max-staleness", "3",
                                     "--checkpoint.every", "5"))
-    assert res[2] is None and res[3] is None
+    assert res[2] is None and res[3] is None, (res[2] or {}).get("stopped", "") + " | " + str((res[3] or {}).get("stopped", ""))
     assert len(recs) == 10 and all(math.isfinite(r["loss"]) for r in recs)
     last = recs[-1]
     assert last["anchor_applied"] == 0 and last["anchor_blocked_s"] == 0.0

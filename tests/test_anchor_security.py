@@ -67,8 +67,9 @@ def _hook(tmp_path, monkeypatch, transport):
     (stage.b @ torch.tanh(stage.a @ x.T)).sum().add(stage.bias.sum()).backward()
     cfg = types.SimpleNamespace(
         anchor=types.SimpleNamespace(snapshot_every=1, delay=0, max_staleness=50, transport=transport,
-                                     snapshot_codec="full", secret_file=""),
-        train=types.SimpleNamespace(steps=10_000, spectral_rank=4), mesh=types.SimpleNamespace(timeout_s=5.0))
+                                     snapshot_codec="full", secret_file="", store=""),
+        train=types.SimpleNamespace(steps=10_000, spectral_rank=4),
+        mesh=types.SimpleNamespace(timeout_s=5.0, elastic=False))
     ctx = types.SimpleNamespace(cfg=cfg, mesh=types.SimpleNamespace(stage=0, row=1, rank=1), optimizer=opt,
                                 params=params, stage=stage, plan=types.SimpleNamespace(run_dir=str(tmp_path), secret=KEY),
                                 counter=types.SimpleNamespace(extra={}))
@@ -316,6 +317,7 @@ def _anchor_end(store, gen, stage, row, secret, timeout_s, out, answer=None):
     try:
         store.set(f"{A.PREFIX}g{gen}/open/{stage}", "1")
         store.wait([f"{A.PREFIX}g{gen}/here/{stage}/{row}"], datetime.timedelta(seconds=timeout_s))
+        assert A.accept_slot(store, gen, stage, row, 0)  # the fast end links once its slot is accepted
         pg = A.pair_link(store, gen, stage, row, A.ANCHOR, timeout_s)
         if secret is not None:
             auth.anchor_handshake(pg, secret, gen, stage, row, timeout_s)

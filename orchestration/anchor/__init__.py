@@ -14,9 +14,9 @@ from orchestration.anchor.auth import AuthError, anchor_handshake, fast_handshak
 from orchestration.anchor.bounds import check_entries
 from orchestration.anchor.fastlink import Arrival, FastLink
 from orchestration.anchor.hook import FastHook
-from orchestration.anchor.links import (ANCHOR, FAST, PREFIX, FastCircuitGone, announced_generation, claim_generation, is_link_failure,
-                                        is_store_error, join_anchor_row, link_to_fast, pair_link, side_store,
-                                        store_address)
+from orchestration.anchor.links import (ANCHOR, FAST, PREFIX, FastCircuitGone, accept_slot, announced_generation,
+                                        claim_generation, is_link_failure, is_store_error, join_anchor_row,
+                                        link_to_fast, pair_link, register_fast, side_store, store_address)
 from orchestration.anchor.node import (exact_resume_round, load_state, parse_faults, round_batch, round_state_path,
                                        run_anchor_rank, save_state, state_path)
 from orchestration.anchor.snapshot import SNAP_DELTA, SNAP_FULL, SNAPSHOT_CHUNK, SnapshotCoder
@@ -32,4 +32,4 @@ __all__ = ["AUTH", "AuthError", "anchor_handshake", "fast_handshake",
            "MAGIC", "REQ", "SNAP", "STOP", "claim_generation", "eligible_params", "is_link_failure",
            "is_store_error", "join_anchor_row", "layout_hash", "link_to_fast", "load_state", "pair_link",
            "parse_faults", "round_batch", "round_state_path", "exact_resume_round", "run_anchor_rank", "save_state", "side_store", "state_path",
-           "store_address"]
+           "store_address", "accept_slot", "register_fast"]

@@ -28,7 +28,7 @@ import torch
 
 from orchestration.anchor.auth import AuthError, fast_handshake
 from orchestration.anchor.links import (ANCHOR, FAST, PREFIX, Warner, announced_generation, is_link_failure, pair_link,
-                                        side_store, store_address)
+                                        register_fast, side_store, store_address, wait_accepted)
 from orchestration.anchor.snapshot import SnapshotCoder
 from orchestration.anchor.wire import (CODE_DTYPES, DRAIN_FACTOR, DTYPE_CODES, payload_timeout, F_DTYPE, F_KIND, F_MAGIC, F_MS,
                                        F_NUMEL, F_ROUND, F_VERSION, GRAD, HEADER_BYTES, HEADER_LEN, MAGIC, REQ,
@@ -50,13 +50,19 @@ class FastLink:
     """The link thread of fast replica ``row`` of ``stage`` (see the module docstring).
 
     ``layout``: the expected GRAD payload (wire.Layout); ``numel``: the stage's parameter
-    count (snapshots); ``serves``: this rank answers snapshot requests (replica 0);
-    ``newest_first``: serve the newest snapshot >= the request (asynchronous mode) rather
-    than the oldest (delay mode)."""
+    count (snapshots); ``serves``: this rank answers snapshot requests (replica 0; every
+    elastic replica); ``newest_first``: serve the newest snapshot >= the request
+    (asynchronous mode) rather than the oldest (delay mode); ``store``: (host, port) of the
+    store the anchor rows announce themselves in (default: the fast circuit's,
+    MASTER_ADDR / MASTER_PORT); ``relink``: after a link breaks, link again with the same
+    generation too, not only with a newer one (elastic replicas: the anchor end drops a
+    replica it cannot reach and takes it back when it registers again)."""
 
     def __init__(self, *, stage: int, row: int, layout, numel: int, snapshot_codec: str, serves: bool,
-                 newest_first: bool, timeout_s: float, secret: bytes):
+                 newest_first: bool, timeout_s: float, secret: bytes, store: tuple | None = None,
+                 relink: bool = False):
         self.stage, self.row, self.layout, self.numel, self.secret = stage, row, layout, numel, secret
+        self.store_addr, self.relink = store, relink
         self.snapshot_codec, self.serves, self.newest_first, self.timeout_s = snapshot_codec, serves, newest_first, timeout_s
         self.events: queue.Queue = queue.Queue()
         self.cv = threading.Condition()
@@ -123,21 +129,25 @@ class FastLink:
     def _link(self) -> None:
         """Links with each anchor generation of this stage in turn, for the whole run: waits
         until one opens, links, serves it until it breaks ("lost"), then waits for the next
-        (a restarted anchor row). Ends at close or when the fast circuit's store is gone."""
-        store, gen, s = None, 0, self.stage
+        (a restarted anchor row), or with ``relink`` links again with the same one. Ends at
+        close or when the store is gone."""
+        store, gen, s, again = None, 0, self.stage, False
         while not self.closing:
             try:
                 if store is None:
-                    store = side_store(store_address(), self.timeout_s)
+                    store = side_store(self.store_addr or store_address(), self.timeout_s)
                     store.compare_set(f"{PREFIX}run_id", "", os.urandom(8).hex())  # the first fast rank's wins
                 latest = announced_generation(store, self.secret, self.warn, after=gen)  # MAC'd announces only
-                if latest <= gen:  # no new anchor of this stage: look again soon
+                if latest <= gen and not again:  # no new anchor of this stage: look again soon
                     time.sleep(0.2)  # (polling, not a timed-out store.wait: c10d logs every timeout)
                     continue
-                gen = latest  # the newest; older ones that never opened are skipped
+                gen, again = max(gen, latest), False  # the newest; older ones that never opened are skipped
                 store.wait([f"{PREFIX}g{gen}/open/{s}"], timedelta(seconds=self.timeout_s))
-                store.set(f"{PREFIX}g{gen}/here/{s}/{self.row}", "1")
-                pg = pair_link(store, gen, s, self.row, FAST, self.timeout_s)
+                slot, token = register_fast(store, gen, s, self.row)
+                newer = lambda: self.closing or announced_generation(store, self.secret, self.warn, after=gen) > gen  # noqa: E731
+                if not wait_accepted(store, gen, s, self.row, slot, token, newer):
+                    continue  # a newer generation (or the run's end) came first
+                pg = pair_link(store, gen, s, self.row, FAST, self.timeout_s, slot)
                 try:  # nothing is sent or used before the anchor end proved the run's secret
                     fast_handshake(pg, self.secret, gen, s, self.row, self.timeout_s)
                 except Exception as e:
@@ -151,7 +161,7 @@ class FastLink:
                 if not (self.closing or is_link_failure(e)):
                     raise
                 if self.closing or type(e).__name__ == "DistNetworkError" or isinstance(e, ConnectionError):
-                    return  # the store (fast rank 0) is gone: the run is over
+                    return  # the store is gone: the run is over
                 continue  # that generation never opened / never linked: wait for the next one
             self.pg = pg
             self.coder = SnapshotCoder(self.snapshot_codec, self.numel)
@@ -165,6 +175,9 @@ class FastLink:
                 if not is_link_failure(e):
                     raise
                 self.events.put(("lost", gloo_reason(e)))
+                if self.relink:
+                    again = True
+                    time.sleep(1.0)  # the anchor end takes new links between its rounds
 
     def _serve_link(self) -> bool:
         """Serves the current anchor generation until its link breaks (raises) or the fast

@@ -20,6 +20,7 @@ import torch
 from orchestration.distributed.secret import SECRET_ENV, secret_path
 from orchestration.anchor.bounds import check_entries
 from orchestration.anchor.fastlink import Arrival, FastLink
+from orchestration.anchor.links import store_address
 from orchestration.anchor.wire import Layout, Rejected, eligible_params
 
 
@@ -48,7 +49,9 @@ class FastHook:
         where = {id(p): i for i, p in enumerate(flat)}
         self.slots = [where[id(p)] for _, p in named]  # wire entry -> optimizer flat index
         self.n_opt = len(flat)
-        self.serves = mesh.row == 0
+        # Elastic: every replica serves snapshots (the anchor pulls from the lowest one linked,
+        # whichever replicas are alive); each keeps its newest one, a copy of its stage (CPU).
+        self.serves = mesh.row == 0 or cfg.mesh.elastic
         self.generation = 0  # of the anchor row linked now (0: none yet)
         self.pending: list[Arrival] = []
         self.refused: set[int] = set()  # versions whose update the link thread refused
@@ -86,7 +89,8 @@ class FastHook:
         self.link = FastLink(stage=mesh.stage, row=mesh.row, layout=self.layout,
                              numel=sum(p.numel() for p in self.params), snapshot_codec=a.snapshot_codec,
                              serves=self.serves, newest_first=not self.delay, timeout_s=self.timeout_s,
-                             secret=secret)
+                             secret=secret, store=store_address(cfg) if a.store else None,
+                             relink=cfg.mesh.elastic)
 
     # ------------------------------------------------------------------ helpers
     def _store_snapshot(self, version: int) -> None:

@@ -25,8 +25,12 @@ from orchestration.distributed.failures import LinkFailure, is_link_failure, is_
 #                     know, so a ``latest`` overwritten with garbage hides no generation)
 #   g<G>/claim/s      first writer wins (compare_set): the one stage-s process of generation G
 #   g<G>/open/s       anchor s of generation G is up and links to the fast ranks
-#   g<G>/here/s/r     fast replica r of stage s waits to link with generation G
-#   g<G>/link/s/r/    the pair link's gloo rendezvous (fast end 0, anchor end 1)
+#   g<G>/here/s/r     fast replica r of stage s waits to link with generation G (first
+#                     writer wins); its later links with the same generation (an elastic
+#                     replica restarted, or relinking after a drop) under g<G>/here/s/r.k,
+#                     k = 1, 2, ... ("slots", slot_key)
+#   g<G>/link/s/r/    the pair link's gloo rendezvous (fast end 0, anchor end 1); slot k:
+#                     g<G>/link/s/r.k/
 #   g<G>/row/         generation G's anchor-row world (orchestration.distributed.mesh.init_anchor_row)
 #   run_id            a token of this fast circuit, kept with the anchor's saved state
 PREFIX = "meshkern/anchor/"
@@ -76,12 +80,67 @@ def store_failure(e: BaseException, timed_out: str, gone: str) -> Exception:
     return TimeoutError(timed_out)
 
 
-def pair_link(store, generation: int, stage: int, row: int, end: int, timeout_s: float):
+def slot_key(row: int, slot: int) -> str:
+    """The store key part of fast replica ``row``'s link number ``slot`` with one generation
+    (slot 0, the first: just the row)."""
+    return str(row) if slot == 0 else f"{row}.{slot}"
+
+
+def pair_link(store, generation: int, stage: int, row: int, end: int, timeout_s: float, slot: int = 0):
     """The gloo pair link (fast replica ``row`` of ``stage`` <-> anchor ``stage``) of one
-    generation. Its rendezvous waits at most ``timeout_s``; transfers wait LINK_TIMEOUT
-    (passed to every ``wait``): a slow anchor is not a dead one."""
-    pre = dist.PrefixStore(f"{PREFIX}g{generation}/link/{stage}/{row}", store)
+    generation, link number ``slot`` of that replica with it. Its rendezvous waits at most
+    ``timeout_s``; transfers wait LINK_TIMEOUT (passed to every ``wait``): a slow anchor is
+    not a dead one."""
+    pre = dist.PrefixStore(f"{PREFIX}g{generation}/link/{stage}/{slot_key(row, slot)}", store)
     return dist.ProcessGroupGloo(pre, end, 2, timedelta(seconds=timeout_s))
+
+
+MAX_SLOTS = 10_000  # links of one replica with one generation (restarts, relinks)
+ACCEPTED, GONE = "accepted", "gone"  # the two ends of a slot (below)
+
+
+def _text(v) -> str:
+    return v.decode("ascii", "replace") if isinstance(v, bytes) else str(v)
+
+
+def register_fast(store, generation: int, stage: int, row: int) -> tuple[int, str]:
+    """Fast end: claims the next free slot of replica ``row`` with generation G (first
+    writer wins; a slot is never reused); returns (slot, token). The slot's key then
+    settles who goes on, by compare_set, so neither end ever waits in a rendezvous for a
+    peer that left: the anchor end turns the token into ACCEPTED (``accept_slot``) and then
+    links; the fast end waits for that (``wait_accepted``) or gives the slot up (GONE)."""
+    token = os.urandom(8).hex()
+    for slot in range(MAX_SLOTS):
+        key = f"{PREFIX}g{generation}/here/{stage}/{slot_key(row, slot)}"
+        if _text(store.compare_set(key, "", token)) == token:
+            return slot, token
+    raise TimeoutError(f"anchor generation {generation}, stage {stage}: replica {row} has no free link slot "
+                       f"among {MAX_SLOTS} (someone is writing the store's anchor keys)")
+
+
+def wait_accepted(store, generation: int, stage: int, row: int, slot: int, token: str, give_up) -> bool:
+    """Fast end: True once the anchor end accepted the slot (link now: it is linking too);
+    False if ``give_up()`` turned true first (a newer generation, the run ends) and the
+    slot could still be given up."""
+    key = f"{PREFIX}g{generation}/here/{stage}/{slot_key(row, slot)}"
+    pause = 0.01  # an anchor end waiting for this slot accepts it at once: look again soon, then less often
+    while True:
+        if _text(store.get(key)) == ACCEPTED:
+            return True
+        if give_up():
+            return _text(store.compare_set(key, token, GONE)) != GONE  # the anchor may have accepted meanwhile
+        time.sleep(pause)  # polling, not a timed-out store.wait: c10d logs every timeout
+        pause = min(2 * pause, 0.2)
+
+
+def accept_slot(store, generation: int, stage: int, row: int, slot: int) -> bool:
+    """Anchor end: takes replica ``row``'s registered ``slot`` (True: link now, the fast end
+    is waiting for it) unless the fast end gave it up (False). The slot's key must exist."""
+    key = f"{PREFIX}g{generation}/here/{stage}/{slot_key(row, slot)}"
+    token = _text(store.get(key))
+    if token in (ACCEPTED, GONE):
+        return token == ACCEPTED
+    return _text(store.compare_set(key, token, ACCEPTED)) == ACCEPTED
 
 
 MAX_CLAIM_TRIES = 10_000  # generations stage 0 skips at most (slots squatted by someone without the secret)
@@ -200,6 +259,9 @@ def link_to_fast(mesh, fast_rows: int, timeout_s: float) -> list:
     for r in range(fast_rows):
         try:
             store.wait([f"{PREFIX}g{g}/here/{s}/{r}"], timedelta(seconds=timeout_s))
+            if not accept_slot(store, g, s, r, 0):
+                raise FastCircuitGone(f"anchor generation {g}, stage {s}: replica {r} gave up its link (a newer "
+                                      "anchor generation exists)")
             pg = pair_link(store, g, s, r, ANCHOR, timeout_s)
         except Exception as e:
             who = mesh.layout.describe(mesh.layout.rank_of(r, s))

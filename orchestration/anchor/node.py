@@ -1,24 +1,26 @@
 """The anchor node: one anchor rank's loop over rounds (docs/anchor.md): pull a snapshot
-of its stage from fast replica 0, run an unmasked forward/backward over its own batches
+of its stage from fast replica 0 (elastic replicas: the lowest one linked), run an unmasked forward/backward over its own batches
 through the anchor row's pipeline, send the result to every fast replica of its column.
 Also its fault injection (MESHKERN_ANCHOR_FAULT, --run.fail-rank) and its saved state
 (round counter, factored momentum) for restarts."""
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
 import sys
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from meshkern.optim import AnchorMomentum, spectral_param_groups
-from orchestration.anchor.links import FAST, PREFIX, FastCircuitGone, is_store_error, link_to_fast
-from orchestration.anchor.snapshot import SnapshotCoder
-from orchestration.anchor.wire import (CODE_DTYPES, F_DTYPE, F_KIND, F_LAYOUT, F_MAGIC, F_NUMEL, F_TRANSPORT,
-                                       F_VERSION, HEADER_BYTES, HEADER_LEN, MAGIC, REQ, SNAP, STOP, Layout,
+from orchestration.anchor.links import FAST, PREFIX, FastCircuitGone, is_link_failure, is_store_error
+from orchestration.anchor.peers import FastPeers
+from orchestration.anchor.wire import (CODE_DTYPES, F_DTYPE, F_KIND, F_LAYOUT, F_MAGIC, F_NUMEL, F_TRANSPORT, F_VERSION,
+                                       HEADER_BYTES, HEADER_LEN, LINK_TIMEOUT, MAGIC, REQ, SNAP, STOP, Layout,
                                        ProtocolError, eligible_params, header, payload_timeout, recv, send)
 from orchestration.codecs import make_codec
 from orchestration.data.sampling import BatchSampler
@@ -58,6 +60,13 @@ def round_batch(cfg, plan, index: int) -> torch.Tensor:
     if len(rows) < n:
         raise ValueError(f"the anchor needs {n} sequences per round, the training set has {len(rows)}")
     return BatchSampler(rows, n, cfg.train.seed + 104_729)(index)
+
+
+def rounds_path(run_dir: str, stage: int) -> str:
+    """RUN_DIR/anchor/rounds_stage_SS.jsonl: one line per round of anchor ``stage``, every
+    generation appending (generation, round, snapshot version, the replica it came from,
+    the replicas linked, the process id)."""
+    return os.path.join(run_dir, "anchor", f"rounds_stage_{stage:02d}.jsonl")
 
 
 def state_path(plan, stage: int) -> str:
@@ -143,9 +152,17 @@ def run_anchor_rank(ctx) -> dict:
     rec = {"rank": mesh.rank, "anchor": True, "generation": mesh.generation, "rounds": 0, "versions": [],
            "losses": [], "round_s": [], "bytes_to_fast": 0, "bytes_from_fast": 0, "stopped": "", "restored": ""}
     want, k = 0, 0
-    coder = SnapshotCoder(a.snapshot_codec, sum(p.numel() for p in params))
+    elastic = cfg.mesh.elastic
+    peers = FastPeers(mesh, cfg.fast_rows, elastic=elastic, timeout_s=cfg.mesh.timeout_s,
+                      numel=sum(p.numel() for p in params), snapshot_codec=a.snapshot_codec)
+    rec["dropped"] = 0
+    os.makedirs(os.path.join(plan.run_dir, "anchor"), exist_ok=True)
+    rounds_log = open(rounds_path(plan.run_dir, mesh.stage), "a")
     try:
-        links = link_to_fast(mesh, cfg.fast_rows, cfg.mesh.timeout_s)
+        if elastic:
+            peers.open()
+        else:
+            peers.link_all()
         run_id = mesh.store.get(f"{PREFIX}run_id").decode("ascii", "replace")  # a token; junk only loses a restore
         path = state_path(plan, mesh.stage)
         exact = bool(plan.resume_from) and a.delay > 0 and mesh.generation == 1
@@ -165,14 +182,14 @@ def run_anchor_rank(ctx) -> dict:
             got, rec["restored"] = load_state(path, run_id, layout, momentum, bool(plan.resume_from))
             k, want = got or 0, 0
         while True:
-            got = _pull_snapshot(mesh, links[0], want, params, coder, rec, cfg.mesh.timeout_s)
+            got = _next_snapshot(mesh, peers, want, params, rec, cfg)
             if got is None:
                 rec["stopped"] = "the fast circuit finished"
                 break
-            version = got
+            version, server = got
             if rec["rounds"] == 0 and mesh.stage == 0:
-                print(f"[anchor] row generation {mesh.generation} linked with {len(links)} fast replicas; first "
-                      f"snapshot: version {version}", file=sys.stderr, flush=True)
+                print(f"[anchor] row generation {mesh.generation} linked with {len(peers.links)} fast replicas; first "
+                      f"snapshot: version {version} from replica {server}", file=sys.stderr, flush=True)
             if first and mesh.rank == cfg.run.fail_rank and version >= cfg.run.fail_step >= 0:
                 os.kill(os.getpid(), signal.SIGKILL)  # fault injection: die like a crashed node
             if k in faults.get("die", {}):
@@ -201,10 +218,15 @@ def run_anchor_rank(ctx) -> dict:
                 end = time.monotonic() + secs
                 while math.isinf(secs) or time.monotonic() < end:
                     time.sleep(0.5)
-            for pg in links:
-                rec["bytes_to_fast"] += send([hdr, payload], FAST, pg)
+            rec["bytes_to_fast"] += _fan_out(peers, [hdr, payload], cfg)
             rec["rounds"] += 1
             rec["versions"].append(version)
+            rec.setdefault("servers", []).append(server)
+            rec["linked"] = sorted(peers.links)
+            rounds_log.write(json.dumps({"generation": mesh.generation, "round": k, "version": version,
+                                         "server": server, "linked": rec["linked"], "pid": os.getpid(),
+                                         "wall": time.time()}) + "\n")
+            rounds_log.flush()
             rec["round_s"].append(ms / 1000)
             if mesh.is_last:
                 rec["losses"].append(stats.loss)
@@ -223,35 +245,107 @@ def run_anchor_rank(ctx) -> dict:
         if not (is_peer_error(e) or is_store_error(e)):
             raise
         rec["stopped"] = f"link closed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+    rounds_log.close()
     rec["bytes"] = ctx.counter.totals()
+    rec["dropped"] = peers.dropped
     return rec
 
 
-def _pull_snapshot(mesh, link, want: int, params, coder: SnapshotCoder, rec, timeout_s: float) -> int | None:
-    """Loads the stage parameters of snapshot version >= ``want`` from fast replica 0
-    (``link``, decoded by ``coder``), the same version on every anchor stage (agreed over
-    the anchor row's world); None when the fast circuit ended."""
-    target, version, flat, stop = want, None, None, False
+def _fan_out(peers: FastPeers, tensors, cfg) -> int:
+    """Sends a round's update to every linked fast replica of this column; the bytes sent.
+    Elastic: a replica whose link fails (or that takes longer than ``payload_timeout`` of
+    the update's bytes) is dropped and the others still get it; a fixed mesh's link
+    failure ends the anchor row (the fast circuit itself is gone)."""
+    sent = 0
+    timeout = payload_timeout(sum(t.numel() * t.element_size() for t in tensors), cfg.mesh.timeout_s) \
+        if peers.elastic else LINK_TIMEOUT
+    for r, peer in sorted(peers.links.items()):
+        try:
+            sent += send(tensors, FAST, peer.pg, timeout)
+        except Exception as e:
+            if not (peers.elastic and is_link_failure(e)):
+                raise
+            peers.drop(r, f"the update did not go through: {type(e).__name__}")
+    return sent
+
+
+def _next_snapshot(mesh, peers: FastPeers, want: int, params, rec, cfg) -> tuple[int, int] | None:
+    """(version, replica) of the snapshot >= ``want`` now loaded into ``params``, the same on
+    every anchor stage; None when the fast circuit finished. A fixed mesh pulls from replica
+    0. Elastic: from the lowest replica linked on every stage (``FastPeers.common_server``),
+    taking new links first; a server whose link fails or that says it stopped is dropped and
+    the pull starts again with another; with no replica linked it waits, up to
+    --mesh.rejoin-timeout-s, for one to link."""
+    if not peers.elastic:
+        got = _pull_snapshot(mesh, peers.links[0], want, params, rec, cfg.mesh.timeout_s, elastic=False)
+        return None if got is None else (got, 0)
+    waited_since = None
     while True:
-        if not stop and (version is None or version < target):
-            rec["bytes_to_fast"] += send([header(REQ, version=target)], FAST, link)
-            h = recv(HEADER_LEN, torch.int64, FAST, link)
-            rec["bytes_from_fast"] += HEADER_BYTES
-            if int(h[F_MAGIC]) != MAGIC or int(h[F_KIND]) not in (SNAP, STOP):
-                raise ProtocolError(f"anchor protocol: expected SNAP/STOP from replica 0, got header {h.tolist()}")
-            if int(h[F_KIND]) == STOP:
-                stop = True
-            else:
-                n, code = int(h[F_NUMEL]), int(h[F_DTYPE])
-                if code not in CODE_DTYPES or not 0 < n <= 4 * coder.numel + 4096:
-                    raise ProtocolError(f"anchor protocol: snapshot of {n} elements, dtype code {code}, from "
-                                       f"replica 0; this stage has {coder.numel} parameters")
-                size = n * torch.empty(0, dtype=CODE_DTYPES[code]).element_size()
-                payload = recv(n, CODE_DTYPES[code], FAST, link, payload_timeout(size, timeout_s))
-                rec["bytes_from_fast"] += payload.numel() * payload.element_size()
-                flat = coder.decode(int(h[F_TRANSPORT]), payload)
-                version = int(h[F_VERSION])
-        mine = torch.tensor([1 if stop else 0, -1 if version is None else version], dtype=torch.int64,
+        peers.accept()
+        server = peers.common_server()
+        if server is None:
+            waited_since = waited_since or time.monotonic()
+            if time.monotonic() - waited_since > cfg.mesh.rejoin_timeout_s:
+                raise FastCircuitGone(f"no fast replica linked with every anchor stage for "
+                                      f"{cfg.mesh.rejoin_timeout_s:g} s (--mesh.rejoin-timeout-s)")
+            time.sleep(0.5)
+            continue
+        waited_since = None
+        got = _pull_snapshot(mesh, peers.links[server], want, params, rec, cfg.mesh.timeout_s, elastic=True,
+                             drop=peers.drop, others=len(peers.links) > 1)
+        if got is None:
+            return None
+        if got != RETRY:
+            return got, server
+
+
+RETRY = -1  # _pull_snapshot, elastic: the server failed or stopped on some stage, pick another
+
+
+def _pull_snapshot(mesh, peer, want: int, params, rec, timeout_s: float, *, elastic: bool, drop=None,
+                   others: bool = False) -> int | None:
+    """Loads the stage parameters of snapshot version >= ``want`` from fast replica
+    ``peer.row`` (decoded by its stream's coder), the same version on every anchor stage
+    (agreed over the anchor row's world); None when the fast circuit ended. ``elastic``: a
+    link failure (or, with ``others`` linked, a STOP: that replica's run ended) drops the
+    peer (``drop``) and returns RETRY on every stage; the header's wait is bounded by
+    ``timeout_s`` (a replica cut off holds no anchor for long)."""
+    target, version, flat, stop, failed = want, None, None, False, False
+    link, coder = peer.pg, peer.coder
+    header_wait = timedelta(seconds=timeout_s) if elastic else LINK_TIMEOUT
+    while True:
+        if not (stop or failed) and (version is None or version < target):
+            try:
+                rec["bytes_to_fast"] += send([header(REQ, version=target)], FAST, link,
+                                             payload_timeout(HEADER_BYTES, timeout_s) if elastic else LINK_TIMEOUT)
+                h = recv(HEADER_LEN, torch.int64, FAST, link, header_wait)
+                rec["bytes_from_fast"] += HEADER_BYTES
+                if int(h[F_MAGIC]) != MAGIC or int(h[F_KIND]) not in (SNAP, STOP):
+                    raise ProtocolError(f"anchor protocol: expected SNAP/STOP from replica {peer.row}, got header "
+                                        f"{h.tolist()}")
+                if int(h[F_KIND]) == STOP:
+                    stop = True
+                    if elastic and others:
+                        drop(peer.row, "its run ended")
+                else:
+                    n, code = int(h[F_NUMEL]), int(h[F_DTYPE])
+                    if code not in CODE_DTYPES or not 0 < n <= 4 * coder.numel + 4096:
+                        raise ProtocolError(f"anchor protocol: snapshot of {n} elements, dtype code {code}, from "
+                                            f"replica {peer.row}; this stage has {coder.numel} parameters")
+                    size = n * torch.empty(0, dtype=CODE_DTYPES[code]).element_size()
+                    payload = recv(n, CODE_DTYPES[code], FAST, link, payload_timeout(size, timeout_s))
+                    rec["bytes_from_fast"] += payload.numel() * payload.element_size()
+                    flat = coder.decode(int(h[F_TRANSPORT]), payload)
+                    version = int(h[F_VERSION])
+            except Exception as e:
+                if not (elastic and is_link_failure(e)):
+                    raise
+                failed = True
+                drop(peer.row, f"no snapshot: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
+        # per stage: finished (STOP, nobody else to ask), retry (failed, or STOP with others linked), version
+        done = stop and not (elastic and others)
+        retry = failed or (stop and not done)
+        mine = torch.tensor([int(done), int(retry), -1 if version is None else version], dtype=torch.int64,
                             device=mesh.device)
         if mesh.layout.stages > 1:
             everyone = [torch.zeros_like(mine) for _ in range(mesh.layout.stages)]
@@ -260,7 +354,9 @@ def _pull_snapshot(mesh, link, want: int, params, coder: SnapshotCoder, rec, tim
             everyone = [mine]
         if any(int(e[0]) for e in everyone):
             return None
-        versions = [int(e[1]) for e in everyone]
+        if any(int(e[1]) for e in everyone):
+            return RETRY
+        versions = [int(e[2]) for e in everyone]
         if min(versions) == max(versions):
             break
         target = max(versions)

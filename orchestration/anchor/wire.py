@@ -172,11 +172,13 @@ def gloo_reason(e: BaseException) -> str:
     return f"{type(e).__name__}: {why[:200]}"
 
 
-def send(tensors, peer: int, pg) -> int:
-    """Sends ``tensors`` in order to ``peer`` (0 or 1) of a pair link; returns the bytes."""
+def send(tensors, peer: int, pg, timeout: timedelta = LINK_TIMEOUT) -> int:
+    """Sends ``tensors`` in order to ``peer`` (0 or 1) of a pair link; returns the bytes.
+    ``timeout``: how long the peer may take to take them (elastic replicas: bounded,
+    ``payload_timeout``; otherwise a slow peer is not a dead one)."""
     works = [pg.send([t], peer, TAG) for t in tensors]
     for w in works:
-        w.wait(LINK_TIMEOUT)
+        w.wait(timeout)
     return sum(t.numel() * t.element_size() for t in tensors)
 
 

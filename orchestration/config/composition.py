@@ -67,8 +67,9 @@ BY_NAME = {f.name: f for f in FEATURES}
 
 _SUBSPACE_FROZEN = "the subspace codec constrains the full weights (and freezes the embedding), which LoRA freezes"
 RULES: dict[frozenset, Rule] = {frozenset(k): v for k, v in {
-    ("elastic", "anchor"): Rule(NOT_BUILT, "the anchor row's world is formed through the fixed fast circuit's store "
-                                           "(docs/elastic.md)"),
+    ("elastic", "anchor"): Rule(WORKS, "the anchor row meets the replicas in a store the lighthouse hosts and pulls "
+                                       "snapshots from the lowest replica linked; asynchronous mode only "
+                                       "(--anchor.delay 0; docs/anchor.md)"),
     ("elastic", "heterogeneous"): Rule(NOT_BUILT, "an elastic run needs replicas alike (--mesh.rows x --mesh.stages)"),
     ("elastic", "codec:subspace"): Rule(NOT_BUILT, "the subspace projector is broadcast over the whole fast circuit "
                                                    "at start"),
@@ -136,6 +137,8 @@ COVERAGE: dict[str, tuple[str, ...]] = {
         ("local", "heterogeneous", "codec:pca", "dp:diloco", "compressor:sparseloco"),
     "tests/test_elastic.py::test_killed_replica_is_restarted_heals_exactly_and_the_run_matches_an_uninterrupted_one":
         ("local", "elastic", "codec:pca", "dp:allreduce", "compressor:powersgd"),
+    "tests/test_elastic_anchor.py::test_elastic_replicas_and_the_anchor_row_die_and_come_back_while_the_other_side_trains":
+        ("local", "elastic", "anchor", "codec:pca", "dp:diloco", "compressor:powersgd"),
     "tests/test_train.py::test_other_codecs_optimizers_and_compressors_train":
         ("local", "codec:topk", "dp:allreduce", "compressor:int8"),
     "tests/test_resume_exact.py::test_m95_ap_delay_mode_crash_then_resume_is_bit_identical":

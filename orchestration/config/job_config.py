@@ -140,7 +140,7 @@ class AnchorConfig:
     state_every: int = _f(1, "anchor rounds between saves of the anchor's state (round counter, factored momentum) to CHECKPOINT_DIR/anchor/; 0: never")
     restarts: int = _f(2, "local launcher: restart a dead anchor row up to this many times (it rejoins the running fast circuit)")
     join: bool = _f(False, "start only the anchor row and join a running fast circuit (with --anchor.store; same config otherwise)")
-    store: str = _f("", "host:port of the running fast circuit's rendezvous store (its MASTER_ADDR:MASTER_PORT) for --anchor.join")
+    store: str = _f("", "host:port of the store where the anchor row meets the fast circuit: for --anchor.join, the running fast circuit's rendezvous store (its MASTER_ADDR:MASTER_PORT); with --mesh.elastic, the anchor store the lighthouse hosts (printed by the local launcher; by hand: orchestration.elastic.lighthouse --anchor-store PORT), given to every replica that joins and to the anchor row")
     secret_file: str = _f("", "the run's anchor secret (anchor rows authenticate with it; docs/security.md); default RUN_DIR/anchor.secret, created 0600 by the fast circuit; pass a copy with --anchor.join on another machine (or set MESHKERN_ANCHOR_SECRET)")
 
 

@@ -204,7 +204,16 @@ def _check_anchor(cfg: Config) -> None:
     _need(a.state_every >= 0 and a.restarts >= 0, "--anchor.state-every and --anchor.restarts must be >= 0")
     _need(not a.join or a.enabled, "--anchor.join needs --anchor.enabled (the config of the running fast circuit)")
     _need(not a.join or bool(a.store), "--anchor.join needs --anchor.store host:port (printed by the fast circuit's launcher)")
-    _need(a.join or not a.store, "--anchor.store is for --anchor.join (a local run's anchor row uses its own launcher's store)")
+    _need(a.join or cfg.mesh.elastic or not a.store,
+          "--anchor.store is for --anchor.join and elastic replicas (a local run's anchor row uses its own launcher's "
+          "store)")
+    if a.enabled and cfg.mesh.elastic:
+        _need(not cfg.mesh.join or bool(a.store),
+              "--mesh.join with --anchor.enabled needs --anchor.store host:port (the anchor store the lighthouse "
+              "hosts: its launcher prints it; by hand, python -m orchestration.elastic.lighthouse --anchor-store PORT)")
+        _need(a.delay == 0, f"--anchor.delay {a.delay} with --mesh.elastic: the delay mode makes every fast rank wait "
+                            "for the update of each snapshot, which a replica that drops out never lets arrive; "
+                            "elastic replicas use the asynchronous anchor (--anchor.delay 0)")
     if a.store:
         host, _, port = a.store.rpartition(":")
         _need(bool(host) and port.isdigit() and 0 < int(port) < 65536, f"--anchor.store must be host:port, got {a.store!r}")

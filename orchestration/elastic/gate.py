@@ -34,10 +34,10 @@ class ElasticGate(StepGate):
     def leader(self) -> bool:
         return self.replica.leader
 
-    def attach(self, *, params, optimizer, sync, save) -> None:
+    def attach(self, *, params, optimizer, sync, save, facts=None) -> None:
         self.params, self.optimizer, self._sync = params, optimizer, sync
         self.replica.attach(self._heal_state, self._load_heal, self._synced_digest, save_fn=save,
-                            codec_digest_fn=lambda: self.codec.digest)
+                            codec_digest_fn=lambda: self.codec.digest, facts_fn=facts)
 
     # ------------------------------------------------------------------ heal state
     def _heal_state(self) -> dict:

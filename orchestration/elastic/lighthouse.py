@@ -9,6 +9,11 @@ must not inherit the lighthouse's Rust runtime threads half-copied.
 
 torchft's ``LighthouseServer.address()`` reports the machine's hostname whatever it is
 bound to; the address printed here is the one bound (``--bind`` host, the port it got).
+
+With ``--anchor-store PORT`` it also hosts the store where an elastic run's anchor rows and
+fast replicas meet (docs/anchor.md, "Elastic replicas": the fixed mesh uses its rendezvous
+store; elastic replicas have no common one), printed as ``ANCHOR_STORE HOST:PORT`` on the
+second line. It lives as long as the lighthouse, i.e. the run.
 """
 from __future__ import annotations
 
@@ -20,25 +25,28 @@ import threading
 
 
 def start_lighthouse(bind: str, min_replicas: int, heartbeat_s: float, join_timeout_s: float,
-                     timeout_s: float = 60.0) -> tuple[subprocess.Popen, str]:
-    """Starts the lighthouse process; returns (process, "http://host:port"). Raises
-    RuntimeError with its stderr if it does not come up within ``timeout_s``."""
+                     timeout_s: float = 60.0, anchor_store: bool = False) -> tuple[subprocess.Popen, str, str]:
+    """Starts the lighthouse process; returns (process, "http://host:port", the anchor
+    store's "host:port" or "" without ``anchor_store``). Raises RuntimeError with its stderr
+    if it does not come up within ``timeout_s``."""
     proc = subprocess.Popen([sys.executable, "-m", "orchestration.elastic.lighthouse", "--bind", bind,
                              "--min-replicas", str(min_replicas), "--heartbeat-ms", str(int(heartbeat_s * 1000)),
-                             "--join-timeout-ms", str(int(join_timeout_s * 1000)), "--exit-with-stdin"],
+                             "--join-timeout-ms", str(int(join_timeout_s * 1000)), "--exit-with-stdin"]
+                            + (["--anchor-store", "0"] if anchor_store else []),
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)  # a Ctrl-C stops the replicas cleanly; it keeps serving them
-    line: list[str] = []
-    reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
+    lines: list[str] = []
+    want = ("LIGHTHOUSE ", "ANCHOR_STORE ") if anchor_store else ("LIGHTHOUSE ",)
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout.readline() for _ in want), daemon=True)
     reader.start()
     reader.join(timeout_s)
-    if not line or not line[0].startswith("LIGHTHOUSE "):
+    if len(lines) < len(want) or any(not x.startswith(w) for x, w in zip(lines, want)):
         proc.kill()
         err = proc.stderr.read() if proc.poll() is not None else ""
         raise RuntimeError(f"the torchft lighthouse did not start on {bind} within {timeout_s:g} s: {err.strip()[-800:]}")
     # its stderr (torchft logs a line per quorum) must not fill the pipe and block it
     threading.Thread(target=proc.stderr.read, daemon=True).start()
-    return proc, line[0].split()[1]
+    return proc, lines[0].split()[1], lines[1].split()[1] if anchor_store else ""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--join-timeout-ms", type=int, default=4000,
                    help="how long a quorum waits for live replicas that have not asked to join it yet")
     p.add_argument("--quorum-tick-ms", type=int, default=50, help="how often the lighthouse tries to form a quorum")
+    p.add_argument("--anchor-store", type=int, default=None, metavar="PORT",
+                   help="also host the store of the run's anchor circuit on the --bind host at PORT (0: any free "
+                        "one); its replicas and anchor row take it as --anchor.store HOST:PORT")
     p.add_argument("--exit-with-stdin", action="store_true",
                    help="stop when stdin closes (the local launcher's pipe; not for a lighthouse started by hand, "
                         "whose stdin may be /dev/null)")
@@ -61,6 +72,19 @@ def main(argv: list[str] | None = None) -> int:
                               quorum_tick_ms=a.quorum_tick_ms, heartbeat_timeout_ms=a.heartbeat_ms)
     port = server.address().rsplit(":", 1)[1]
     print(f"LIGHTHOUSE http://{host}:{port}", flush=True)
+    store = None
+    if a.anchor_store is not None:
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        from orchestration.distributed.mesh import listen_socket
+
+        sock = listen_socket(host, a.anchor_store)  # the --bind host only (TCPStore's own socket binds them all)
+        port = sock.getsockname()[1]
+        store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60),
+                              master_listen_fd=sock.detach(), use_libuv=True)
+        print(f"ANCHOR_STORE {host}:{port}", flush=True)
     import signal
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

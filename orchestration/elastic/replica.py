@@ -87,7 +87,7 @@ class ElasticReplica:
         # replica's own (loopback) rendezvous store at MASTER_ADDR
         store_addr, store_port = replica_store(m.bind, m.timeout_s)
         self.group = ProcessGroupGloo(timeout=tmo)
-        self._state_fn = self._load_fn = self._digest_fn = self._save_fn = self._codec_digest_fn = None
+        self._state_fn = self._load_fn = self._digest_fn = self._save_fn = self._codec_digest_fn = self._facts_fn = None
         self._began = False  # a quorum was had: a step was committed or healed to
         self.leader = mesh.row == 0  # the replica with the lowest number in the last quorum: it writes checkpoints
         self._manager_kw = dict(
@@ -113,12 +113,13 @@ class ElasticReplica:
         self._carry: dict = {}  # the step and commit counts a new Manager starts from (_quorum_or_wait)
         self._attempts_at_try = 0  # the heal transport's receive attempts when this quorum try began
 
-    def attach(self, state_fn, load_fn, digest_fn=None, save_fn=None, codec_digest_fn=None) -> None:
+    def attach(self, state_fn, load_fn, digest_fn=None, save_fn=None, codec_digest_fn=None, facts_fn=None) -> None:
         """``digest_fn() -> str``: a hash of what replicas hold alike after a commit (for
         MESHKERN_ELASTIC_DIGESTS=1 records: the tests check a healed replica against its peers).
         ``save_fn(step)``: checkpoints this replica at a step boundary (the leader calls it
-        when the quorum is lost, so the run stops with its last committed state saved)."""
-        self._state_fn, self._load_fn, self._save_fn = state_fn, load_fn, save_fn
+        when the quorum is lost, so the run stops with its last committed state saved).
+        ``facts_fn() -> dict``: more of the step's record (the anchor hook's counters)."""
+        self._state_fn, self._load_fn, self._save_fn, self._facts_fn = state_fn, load_fn, save_fn, facts_fn
         self._digest_fn = digest_fn if os.environ.get(DIGESTS_ENV) == "1" else None
         self._codec_digest_fn = codec_digest_fn if self._digest_fn is not None else None
 
@@ -316,6 +317,8 @@ class ElasticReplica:
             rec["codec"] = self._codec_digest_fn()  # the calibrated codec state (pca bases), or None
         if quorum:
             rec.update(self._quorum)
+        if self._facts_fn is not None:
+            rec.update(self._facts_fn())
         if self._events is not None:
             self._events.write(json.dumps(rec) + "\n")
             self._events.flush()
