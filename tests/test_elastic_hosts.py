@@ -219,3 +219,62 @@ def test_loopback_advertise_address_is_refused_at_start(tmp_path):
                         "--mesh.replica-id", "1"], env=ENV, log="other.log")
         assert q.wait(BUDGET_S) != 0
         assert f"--mesh.bind {h.addr(0)} is not an address of this host" in "".join(q.lines), q.tail(40)
+
+
+ANCHOR_STORE_PORT = 29511
+ANCHOR_RUN = ["--preset", "m95-ap", "--boundary.codec", "pca", "--anchor.snapshot-every", "2",
+              "--anchor.store", f"{{addr0}}:{ANCHOR_STORE_PORT}"]
+
+
+def test_elastic_replicas_on_hosts_with_the_anchor_row_on_its_own_host(tmp_path):
+    """The recipe of docs/deploy.md section 4 with elastic replicas: the lighthouse on host 0
+    also hosts the anchor store (--anchor-store), a replica on each of hosts 0 and 1 and the
+    anchor row (a torchrun of its 2 stages, --anchor.join) on host 2, all given
+    --anchor.store <host 0>:PORT. Both replicas apply the anchor's updates; host 2 dies and
+    the same line started again there (generation 2) links with both replicas, which trained
+    on meanwhile, and they apply its updates; the replicas stop cleanly."""
+    with Hosts(3, "200mbit", root=str(tmp_path)) as h:
+        from orchestration.config import parse_args, to_yaml
+
+        cfg, _ = parse_args(RUN + [a.replace("{addr0}", h.addr(0)) for a in ANCHOR_RUN])
+        for i in range(3):
+            with open(os.path.join(h.dirs[i], "run.yaml"), "w") as f:
+                f.write(to_yaml(cfg))
+            path = os.path.join(h.dirs[i], "run.secret")
+            with open(path, "w") as f:
+                f.write(SECRET + "\n")
+            os.chmod(path, 0o600)
+        lh = h.popen(0, [sys.executable, "-m", "orchestration.elastic.lighthouse", "--bind",
+                         f"{{addr}}:{LIGHTHOUSE_PORT}", "--anchor-store", str(ANCHOR_STORE_PORT), "--min-replicas",
+                         "1", "--heartbeat-ms", "1000", "--join-timeout-ms", "2000"], env=ENV, log="lighthouse.log")
+        lh.wait_line(rf"^ANCHOR_STORE {re.escape(h.addr(0))}:{ANCHOR_STORE_PORT}$", BUDGET_S)
+        r0, r1 = _replica(h, 0, 0), _replica(h, 1, 1)
+        join = ["-m", "orchestration.train", "--config", "run.yaml", "--anchor.secret-file", "run.secret",
+                "--anchor.join"]
+
+        def anchor_row(port: int):  # what a user runs on host 2: one process per stage, its own rendezvous
+            return h.popen(2, h.torchrun(2, join, port=port, nproc=2, nnodes=1, node_rank=0, master="127.0.0.1"),
+                           env=ENV, log=f"anchor{port}.log")
+
+        anchor_row(29541)
+        procs = [lh, r0, r1]
+
+        def applied(gen: int, more_than: dict) -> bool:
+            recs = _records(h)
+            last = {r: (recs.get((r, 0)) or [{}])[-1] for r in (0, 1)}
+            return all(last[r].get("anchor_generation") == gen and last[r].get("anchor_applied", 0) > more_than[r]
+                       for r in (0, 1))
+
+        _wait(lambda: applied(1, {0: 1, 1: 1}), procs, "both replicas apply generation 1's updates")
+        h.kill_host(2)  # the anchor's machine dies
+        before = {r: _records(h)[(r, 0)][-1]["anchor_applied"] for r in (0, 1)}
+        anchor_row(29542)
+        _wait(lambda: applied(2, before), procs, "both replicas apply generation 2's updates")
+        recs = _records(h)
+        assert all(x["incarnation"] == 0 for r in (0, 1) for x in recs[(r, 0)])  # no replica stopped
+        for i in (0, 1):
+            assert h.stop_training(i)
+        codes = [p.wait(BUDGET_S) for p in (r0, r1)]
+        lh.signal(signal.SIGTERM)
+        assert codes == [0, 0], "\n".join(p.tail(30) for p in (r0, r1))
+        assert _digests_agree(_records(h)) >= 2

@@ -28,7 +28,7 @@ def launch_torchrun(cfg, plan, layout: MeshLayout) -> int:
         print(f"error: torchrun started {world} processes, the {what} needs {want}{extra}", file=sys.stderr)
         return 2
     rank = int(os.environ["RANK"])
-    if cfg.mesh.elastic:  # one torchrun per replica, joining a lighthouse
+    if cfg.mesh.elastic and not join:  # one torchrun per replica, joining a lighthouse (an anchor row: below)
         from orchestration.launch.elastic import torchrun_replica
 
         return torchrun_replica(cfg, plan, layout, rank, world)
