@@ -136,6 +136,22 @@ def test_randomized_svd_exact_path_and_determinism():
     assert U1.shape == (40, 10) and torch.allclose(S1, a[1][0], rtol=1e-5)
 
 
+def test_randomized_svd_v_is_orthonormal_with_a_tail_near_the_floor():
+    """A rank-12 signal over a continuum of singular values just above the floor (4 sqrt(eps)
+    s_1), like the anchor momentum of a subspace-constrained model: V = B^T W / s from the Gram
+    matrix's eigenvectors was off by 8e-3 here (0.06-0.14 on the real momentum, which the fast
+    side's FACTOR_ORTHO_TOL of 0.05 then rejected); with the final QR it is orthonormal."""
+    s = torch.cat([torch.logspace(0, -1.4, 12, dtype=torch.float64),
+                   torch.linspace(1.8e-3, 1e-4, 192 - 12, dtype=torch.float64)])
+    M = _known_spectrum(4, 512, 192, s, seed=2)
+    U, S, V = sp.randomized_svd(M, 16, oversample=16, power_iters=3, method="randomized", seed=0)
+    kept = (S > 0).to(V.dtype)
+    assert (V.mT @ V - torch.diag_embed(kept)).abs().max() <= 1e-4
+    assert (U.mT @ U - torch.eye(16)).abs().max() <= 1e-4
+    top = torch.linalg.svdvals(M.double())[:, :12]  # the signal's singular values are unchanged
+    assert ((S[:, :12].double() - top) / top).abs().max() < 1e-3
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_randomized_svd_rank_deficient_and_zero(backend):
     g = torch.Generator().manual_seed(1)
