@@ -39,11 +39,19 @@ RUN_ARGV = {  # the flags of each feature on the tiny model (4 layers, H = 40)
 }
 
 
-def _argv(tiny, tmp_path, feats, *extra):
+STACK_ARGV = {  # more flags of one stack
+    # the factored transport: the anchor's SVD of the rank-deficient momentum a subspace-constrained
+    # model gives (its residual stream spans k dims) once failed the fast side's orthonormality check
+    "anchor-subspace-diloco-powersgd": ["--anchor.transport", "factored"],
+}
+
+
+def _argv(tiny, tmp_path, feats, *extra, stack=""):
     argv = [] if {"heterogeneous", "anchor"} & set(feats) else ["--mesh.rows", "2", "--mesh.stages", "2"]
     for f in feats:
         argv += RUN_ARGV.get(f, [])
-    return _args(tiny, tmp_path, *argv, "--train.steps", "4", "--checkpoint.every", "2", *extra)
+    return _args(tiny, tmp_path, *argv, *STACK_ARGV.get(stack, []), "--train.steps", "4", "--checkpoint.every", "2",
+                 *extra)
 
 
 def _run(argv):
@@ -62,7 +70,7 @@ def _run(argv):
 def test_stack(tiny, tmp_path_factory, stack):
     feats = comp.STACKS[stack]
     tmp_path = tmp_path_factory.mktemp(stack)
-    cfg, plan, res = _run(_argv(tiny, tmp_path, feats))
+    cfg, plan, res = _run(_argv(tiny, tmp_path, feats, stack=stack))
     assert set(feats) - {"local", "resume"} <= set(comp.active(cfg))  # the run has what the stack names
     fast = [r for r in res if not r.get("anchor")]  # (the anchor row reports its own record)
     assert len(fast) == sum(cfg.replica_stages)
@@ -80,7 +88,8 @@ def test_stack(tiny, tmp_path_factory, stack):
         assert (rec["bytes"]["pp_fwd"] > 0) == sends_fwd and (rec["bytes"]["pp_bwd"] > 0) == (stage > 0), rank
         assert (rec["bytes"]["dp"] > 0) == (cfg.dp.mode != "none"), rank
     if cfg.anchor.enabled:
-        assert read_jsonl(f"{plan.run_dir}/metrics.jsonl")[-1]["anchor_applied"] > 0
+        last = read_jsonl(f"{plan.run_dir}/metrics.jsonl")[-1]
+        assert last["anchor_applied"] > 0 and last["anchor_rejected"] == 0, last
     if cfg.adapter.kind == "lora":
         from safetensors.torch import load_file
 
@@ -88,7 +97,7 @@ def test_stack(tiny, tmp_path_factory, stack):
         assert all(v.abs().max() > 0 for k, v in adapters.items() if ".lora_B." in k)
     if "resume" in feats:
         step2 = ckpt.step_dir(plan.ckpt_dir, 2)
-        _, _, res2 = _run(_argv(tiny, tmp_path, feats, "--checkpoint.resume", step2))
+        _, _, res2 = _run(_argv(tiny, tmp_path, feats, "--checkpoint.resume", step2, stack=stack))
         if cfg.anchor.enabled:
             # The step after the checkpoint is the uninterrupted run's bit for bit (weights,
             # optimizer and anchor state restored). The next one is not with a snapshot every

@@ -78,8 +78,9 @@ RULES: dict[frozenset, Rule] = {frozenset(k): v for k, v in {
     ("anchor", "heterogeneous"): Rule(NOT_BUILT, "the anchor row is one replica of the fast replicas' split and meets "
                                                  "them stage by stage; replicas of different depths have no common "
                                                  "stages"),
-    ("anchor", "codec:subspace"): Rule(NOT_BUILT, "the anchor row would need the constraint and the frozen embedding "
-                                                  "too"),
+    ("anchor", "codec:subspace"): Rule(WORKS, "the anchor computes its gradient on a snapshot of the constrained "
+                                              "weights (the embedding frozen on every rank); the fast replica applies "
+                                              "the prior, then puts its weights back into the subspace"),
     ("lora", "codec:subspace"): Rule(INHERENT, _SUBSPACE_FROZEN),
     **{("dp:none", f"compressor:{k}"): Rule(WORKS, "accepted; with no DP sync the compressor is unused")
        for k in ("powersgd", "sparseloco", "int8")},
@@ -121,6 +122,8 @@ STACKS: dict[str, tuple[str, ...]] = {
     "anchor-tahquant-diloco-powersgd": ("local", "anchor", "codec:tahquant", "dp:diloco", "compressor:powersgd",
                                         "bf16", "resume"),
     "hetero-subspace-none": ("local", "heterogeneous", "codec:subspace", "dp:none", "bf16", "resume"),
+    "anchor-subspace-diloco-powersgd": ("local", "anchor", "codec:subspace", "dp:diloco", "compressor:powersgd",
+                                        "resume"),
     "bottleneck-lora-none": ("local", "codec:bottleneck", "lora", "dp:none", "bf16", "resume"),
 }
 COVERAGE: dict[str, tuple[str, ...]] = {

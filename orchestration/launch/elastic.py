@@ -17,7 +17,7 @@ from orchestration.distributed.mesh import MeshLayout
 from orchestration.elastic.events import events_dir, summarize_events, summary_line
 from orchestration.launch.outcome import exit_code
 from orchestration.launch.processes import MeshFailure
-from orchestration.launch.rank import ElasticRole, run_rank
+from orchestration.launch.rank import ElasticRole, anchor_row_rank, run_rank
 
 
 def torchft_missing() -> str | None:
@@ -94,12 +94,11 @@ class AnchorRow:
         import multiprocessing as mp
         import threading
 
-        from orchestration.launch.local import _anchor_row_rank
         from orchestration.launch.processes import LocalRanks, free_port
 
         m = cfg.mesh
         self.layout = layout
-        self.ranks = LocalRanks(_anchor_row_rank, layout.stages, (cfg, plan),
+        self.ranks = LocalRanks(anchor_row_rank, layout.stages, (cfg, plan),
                                 mp.get_context(devices.start_method(m.start_method, m.device)), free_port(),
                                 m.threads_per_rank, lambda r: layout.describe(layout.anchor_rank(r)),
                                 set(range(layout.stages)), cfg.anchor.restarts)

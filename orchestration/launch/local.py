@@ -17,7 +17,7 @@ from orchestration.distributed import devices
 from orchestration.distributed.mesh import MeshLayout
 from orchestration.launch.outcome import exit_code
 from orchestration.launch.processes import MeshFailure, free_port, run_local
-from orchestration.launch.rank import run_rank
+from orchestration.launch.rank import anchor_row_rank, run_rank
 
 
 def launch_local(cfg, plan, layout: MeshLayout) -> int:
@@ -57,11 +57,6 @@ def launch_local(cfg, plan, layout: MeshLayout) -> int:
     return exit_code(res)
 
 
-def _anchor_row_rank(index: int, world_size: int, cfg, plan) -> dict:
-    """Process ``index`` of a joining anchor row is the anchor rank of stage ``index``."""
-    return run_rank(MeshLayout.of(cfg, anchor=True).anchor_rank(index), world_size, cfg, plan)
-
-
 def join_anchor_row(cfg, plan, layout: MeshLayout) -> int:
     """--anchor.join: the anchor row's processes, joining the running fast circuit."""
     from orchestration.anchor import store_address
@@ -74,7 +69,7 @@ def join_anchor_row(cfg, plan, layout: MeshLayout) -> int:
               "running? (its launcher prints the address)", file=sys.stderr)
         return 2
     try:
-        res = run_local(_anchor_row_rank, layout.stages, (cfg, plan),
+        res = run_local(anchor_row_rank, layout.stages, (cfg, plan),
                         start_method=devices.start_method(cfg.mesh.start_method, cfg.mesh.device),
                         threads=cfg.mesh.threads_per_rank, optional=set(range(layout.stages)),
                         describe=lambda r: layout.describe(layout.anchor_rank(r)),

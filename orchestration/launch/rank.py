@@ -65,6 +65,12 @@ def run_rank(rank: int, world_size: int, cfg, plan, role: ElasticRole | None = N
         destroy_mesh()
 
 
+def anchor_row_rank(index: int, world_size: int, cfg, plan) -> dict:
+    """Process ``index`` of an anchor row started on its own (--anchor.join, or beside an
+    elastic run's replicas) is the anchor rank of stage ``index``."""
+    return run_rank(MeshLayout.of(cfg, anchor=True).anchor_rank(index), world_size, cfg, plan)
+
+
 def _join_replica(layout: MeshLayout, stage: int, cfg, plan, role: ElasticRole):
     """Stage ``stage`` of elastic replica ``role.replica``: the replica's own world and its
     torchft manager; returns (mesh, gate)."""
