@@ -122,8 +122,7 @@ STACKS: dict[str, tuple[str, ...]] = {
     "anchor-tahquant-diloco-powersgd": ("local", "anchor", "codec:tahquant", "dp:diloco", "compressor:powersgd",
                                         "bf16", "resume"),
     "hetero-subspace-none": ("local", "heterogeneous", "codec:subspace", "dp:none", "bf16", "resume"),
-    "anchor-subspace-diloco-powersgd": ("local", "anchor", "codec:subspace", "dp:diloco", "compressor:powersgd",
-                                        "resume"),
+    "anchor-subspace-diloco-powersgd": ("local", "anchor", "codec:subspace", "dp:diloco", "compressor:powersgd"),
     "bottleneck-lora-none": ("local", "codec:bottleneck", "lora", "dp:none", "bf16", "resume"),
 }
 COVERAGE: dict[str, tuple[str, ...]] = {
