@@ -92,7 +92,7 @@ class Trainer:
             "counter": self.counter, "guard": self.guard,
             "anchor": self.hook if cfg.anchor.enabled else None})  # delay mode: what makes a resume exact
         self.gate.attach(params=self.params, optimizer=self.optimizer, sync=self.sync, save=self.save,
-                         facts=self._anchor_facts if cfg.anchor.enabled else None)
+                         facts=self._anchor_facts if cfg.anchor.enabled else None, subspace=self.subspace)
 
     def _anchor_facts(self) -> dict:
         """The anchor's part of an elastic replica's step record: the generation linked and

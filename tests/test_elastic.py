@@ -288,6 +288,22 @@ def test_two_die_together_the_last_one_stops_the_run_with_a_valid_checkpoint(tmp
     assert ckpt.read_meta(last)["step"] >= at
 
 
+def test_subspace_codec_replicas_hold_one_basis_and_a_healed_one_takes_its_peers(tmp_path):
+    """The subspace codec on elastic replicas: each computes U from the base model, the
+    step-0 quorum compares them (one digest), a killed replica restarts and heals, and every
+    committed step's weights (allreduce mode) and codec state agree on every replica."""
+    rc, log = _run(_cmd(tmp_path, "sub", "--mesh.rows", "2", "--boundary.codec", "subspace", "--boundary.options",
+                        '{"k": 8}', "--dp.mode", "allreduce", "--train.steps", "8", "--run.fail-rank", "2",
+                        "--run.fail-step", "3"), tmp_path / "sub.log")
+    assert rc == 0, log[-3000:]
+    assert "fast replica 1 stopped" in log and "restarting it" in log
+    recs = _records(tmp_path / "sub")
+    assert [x for x in recs[(1, 0)] if x.get("healed_to") is not None and x["incarnation"] == 1]
+    assert _digests_agree(recs) >= 8
+    codecs = {x["codec"] for rs in recs.values() for x in rs if x["committed"]}
+    assert len(codecs) == 1 and None not in codecs, codecs
+
+
 def test_below_min_replicas_the_run_waits_then_stops_with_a_checkpoint(tmp_path):
     rc, log = _run(_cmd(tmp_path, "minrep", "--mesh.rows", "2", "--mesh.min-replicas", "2",
                         "--mesh.quorum-timeout-s", "5", "--mesh.rejoin-timeout-s", "0", "--mesh.replica-restarts", "0", "--dp.mode", "allreduce",

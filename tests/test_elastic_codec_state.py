@@ -12,7 +12,7 @@ from orchestration import codecs  # noqa: E402
 from orchestration.components import calibration  # noqa: E402
 from orchestration.config import parse_args  # noqa: E402
 from orchestration.distributed.addresses import advertise_problem, local_problem  # noqa: E402
-from orchestration.elastic.calibrated import CodecState, digest  # noqa: E402
+from orchestration.elastic.calibrated import SUBSPACE_KEY, CodecMismatch, CodecState, digest  # noqa: E402
 
 
 @pytest.fixture
@@ -62,6 +62,40 @@ def test_only_stage_0_writes_the_basis_file(tmp_path, bases):
     theirs = {k: v + 1.0 for k, v in mine.state()["tensors"].items()}
     assert mine.adopt(theirs, "peer")
     assert not (tmp_path / calibration.BASIS_FILE).exists()
+
+
+def test_the_subspace_basis_is_taken_at_a_heal_and_a_different_one_stops_a_replica_at_step_0(tmp_path):
+    """The subspace codec's U (the real SubspaceRun, constraining a tiny stage): a heal's U is
+    taken (in place: the projector and the codec's table follow), a differing U at the step-0
+    agreement is refused, since this replica's weights are already constrained to its own."""
+    from orchestration.codecs import make_codec
+    from orchestration.subspace import constraint as sub
+    from orchestration.subspace.training import SubspaceRun
+
+    cfg, _ = parse_args(["--mesh.elastic", "--boundary.codec", "subspace", "--boundary.options", '{"k": 2}'])
+    H = 6
+    stage = torch.nn.Module()
+    stage.self_attn = torch.nn.Module()
+    stage.self_attn.o_proj = torch.nn.Linear(H, H, bias=False)  # an output projection: constrained
+    codec = make_codec("subspace", k=2)
+    E = torch.randn(10, H)
+    mesh = type("M", (), {"fast": None, "row": 0, "device": "cpu"})()
+    run = SubspaceRun(cfg, mesh, stage, codec, {"U": sub.make_basis(H, 2, seed=0), "E": E})
+    mine = CodecState(cfg, str(tmp_path), 0, "test rank")
+    mine.attach_subspace(run)
+    sd = mine.state()
+    assert set(sd["tensors"]) == {SUBSPACE_KEY} and sd["digest"] == mine.digest
+    other = sub.make_basis(H, 2, seed=1)
+    theirs = {SUBSPACE_KEY: other}
+    with pytest.raises(CodecMismatch, match="subspace basis differs"):
+        mine.adopt(theirs, "the quorum's leader at step 0", weights_follow=False)
+    assert not torch.equal(run.U, other)
+    project = run.projector
+    mine.load({"digest": digest(theirs), "tensors": theirs}, "a live peer's heal")
+    assert torch.equal(run.U, other) and mine.digest == digest(theirs)
+    w = torch.randn(H, H)
+    name = "self_attn.o_proj.weight"
+    assert torch.allclose(project(name, w), sub.project_tensor(name, w, other))
 
 
 def test_advertised_addresses():

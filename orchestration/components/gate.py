@@ -29,9 +29,10 @@ class StepGate:
     incarnation = 0  # how many times this rank's replica was restarted before
     leader = True  # this rank's replica writes checkpoints (rank 0's stage files among them)
 
-    def attach(self, *, params, optimizer, sync, save, facts=None) -> None:
+    def attach(self, *, params, optimizer, sync, save, facts=None, subspace=None) -> None:
         """The parts a gate may need to heal or save this rank (an elastic one does);
-        ``facts() -> dict``: what else each step's record carries (the anchor hook's)."""
+        ``facts() -> dict``: what else each step's record carries (the anchor hook's);
+        ``subspace``: the rank's SubspaceRun (its basis is calibrated state)."""
 
     def start(self, step: int) -> int:
         return step

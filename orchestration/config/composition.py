@@ -71,8 +71,9 @@ RULES: dict[frozenset, Rule] = {frozenset(k): v for k, v in {
                                        "snapshots from the lowest replica linked; asynchronous mode only "
                                        "(--anchor.delay 0; docs/anchor.md)"),
     ("elastic", "heterogeneous"): Rule(NOT_BUILT, "an elastic run needs replicas alike (--mesh.rows x --mesh.stages)"),
-    ("elastic", "codec:subspace"): Rule(NOT_BUILT, "the subspace projector is broadcast over the whole fast circuit "
-                                                   "at start"),
+    ("elastic", "codec:subspace"): Rule(WORKS, "each replica computes the basis from the base model; the replicas "
+                                               "compare it at step 0 (a replica whose basis differs stops) and a "
+                                               "heal carries it with the weights"),
     ("elastic", "dp:none"): Rule(INHERENT, "an elastic replica drops out of and heals into the DP sync; with no DP "
                                            "sync there is nothing to drop out of or heal from"),
     ("anchor", "heterogeneous"): Rule(NOT_BUILT, "the anchor row is one replica of the fast replicas' split and meets "
@@ -141,6 +142,8 @@ COVERAGE: dict[str, tuple[str, ...]] = {
         ("local", "elastic", "codec:pca", "dp:allreduce", "compressor:powersgd"),
     "tests/test_elastic_anchor.py::test_elastic_replicas_and_the_anchor_row_die_and_come_back_while_the_other_side_trains":
         ("local", "elastic", "anchor", "codec:pca", "dp:diloco", "compressor:powersgd"),
+    "tests/test_elastic.py::test_subspace_codec_replicas_hold_one_basis_and_a_healed_one_takes_its_peers":
+        ("local", "elastic", "codec:subspace", "dp:allreduce"),
     "tests/test_train.py::test_other_codecs_optimizers_and_compressors_train":
         ("local", "codec:topk", "dp:allreduce", "compressor:int8"),
     "tests/test_resume_exact.py::test_m95_ap_delay_mode_crash_then_resume_is_bit_identical":

@@ -13,7 +13,7 @@ import torch
 
 from meshkern.compress import SyncError
 from orchestration.components.gate import StepGate
-from orchestration.elastic.calibrated import CodecState
+from orchestration.elastic.calibrated import CodecMismatch, CodecState
 
 
 class ElasticGate(StepGate):
@@ -34,8 +34,10 @@ class ElasticGate(StepGate):
     def leader(self) -> bool:
         return self.replica.leader
 
-    def attach(self, *, params, optimizer, sync, save, facts=None) -> None:
+    def attach(self, *, params, optimizer, sync, save, facts=None, subspace=None) -> None:
         self.params, self.optimizer, self._sync = params, optimizer, sync
+        if subspace is not None:
+            self.codec.attach_subspace(subspace)
         self.replica.attach(self._heal_state, self._load_heal, self._synced_digest, save_fn=save,
                             codec_digest_fn=lambda: self.codec.digest, facts_fn=facts)
 
@@ -82,6 +84,8 @@ class ElasticGate(StepGate):
         if r.healed_to is None and r.manager.current_step() == 0 and r.manager.num_participants() > 1:
             try:  # nobody has committed, so nobody heals: the members agree on the codec's bases here
                 self.codec.agree(r.group, r.leader)
+            except CodecMismatch:
+                raise  # this replica cannot train with the others (calibrated.py): it stops, saying why
             except Exception as e:  # a peer died in it: this step does not commit, the next quorum agrees again
                 r.failed(e)
         return step

@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         port = sock.getsockname()[1]
         store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60),
                               master_listen_fd=sock.detach(), use_libuv=True)
-        print(f"ANCHOR_STORE {host}:{port}", flush=True)
+        print(f"ANCHOR_STORE {host}:{port}", flush=True)  # (``store`` serves while it is referenced)
     import signal
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

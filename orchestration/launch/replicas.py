@@ -22,7 +22,7 @@ import threading
 
 from orchestration.launch.processes import LocalRanks, MeshFailure, free_port
 
-NO_RESTART = ("QuorumLost", "HealRefused")  # a restart would fail the same way
+NO_RESTART = ("QuorumLost", "HealRefused", "CodecMismatch")  # a restart would fail the same way
 
 
 class ElasticLaunch:

@@ -60,13 +60,20 @@ class SubspaceRun:
             dist.broadcast(buf, src=0, group=mesh.fast)
             U = buf.cpu()
         self.U, self.E = U, init["E"]
-        self.stage = stage
+        self.stage, self.codec = stage, codec
         self.constrained = cfg.replica_codec(mesh.row) == "subspace"
         if hasattr(codec, "attach"):
             codec.attach(self.E, self.U)
         self.projector = sub.make_projector(self.U) if self.constrained else None
         if self.constrained:
             sub.constrain_(stage, self.U)
+
+    def adopt_basis(self, U: torch.Tensor) -> None:
+        """Takes a peer's basis in place (an elastic heal: the weights come from that peer,
+        constrained to it); the projector and the codec's encode table follow."""
+        self.U.copy_(U.to(self.U.dtype))
+        if hasattr(self.codec, "attach"):
+            self.codec.attach(self.E, self.U)
 
     def project_grads(self) -> None:
         """Before clipping and the optimizer step: project the output projections' gradients
