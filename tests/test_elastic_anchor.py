@@ -24,7 +24,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -32,6 +31,7 @@ pytest.importorskip("torchft", reason="torchft (pip install meshkern[elastic]) r
 
 from orchestration.anchor.node import rounds_path  # noqa: E402
 from orchestration.elastic.events import read_events  # noqa: E402
+from test_elastic import _wait_for  # noqa: E402
 
 pytestmark = pytest.mark.slow
 BUDGET_S = 600  # per phase: a loaded 2-core machine runs this 5-10x slower than idle
@@ -48,18 +48,6 @@ def _rounds(run_dir, stage):
             except ValueError:
                 pass  # a line torn by the kill
     return out
-
-
-def _wait_for(pred, proc, what):
-    deadline = time.monotonic() + BUDGET_S
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        if proc.poll() is not None:
-            raise AssertionError(f"the run ended (rc {proc.returncode}) before: {what}")
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for: {what}")
 
 
 def _last(recs, replica, incarnation=None):
@@ -87,11 +75,11 @@ def test_elastic_replicas_and_the_anchor_row_die_and_come_back_while_the_other_s
             return r is not None and r["anchor_generation"] == gen and r["anchor_applied"] >= at_least
 
         # 1. both replicas take generation 1's updates
-        _wait_for(lambda: applied(0, 1, 2) and applied(1, 1, 2), proc, "both replicas apply anchor updates")
+        _wait_for(lambda: applied(0, 1, 2) and applied(1, 1, 2), [proc], "both replicas apply anchor updates")
 
         # 2. replica 1 killed, restarted, healed; its new incarnation links and applies updates
         os.kill(_last(ev(), 1)["pid"], signal.SIGKILL)
-        _wait_for(lambda: applied(1, 1, 2, incarnation=1), proc, "replica 1's new incarnation applies updates")
+        _wait_for(lambda: applied(1, 1, 2, incarnation=1), [proc], "replica 1's new incarnation applies updates")
         healed = [r for r in ev()[(1, 0)] if r["incarnation"] == 1 and r.get("healed_to") is not None]
         assert healed and healed[0]["heal_bytes"] > 0
 
@@ -101,7 +89,7 @@ def test_elastic_replicas_and_the_anchor_row_die_and_come_back_while_the_other_s
         before = {r: _last(ev(), r)["anchor_applied"] for r in (0, 1)}
         for pid in pids:
             os.kill(pid, signal.SIGKILL)
-        _wait_for(lambda: applied(0, 2, before[0] + 1) and applied(1, 2, before[1] + 1), proc,
+        _wait_for(lambda: applied(0, 2, before[0] + 1) and applied(1, 2, before[1] + 1), [proc],
                   "both replicas apply generation 2's updates")
         assert _last(ev(), 0)["incarnation"] == 0  # replica 0 was never restarted
         assert _last(ev(), 0)["anchor_joins"] == 2  # it linked with generation 1, then 2
@@ -110,7 +98,7 @@ def test_elastic_replicas_and_the_anchor_row_die_and_come_back_while_the_other_s
         n1 = _last(ev(), 1)["anchor_applied"]
         os.kill(_last(ev(), 0)["pid"], signal.SIGKILL)
         _wait_for(lambda: any(r["generation"] == 2 and r["server"] == 1 for r in _rounds(run, 0))
-                  and applied(1, 2, n1 + 2), proc, "the anchor row pulls from replica 1 and replica 1 applies it")
+                  and applied(1, 2, n1 + 2), [proc], "the anchor row pulls from replica 1 and replica 1 applies it")
 
         # 5. Ctrl-C: a clean stop with a checkpoint
         proc.send_signal(signal.SIGINT)

@@ -41,11 +41,12 @@ RUN = ["--run.name", "eh", "--mesh.elastic", "--mesh.rows", "3", "--mesh.stages"
        "--mesh.rejoin-timeout-s", str(REJOIN_S), "--run.bandwidth-bps", "200e6"]
 
 
-def _setup(h: Hosts, hosts) -> None:
-    """run.yaml and the secret file on each host's disk, nothing else (the recipe's copies)."""
+def _setup(h: Hosts, hosts, argv=RUN) -> None:
+    """run.yaml (of ``argv``) and the secret file on each host's disk, nothing else (the
+    recipe's copies)."""
     from orchestration.config import parse_args, to_yaml
 
-    cfg, _ = parse_args(RUN)
+    cfg, _ = parse_args(argv)
     for i in hosts:
         with open(os.path.join(h.dirs[i], "run.yaml"), "w") as f:
             f.write(to_yaml(cfg))
@@ -234,16 +235,7 @@ def test_elastic_replicas_on_hosts_with_the_anchor_row_on_its_own_host(tmp_path)
     the same line started again there (generation 2) links with both replicas, which trained
     on meanwhile, and they apply its updates; the replicas stop cleanly."""
     with Hosts(3, "200mbit", root=str(tmp_path)) as h:
-        from orchestration.config import parse_args, to_yaml
-
-        cfg, _ = parse_args(RUN + [a.replace("{addr0}", h.addr(0)) for a in ANCHOR_RUN])
-        for i in range(3):
-            with open(os.path.join(h.dirs[i], "run.yaml"), "w") as f:
-                f.write(to_yaml(cfg))
-            path = os.path.join(h.dirs[i], "run.secret")
-            with open(path, "w") as f:
-                f.write(SECRET + "\n")
-            os.chmod(path, 0o600)
+        _setup(h, (0, 1, 2), RUN + [a.replace("{addr0}", h.addr(0)) for a in ANCHOR_RUN])
         lh = h.popen(0, [sys.executable, "-m", "orchestration.elastic.lighthouse", "--bind",
                          f"{{addr}}:{LIGHTHOUSE_PORT}", "--anchor-store", str(ANCHOR_STORE_PORT), "--min-replicas",
                          "1", "--heartbeat-ms", "1000", "--join-timeout-ms", "2000"], env=ENV, log="lighthouse.log")
