@@ -111,6 +111,17 @@ def test_elastic_replicas_and_the_anchor_row_die_and_come_back_while_the_other_s
     assert "fast replica 0 stopped for good" in out, out[-3000:]
     assert os.listdir(run / "checkpoints"), out[-3000:]
 
+    # bytes per token of an elastic replica: its own bytes over its own tokens (it printed
+    # half of it with two replicas: the whole run's tokens)
+    from orchestration.components.metrics import read_jsonl
+    from orchestration.config import parse_args
+
+    cfg, _ = parse_args(["--config", str(run / "config.yaml")])
+    last = read_jsonl(str(run / "metrics.jsonl"))[-1]
+    own = last["step"] * cfg.train.batch_size * cfg.data.seq_len
+    assert last["bytes"]["pp_fwd"] > 0
+    assert abs(last["bytes_per_token"]["pp_fwd"] * own - last["bytes"]["pp_fwd"]) <= 1e-6 * last["bytes"]["pp_fwd"]
+
     recs = read_events(str(run))
     by = {}
     for (r, s), rs in recs.items():

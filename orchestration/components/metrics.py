@@ -209,7 +209,10 @@ def reduce_step(cfg, mesh, step: int, stats, gnorm: float, skipped: int, counter
            "fwd_s": vec[4:4 + Y].tolist(), "bwd_s": vec[4 + Y:4 + 2 * Y].tolist(),
            "bytes": {a: int(vec[4 + 2 * Y + i]) for i, a in enumerate(AXES)},
            "dp_bytes_by_stage": [int(v) for v in vec[4 + 2 * Y + len(AXES):].tolist()]}
-    rec["bytes_per_token"] = {a: rec["bytes"][a] / rec["tokens"] for a in AXES}
+    # per token of the replicas whose bytes were summed (an elastic replica: its own tokens,
+    # not the whole run's; it once printed half its bytes per token with two replicas)
+    spanned = (step + 1) * X * t.batch_size * cfg.data.seq_len
+    rec["bytes_per_token"] = {a: rec["bytes"][a] / spanned for a in AXES}
     return rec, vec[0].item() > 0
 
 
