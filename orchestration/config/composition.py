@@ -142,6 +142,8 @@ COVERAGE: dict[str, tuple[str, ...]] = {
         ("local", "elastic", "codec:pca", "dp:allreduce", "compressor:powersgd"),
     "tests/test_elastic_anchor.py::test_elastic_replicas_and_the_anchor_row_die_and_come_back_while_the_other_side_trains":
         ("local", "elastic", "anchor", "codec:pca", "dp:diloco", "compressor:powersgd"),
+    "tests/test_elastic_hosts.py::test_elastic_replicas_on_hosts_with_the_anchor_row_on_its_own_host":
+        ("torchrun", "elastic", "anchor", "codec:pca", "dp:diloco", "compressor:powersgd"),
     "tests/test_elastic.py::test_subspace_codec_replicas_hold_one_basis_and_a_healed_one_takes_its_peers":
         ("local", "elastic", "codec:subspace", "dp:allreduce"),
     "tests/test_train.py::test_other_codecs_optimizers_and_compressors_train":
