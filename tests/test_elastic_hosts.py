@@ -231,9 +231,9 @@ def test_elastic_replicas_on_hosts_with_the_anchor_row_on_its_own_host(tmp_path)
     """The recipe of docs/deploy.md section 4 with elastic replicas: the lighthouse on host 0
     also hosts the anchor store (--anchor-store), a replica on each of hosts 0 and 1 and the
     anchor row (a torchrun of its 2 stages, --anchor.join) on host 2, all given
-    --anchor.store <host 0>:PORT. Both replicas apply the anchor's updates; host 2 dies and
-    the same line started again there (generation 2) links with both replicas, which trained
-    on meanwhile, and they apply its updates; the replicas stop cleanly."""
+    --anchor.store <host 0>:PORT. Both replicas apply the anchor's updates and stop cleanly.
+    (An anchor row killed and started again: tests/test_elastic_anchor.py for elastic
+    replicas, tests/test_hosts_anchor.py across hosts.)"""
     with Hosts(3, "200mbit", root=str(tmp_path)) as h:
         _setup(h, (0, 1, 2), RUN + [a.replace("{addr0}", h.addr(0)) for a in ANCHOR_RUN])
         lh = h.popen(0, [sys.executable, "-m", "orchestration.elastic.lighthouse", "--bind",
@@ -257,11 +257,7 @@ def test_elastic_replicas_on_hosts_with_the_anchor_row_on_its_own_host(tmp_path)
             return all(last[r].get("anchor_generation") == gen and last[r].get("anchor_applied", 0) > more_than[r]
                        for r in (0, 1))
 
-        _wait(lambda: applied(1, {0: 1, 1: 1}), procs, "both replicas apply generation 1's updates")
-        h.kill_host(2)  # the anchor's machine dies
-        before = {r: _records(h)[(r, 0)][-1]["anchor_applied"] for r in (0, 1)}
-        anchor_row(29542)
-        _wait(lambda: applied(2, before), procs, "both replicas apply generation 2's updates")
+        _wait(lambda: applied(1, {0: 1, 1: 1}), procs, "both replicas apply the anchor's updates")
         recs = _records(h)
         assert all(x["incarnation"] == 0 for r in (0, 1) for x in recs[(r, 0)])  # no replica stopped
         for i in (0, 1):
