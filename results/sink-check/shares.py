@@ -1,0 +1,78 @@
+"""Share of dense's gain at step 200 of the deployed pcanf model (seed 0), and of it with
+position 0's int8 round trip (`sink`), the projection on the basis's span (`span`) or both
+(`span+sink`) kept at the boundary; and what the same transforms do to the base model and to
+the dense-trained model (through the pcanf run's basis).
+
+    python results/sink-check/shares.py      # from the repository root; prints two markdown tables
+
+share = (base - loss) / (base - dense); base and dense (step 200) from the tracked seed-0 dense
+record of each domain's long runs; the pcanf losses from the step-200 mismatch files (their
+`deployed` is the step-200 held-out loss, on the same 32 held-out rows as the records).
+"""
+import json
+import os
+
+R = "results/"
+DOMAINS = {  # domain: tracked dense s0 record, tracked pcanf s0 record, pcanf step-200 mismatch,
+    #           base-model mismatch, dense step-200 mismatch through the pcanf basis
+    "python": (R + "real-long/records/dense-s0.json", R + "real-long/records/pcanf-s0.json",
+               R + "sink-check/mismatch-pcanf-s0-python-step200.jsonl",
+               R + "far-locales-long/base-mismatch-python.jsonl",
+               R + "sink-check/mismatch-dense-s0-python-step200-pcanfbasis.jsonl"),
+    "prose": (R + "real-prose-long/records/dense-s0.json", R + "real-prose-long/records/pcanf-s0.json",
+              R + "sink-check/mismatch-pcanf-s0-prose-step200.jsonl",
+              R + "far-locales-long/base-mismatch-prose.jsonl",
+              R + "sink-check/mismatch-dense-s0-prose-step200-pcanfbasis.jsonl"),
+    "locales": (R + "far-locales-long/records/dense-s0.json", R + "far-locales-long/records/pcanf-s0.json",
+                R + "far-locales-long/mismatch-pcanf-s0-step200-spansink.jsonl",
+                R + "far-locales-long/mismatch-pcanf-s0-step0.jsonl",
+                R + "far-locales-long/mismatch-dense-s0-pcanfbasis.jsonl"),
+}
+
+
+def at(rec, step):
+    return next(c["loss"] for c in rec["curve"] if c["step"] == step)
+
+
+def losses(path, step):
+    if not os.path.isfile(path):
+        return None
+    recs = [json.loads(x) for x in open(path) if x.strip()]
+    return next((r["loss"] for r in recs if r["step"] == step), None)
+
+
+def fmt(x, spec=".4f"):
+    return "-" if x is None else format(x, spec)
+
+
+def main():
+    print("| domain | base | dense @200 | pcanf @200, deployed | codec on | +sink | +span+sink "
+          "| share of dense's gain: deployed / codec on / +sink / +span+sink |")
+    print("|---|---|---|---|---|---|---|---|")
+    for dom, (dense_f, pcanf_f, mis_f, _, _) in DOMAINS.items():
+        L = losses(mis_f, 200)
+        if L is None:
+            print(f"| {dom} | (no {mis_f}) |")
+            continue
+        dense, pcanf = json.load(open(dense_f)), json.load(open(pcanf_f))
+        base, d = dense["base_loss"], at(dense, 200)
+        assert abs(L["deployed"] - at(pcanf, 200)) < 1e-6, (dom, L["deployed"], at(pcanf, 200))
+        cols = [L["deployed"], L.get("codec", pcanf["codec_on_loss"]), L["sink"], L["span+sink"]]
+        print(f"| {dom} | {base:.4f} | {d:.4f} | " + " | ".join(fmt(x) for x in cols) + " | "
+              + " / ".join(f"{100 * (base - x) / (base - d):.1f}%" for x in cols) + " |")
+    print()
+    print("| domain | model | deployed | sink - deployed | span - deployed | span+sink - deployed | codec - deployed |")
+    print("|---|---|---|---|---|---|---|")
+    for dom, (_, _, mis_f, base_f, dense_f) in DOMAINS.items():
+        for name, path, step in (("base", base_f, 0), ("pcanf @200", mis_f, 200), ("dense @200", dense_f, 200)):
+            L = losses(path, step)
+            if L is None:
+                continue
+            dep = L["deployed"]
+            print(f"| {dom} | {name} | {dep:.4f} | " + " | ".join(
+                fmt(None if L.get(k) is None else L[k] - dep, "+.4f") for k in ("sink", "span", "span+sink", "codec"))
+                + " |")
+
+
+if __name__ == "__main__":
+    main()
