@@ -32,6 +32,7 @@ REJOIN_S = 240
 LIGHTHOUSE_PORT = 29510
 SECRET = "5e" * 32
 ENV = {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE", "HF_HUB_OFFLINE": "1", "MESHKERN_ELASTIC_DIGESTS": "1",
+       "PYTHONFAULTHANDLER": "1",
        "TRITON_INTERPRET": "1"}
 
 RUN = ["--run.name", "eh", "--mesh.elastic", "--mesh.rows", "3", "--mesh.stages", "2", "--train.steps", "2000",

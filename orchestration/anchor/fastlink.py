@@ -35,6 +35,15 @@ from orchestration.anchor.wire import (CODE_DTYPES, DRAIN_FACTOR, DTYPE_CODES, p
                                        SNAP, STOP, ProtocolError, Rejected, gloo_reason, header, recv, send)
 
 
+_THREADS: list[threading.Thread] = []  # every link thread of this process (link_threads_alive)
+
+
+def link_threads_alive() -> bool:
+    """Whether a link thread of this process still runs (blocked in a gloo receive, say):
+    such a process must not end through the interpreter's shutdown (see launch.torchrun)."""
+    return any(t.is_alive() for t in _THREADS)
+
+
 @dataclass
 class Arrival:
     """One anchor update as received by a fast rank's link thread."""
@@ -84,6 +93,7 @@ class FastLink:
         self.warn = Warner(f"stage {stage} replica {row}")
         self.thread = threading.Thread(target=self._run, name=f"anchor-link-{stage}", daemon=True)
         self.thread.start()
+        _THREADS.append(self.thread)
 
     # ------------------------------------------------------------ trainer's thread
     def offer(self, version: int, flat: torch.Tensor, keep_older: bool) -> None:

@@ -31,7 +31,7 @@ def launch_torchrun(cfg, plan, layout: MeshLayout) -> int:
     if cfg.mesh.elastic and not join:  # one torchrun per replica, joining a lighthouse (an anchor row: below)
         from orchestration.launch.elastic import torchrun_replica
 
-        return torchrun_replica(cfg, plan, layout, rank, world)
+        return _leave(torchrun_replica(cfg, plan, layout, rank, world))
     if rank == 0 and cfg.anchor.enabled and not join:
         addr = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
         print(f"[anchor] the fast circuit's store is {addr}; start the anchor row (one process per stage) "
@@ -39,4 +39,21 @@ def launch_torchrun(cfg, plan, layout: MeshLayout) -> int:
               f"--anchor.join --anchor.store {addr}", file=sys.stderr, flush=True)
     out = run_rank(layout.anchor_rank(rank) if join else rank, world, cfg, plan)
     # a clean stop exits 0 here: torchrun would restart workers that exit non-zero
-    return exit_code([out], speak=rank == 0, clean_stop=0)
+    return _leave(exit_code([out], speak=rank == 0, clean_stop=0))
+
+
+def _leave(code: int) -> int:
+    """``code``, or the process ends here with it: a fast rank whose anchor link thread is
+    still blocked in a gloo receive (nothing can wake it) must not end through the
+    interpreter's shutdown. An update arriving then returns the receive, the thread asks for
+    the GIL of a finalizing interpreter, which ends it with pthread_exit through C++ frames:
+    std::terminate, SIGABRT, and torchrun reports the clean stop as a failure (seen across
+    hosts, 2 runs in 11). Everything the run writes is closed by now; stdio is flushed."""
+    if "orchestration.anchor.fastlink" in sys.modules:
+        from orchestration.anchor.fastlink import link_threads_alive
+
+        if link_threads_alive():
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    return code
