@@ -154,8 +154,7 @@ class FastLink:
                 gen, again = max(gen, latest), False  # the newest; older ones that never opened are skipped
                 store.wait([f"{PREFIX}g{gen}/open/{s}"], timedelta(seconds=self.timeout_s))
                 slot, token = register_fast(store, gen, s, self.row)
-                newer = lambda: self.closing or announced_generation(store, self.secret, self.warn, after=gen) > gen  # noqa: E731
-                if not wait_accepted(store, gen, s, self.row, slot, token, newer):
+                if not wait_accepted(store, gen, s, self.row, slot, token, lambda: self._gone_past(store, gen)):
                     continue  # a newer generation (or the run's end) came first
                 pg = pair_link(store, gen, s, self.row, FAST, self.timeout_s, slot)
                 try:  # nothing is sent or used before the anchor end proved the run's secret
@@ -188,6 +187,10 @@ class FastLink:
                 if self.relink:
                     again = True
                     time.sleep(1.0)  # the anchor end takes new links between its rounds
+
+    def _gone_past(self, store, gen: int) -> bool:
+        """Whether to give up linking with generation ``gen``: closing, or a newer one announced."""
+        return self.closing or announced_generation(store, self.secret, self.warn, after=gen) > gen
 
     def _serve_link(self) -> bool:
         """Serves the current anchor generation until its link breaks (raises) or the fast

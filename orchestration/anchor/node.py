@@ -1,6 +1,7 @@
 """The anchor node: one anchor rank's loop over rounds (docs/anchor.md): pull a snapshot
-of its stage from fast replica 0 (elastic replicas: the lowest one linked), run an unmasked forward/backward over its own batches
-through the anchor row's pipeline, send the result to every fast replica of its column.
+of its stage from fast replica 0 (elastic replicas: the lowest one linked), run an
+unmasked forward/backward over its own batches through the anchor row's pipeline, send the
+result to every fast replica of its column.
 Also its fault injection (MESHKERN_ANCHOR_FAULT, --run.fail-rank) and its saved state
 (round counter, factored momentum) for restarts."""
 from __future__ import annotations
@@ -155,7 +156,6 @@ def run_anchor_rank(ctx) -> dict:
     elastic = cfg.mesh.elastic
     peers = FastPeers(mesh, cfg.fast_rows, elastic=elastic, timeout_s=cfg.mesh.timeout_s,
                       numel=sum(p.numel() for p in params), snapshot_codec=a.snapshot_codec)
-    rec["dropped"] = 0
     os.makedirs(os.path.join(plan.run_dir, "anchor"), exist_ok=True)
     rounds_log = open(rounds_path(plan.run_dir, mesh.stage), "a")
     try:
