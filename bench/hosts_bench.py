@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import statistics
 import sys
 import tempfile
@@ -89,7 +90,7 @@ def run_row(name: str, rate_bps: float, a) -> dict:
               "--checkpoint.every", "0", "--mesh.timeout-s", "600", "--run.eval-sequences", "0",
               # one directory every host sees: the final checkpoint's model assembly (minutes at these
               # rates) stays out of what is timed (it is measured in tests/test_hosts_export.py)
-              "--checkpoint.dir", os.path.join(a.work, f"{name}-checkpoints"), *flags]
+              "--checkpoint.dir", os.path.join(a.work, f"{name}-checkpoints"), *flags, *shlex.split(a.trainer_args)]
     env = {"MESHKERN_ANCHOR_SECRET": SECRET, "OMP_NUM_THREADS": "1"}
     # A small token bucket: tbf's default-sized burst would let each step's first few dozen kB
     # through at line rate, and a step's messages are of that size at these rates (measured:
@@ -135,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", default="", help="where the hosts' directories go (default: a temporary one)")
     ap.add_argument("--out", default="", help="write the results as JSON here")
     ap.add_argument("--verbose", action="store_true", help="echo the hosts' output")
+    ap.add_argument("--trainer-args", default="", help="more trainer flags for every row, after the row's own "
+                                                       "(the last one wins), e.g. '--anchor.snapshot-every 50'")
     a = ap.parse_args(argv)
     import signal
 
