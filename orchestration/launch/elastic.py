@@ -15,7 +15,7 @@ from orchestration.components.resume import mesh_stopped
 from orchestration.distributed import devices
 from orchestration.distributed.mesh import MeshLayout
 from orchestration.elastic.events import events_dir, summarize_events, summary_line
-from orchestration.launch.outcome import exit_code
+from orchestration.launch.outcome import exit_code, say_anchor_rows
 from orchestration.launch.processes import MeshFailure
 from orchestration.launch.rank import ElasticRole, anchor_row_rank, run_rank
 
@@ -114,10 +114,7 @@ class AnchorRow:
         self.ranks.restarts_left = 0
         self.ranks.shutdown()
         self.thread.join(5.0)
-        for r, out in sorted(self.ranks.results.items()):
-            if out is not None:
-                print(f"[anchor] {self.layout.describe(out['rank'])}, generation {out['generation']}: "
-                      f"{out['rounds']} rounds, stopped: {out['stopped']}", file=sys.stderr, flush=True)
+        say_anchor_rows(self.layout, [out for _, out in sorted(self.ranks.results.items())])
 
 
 def _replica_rank(stage: int, stages: int, cfg, plan, replica: int, lighthouse: str, incarnation: int,

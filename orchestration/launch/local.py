@@ -15,7 +15,7 @@ from orchestration.components.resume import mesh_stopped
 from orchestration.config import to_yaml
 from orchestration.distributed import devices
 from orchestration.distributed.mesh import MeshLayout
-from orchestration.launch.outcome import exit_code
+from orchestration.launch.outcome import exit_code, say_anchor_rows
 from orchestration.launch.processes import MeshFailure, free_port, run_local
 from orchestration.launch.rank import anchor_row_rank, run_rank
 
@@ -76,8 +76,5 @@ def join_anchor_row(cfg, plan, layout: MeshLayout) -> int:
                         restarts=cfg.anchor.restarts)
     except MeshFailure as e:
         return mesh_stopped(e, plan)
-    for r in res:
-        if r is not None:
-            print(f"[anchor] {layout.describe(r['rank'])}, generation {r['generation']}: {r['rounds']} rounds, "
-                  f"stopped: {r['stopped']}", file=sys.stderr, flush=True)
+    say_anchor_rows(layout, res)
     return 0 if all(r is not None for r in res) else 1

@@ -18,6 +18,15 @@ from orchestration.components.divergence import DIVERGED
 INTERRUPTED = 130
 
 
+def say_anchor_rows(layout, results) -> None:
+    """One line per anchor rank that returned a record (``None``: lost): its generation,
+    rounds and why it stopped."""
+    for r in results:
+        if r is not None:
+            print(f"[anchor] {layout.describe(r['rank'])}, generation {r['generation']}: {r['rounds']} rounds, "
+                  f"stopped: {r['stopped']}", file=sys.stderr, flush=True)
+
+
 def exit_code(results, *, speak: bool = True, clean_stop: int = INTERRUPTED) -> int:
     """The exit code of ranks' ``results`` (records, None for an optional rank that was
     lost); ``speak``: print the divergence report (one process of the run does)."""
