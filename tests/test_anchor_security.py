@@ -47,6 +47,7 @@ class _NoLink:
     def __init__(self, **kw):
         self.events, self.wire_bytes, self.snapshots_sent = queue.Queue(), 0, 0
         self.snapshot_bytes = self.update_bytes = 0
+        self.in_flight_s = 0.0
 
     def offer(self, *a, **k):
         pass
@@ -67,7 +68,7 @@ def _hook(tmp_path, monkeypatch, transport):
     (stage.b @ torch.tanh(stage.a @ x.T)).sum().add(stage.bias.sum()).backward()
     cfg = types.SimpleNamespace(
         anchor=types.SimpleNamespace(snapshot_every=1, delay=0, max_staleness=50, transport=transport,
-                                     snapshot_codec="full", secret_file="", store=""),
+                                     snapshot_codec="full", secret_file="", store="", max_rate_bps=0.0),
         train=types.SimpleNamespace(steps=10_000, spectral_rank=4),
         mesh=types.SimpleNamespace(timeout_s=5.0, elastic=False))
     ctx = types.SimpleNamespace(cfg=cfg, mesh=types.SimpleNamespace(stage=0, row=1, rank=1), optimizer=opt,
@@ -77,14 +78,18 @@ def _hook(tmp_path, monkeypatch, transport):
 
 
 class _FeedPG:
-    """A pair link whose peer sends ``payload`` (values cast to what the receiver asks)."""
+    """A pair link whose peer sends ``payload`` (values cast to what the receiver asks), one
+    receive after the other (a payload comes in pieces: wire.pieces)."""
 
     def __init__(self, values):
-        self.values = values
+        self.values, self.at = values, 0
 
     def recv(self, ts, peer, tag):
         t = ts[0]
-        src = self.values[: t.numel()] if self.values.numel() >= t.numel() else torch.zeros(t.numel())
+        src = self.values[self.at: self.at + t.numel()]
+        self.at += t.numel()
+        if src.numel() < t.numel():
+            src = torch.zeros(t.numel())
         t.copy_(src.to(t.dtype) if t.dtype.is_floating_point else torch.zeros(t.numel(), dtype=t.dtype))
         return types.SimpleNamespace(wait=lambda *a: True)
 

@@ -69,7 +69,7 @@ class FastLink:
 
     def __init__(self, *, stage: int, row: int, layout, numel: int, snapshot_codec: str, serves: bool,
                  newest_first: bool, timeout_s: float, secret: bytes, store: tuple | None = None,
-                 relink: bool = False):
+                 relink: bool = False, max_bps: float = 0.0):
         self.stage, self.row, self.layout, self.numel, self.secret = stage, row, layout, numel, secret
         self.store_addr, self.relink = store, relink
         self.snapshot_codec, self.serves, self.newest_first, self.timeout_s = snapshot_codec, serves, newest_first, timeout_s
@@ -78,6 +78,8 @@ class FastLink:
         self.snapshots: dict[int, torch.Tensor] = {}
         self.closing = False
         self.in_flight = 0  # bytes of the snapshot being sent (close waits for it)
+        self.max_bps = max_bps  # --anchor.max-rate-bps: the snapshots' pace (0: unpaced)
+        self._flown_s, self._since = 0.0, None  # in_flight_s: finished snapshots' seconds, the current one's start
         self.pg = None  # the current generation's pair link
         self.coder = None
         self.wire_bytes = 0      # both directions of this rank's anchor link (axis "anchor")
@@ -188,6 +190,13 @@ class FastLink:
                     again = True
                     time.sleep(1.0)  # the anchor end takes new links between its rounds
 
+    @property
+    def in_flight_s(self) -> float:
+        """Seconds a snapshot has been on its way to the anchor so far, the one going now
+        included (the link model's share of this rank's uplink: linkmodel.anchor_stream_share)."""
+        with self.cv:
+            return self._flown_s + (time.monotonic() - self._since if self._since is not None else 0.0)
+
     def _gone_past(self, store, gen: int) -> bool:
         """Whether to give up linking with generation ``gen``: closing, or a newer one announced."""
         return self.closing or announced_generation(store, self.secret, self.warn, after=gen) > gen
@@ -251,11 +260,15 @@ class FastLink:
         h = header(SNAP, version=version, transport=code, numel=payload.numel(), dtype=DTYPE_CODES[payload.dtype])
         with self.cv:
             self.in_flight = payload.numel() * payload.element_size()
+        with self.cv:
+            self._since = time.monotonic()
         try:
-            n = send([h, payload], ANCHOR, self.pg)
+            n = send([h, payload], ANCHOR, self.pg, max_bps=lambda: 0.0 if self.closing else self.max_bps)
         finally:
             with self.cv:
                 self.in_flight = 0
+                self._flown_s += time.monotonic() - self._since
+                self._since = None
         self.wire_bytes += n
         self.snapshot_bytes += n
         self.snapshots_sent += 1

@@ -90,7 +90,7 @@ class FastHook:
                              numel=sum(p.numel() for p in self.params), snapshot_codec=a.snapshot_codec,
                              serves=self.serves, newest_first=not self.delay, timeout_s=self.timeout_s,
                              secret=secret, store=store_address(cfg) if a.store else None,
-                             relink=cfg.mesh.elastic)
+                             relink=cfg.mesh.elastic, max_bps=a.max_rate_bps)
 
     # ------------------------------------------------------------------ helpers
     def _store_snapshot(self, version: int) -> None:
@@ -324,7 +324,7 @@ class FastHook:
                 "arrival_rate": self.c["arrivals"] / max(1, self.steps_seen),
                 "snapshot_bytes": self.link.snapshot_bytes, "update_bytes": self.link.update_bytes,
                 "update_payload_bytes": self.layout.nbytes, "last_round_ms": self.last_round_ms,
-                "blocked_s": round(self.blocked_s, 4), "delay_mode": bool(self.delay) and not self.degraded}
+                "blocked_s": round(self.blocked_s, 4), "in_flight_s": round(self.link.in_flight_s, 4), "delay_mode": bool(self.delay) and not self.degraded}
 
     def close(self) -> None:
         self.link.close()

@@ -136,6 +136,7 @@ class AnchorConfig:
     transport: str = _f("dense", "anchor gradient transport: dense or factored (top-r SVD of its momentum)")
     max_staleness: int = _f(50, "anchor updates older than this many fast steps are rejected")
     delay: int = _f(0, "deterministic delay mode: apply anchor gradients exactly this many fast steps after their snapshot (0: asynchronous)")
+    max_rate_bps: float = _f(0.0, "pace the anchor's payloads (snapshots up, updates down) to at most this many bit/s each way, so they leave the fast circuit's pipeline most of a shared link (a home uplink is one queue: unpaced, TCP splits it about evenly while a snapshot is on its way, measured: docs/benchmarks.md, Across hosts); 0: unpaced")
     snapshot_codec: str = _f("int8", "snapshot transfer to the anchor: full (parameters as they are) or int8 (first in full, then int8 deltas against what the anchor holds, one scale per 1024 values: ~4x fewer bytes than fp32)")
     state_every: int = _f(1, "anchor rounds between saves of the anchor's state (round counter, factored momentum) to CHECKPOINT_DIR/anchor/; 0: never")
     restarts: int = _f(2, "local launcher: restart a dead anchor row up to this many times (it rejoins the running fast circuit)")
