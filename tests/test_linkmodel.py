@@ -211,3 +211,54 @@ def test_model_run_takes_diloco_bytes_at_their_steady_rate():
     m = model_run(cfg, SimpleNamespace(hidden_size=192), hist)
     assert m.bytes["dp"] == pytest.approx(2 * B)
     assert m.step_s == pytest.approx(1.0, rel=0.01)  # the sync's wire time, the compute hidden under it
+
+
+def test_a_stream_beside_the_pipeline_slows_its_messages_on_that_uplink_only():
+    # two_stages_one_microbatch (8 s) with stage 0's uplink half taken: its forward message
+    # takes 2 s instead of 1; stage 1's backward message, on stage 1's uplink, is untouched
+    sched = make_schedule("gpipe", 2, 1)
+    ct, mb = {"F": 1.0, "B": 2.0}, {"F": ONE_S, "B": ONE_S}
+    tl = simulate(sched, ct, mb, L, uplink_taken=[0.5, 0.0])
+    assert tl.step_s == pytest.approx(9.0)
+    assert _msg(tl, "F", 0, 0)[7] - _msg(tl, "F", 0, 0)[6] == pytest.approx(2.0)
+    assert _msg(tl, "B", 1, 0)[7] - _msg(tl, "B", 1, 0)[6] == pytest.approx(1.0)
+    assert replay(sched, ct, mb, L, uplink_taken=0.75) == pytest.approx((1 + 1 + 2 + 2) + 4 + 4)  # compute, 2 messages
+    with pytest.raises(ValueError, match="uplink_taken"):
+        simulate(sched, ct, mb, L, uplink_taken=1.0)
+
+
+def test_anchor_stream_share_is_its_time_on_the_wire_times_what_it_holds():
+    from orchestration.distributed.linkmodel import anchor_stream_share
+
+    assert anchor_stream_share(1.0, 500e3) == 0.5  # unpaced, always on its way: TCP halves the link
+    assert anchor_stream_share(0.5, 500e3) == 0.25
+    assert anchor_stream_share(1.0, 500e3, max_rate_bps=50e3) == pytest.approx(0.1)  # paced to a tenth
+    assert anchor_stream_share(1.0, 500e3, max_rate_bps=1e9) == 0.5  # a pace above half the link: TCP's half
+    assert anchor_stream_share(0.0, 500e3) == 0.0
+    with pytest.raises(ValueError, match="in_flight"):
+        anchor_stream_share(1.5, 500e3)
+
+
+def test_model_run_charges_the_anchor_stream_by_its_measured_time_in_flight():
+    """A 1x2 pipeline whose snapshot stream was on its way for the whole run: the modeled step
+    is the pipeline's with every message at half the rate (unpaced), or at the rate less the
+    pace (--anchor.max-rate-bps); the anchor's bytes still count on their axis."""
+    from types import SimpleNamespace
+
+    from orchestration.config import parse_args
+    from orchestration.distributed.linkmodel import model_run
+
+    def run(*extra):
+        cfg, _ = parse_args(["--preset", "m95-ap", "--mesh.rows", "2", "--mesh.stages", "2", "--anchor.delay", "0",
+                             "--run.bandwidth-bps", "1e6", "--boundary.codec", "dense", "--data.seq-len", "8",
+                             "--train.batch-size", "2", "--train.microbatches", "1", *extra])
+        hist = [{"step": k, "step_s": 1.0, "fwd_s": [0.0, 0.0], "bwd_s": [0.0, 0.0], "dp_bytes_by_stage": [0, 0],
+                 "bytes": {"anchor": 1000 * k}, "anchor_in_flight_s": 1.0 * k} for k in range(1, 6)]
+        return model_run(cfg, SimpleNamespace(hidden_size=100), hist)
+
+    # dense fp32 boundary: 2 x 8 x 100 x 4 = 6400 B each way, 51.2 ms at 1 Mbit/s; zero compute,
+    # one micro-batch: the step is the forward and the backward message, one after the other
+    m = run()
+    assert m.step_s == pytest.approx(2 * 0.0512 / 0.5)
+    assert m.bytes["anchor"] > 0
+    assert run("--anchor.max-rate-bps", "1e5").step_s == pytest.approx(2 * 0.0512 / 0.9)

@@ -137,7 +137,8 @@ def _bytes_fn(message_bytes, S: int) -> Callable[[int, Action], float]:
 
 
 def simulate(schedule: Sequence[Sequence[Action]], compute_times, message_bytes,
-             links: LinkSpec | Sequence[LinkSpec] = LinkSpec(), *, topology: str = "node") -> Timeline:
+             links: LinkSpec | Sequence[LinkSpec] = LinkSpec(), *, topology: str = "node",
+             uplink_taken: float | Sequence[float] = 0.0) -> Timeline:
     """Discrete-event replay of one replica's pipeline step (see module doc).
 
     compute_times: {"F": x, "B": y} with x, y seconds (one number, or one per stage), or
@@ -145,6 +146,9 @@ def simulate(schedule: Sequence[Sequence[Action]], compute_times, message_bytes,
     message_bytes: {"F": x, "B": y} bytes per message (one number, or one per boundary),
         or a callable (boundary, Action) -> bytes; e.g. ``codec.wire_bytes(...)``.
     links: one LinkSpec for all, or one per node ("node") / per boundary ("pair").
+    uplink_taken: ("node") the share of each node's uplink (one number, or one per node) that
+        a stream beside the pipeline holds on average, e.g. the anchor's snapshots: the
+        pipeline's messages leave that node at (1 - share) of its rate.
     """
     check_schedule([list(a) for a in schedule])  # valid and deadlock-free, else ValueError
     S = len(schedule)
@@ -155,11 +159,15 @@ def simulate(schedule: Sequence[Sequence[Action]], compute_times, message_bytes,
     if len(links) != n_links:
         raise ValueError(f"links: expected one LinkSpec or {n_links} (topology {topology!r}), got {len(links)}")
     ctime, mbytes = _compute_fn(compute_times, S), _bytes_fn(message_bytes, S)
+    taken = _per(uplink_taken, S, "uplink_taken")
+    if any(not 0.0 <= x < 1.0 for x in taken):
+        raise ValueError(f"uplink_taken must be in [0, 1), got {taken}")
 
     def resources(src: int, dst: int):
         if topology == "node":
             a, b = links[src], links[dst]
-            return (("up", src), ("down", dst)), min(a.bandwidth_bps, b.bandwidth_bps), a.latency_s + b.latency_s
+            up = a.bandwidth_bps * (1.0 - taken[src])
+            return (("up", src), ("down", dst)), min(up, b.bandwidth_bps), a.latency_s + b.latency_s
         bnd, d = (src, "fwd") if dst == src + 1 else (dst, "bwd")
         return ((d, bnd),), links[bnd].bandwidth_bps, links[bnd].latency_s
 
@@ -288,7 +296,8 @@ def model_step(schedule, compute_times, message_bytes, link: LinkSpec = LinkSpec
                dp_every: float = 1.0, dp_fragments: int = 1, dp_overlap_steps: float | None = None,
                anchor_up_bytes: float | Sequence[float] = 0.0,
                anchor_down_bytes: float | Sequence[float] = 0.0,
-               anchor_up_nodes: int | None = None, tied_bytes: float = 0.0) -> StepModel:
+               anchor_up_nodes: int | None = None, anchor_uplink_taken: float = 0.0,
+               tied_bytes: float = 0.0) -> StepModel:
     """Model one step of an X x Y mesh (X = ``replicas`` fast rows), "node" topology.
 
     dp_payload_bytes: what one stage column all-reduces to sync all its parameters once
@@ -315,12 +324,16 @@ def model_step(schedule, compute_times, message_bytes, link: LinkSpec = LinkSpec
         gradient push on their uplink); if that saturates, the anchor falls further
         behind (more staleness) but the fast circuit does not wait, so it is not modeled
         into the step time.
+    anchor_uplink_taken: the share of each serving node's uplink the anchor's snapshot
+        stream holds on average (``anchor_stream_share``); the pipeline's messages leave
+        those nodes at the rest of the rate (``simulate``'s ``uplink_taken``). When > 0, the
+        anchor's bytes count on its axis but are not charged again as background.
     tied_bytes: what each of a replica's first and last stage sends the other per step
         to sum a tied embedding's gradient (the trainer's "ends" all-reduce, before the
         optimizer step): a blocking transfer after the pipeline, both directions at once.
     """
     S = len(schedule)
-    tl = simulate(schedule, compute_times, message_bytes, link, topology="node")
+    tl = simulate(schedule, compute_times, message_bytes, link, topology="node", uplink_taken=anchor_uplink_taken)
     dp = _per(dp_payload_bytes, S, "dp_payload_bytes")
     up_anc, down_anc = _per(anchor_up_bytes, S, "anchor_up_bytes"), _per(anchor_down_bytes, S, "anchor_down_bytes")
     X = replicas
@@ -343,7 +356,8 @@ def model_step(schedule, compute_times, message_bytes, link: LinkSpec = LinkSpec
         burst = 0.0 if blocking else link.wire_s(ring_allreduce_bytes(dp[s], X) / dp_fragments)
         w = window if not blocking else period
         for direction, anc in (("up", up_anc[s]), ("down", down_anc[s])):
-            idle, a = tl.step_s - tl.busy_s.get((direction, s), 0.0), link.wire_s(anc)
+            idle = tl.step_s - tl.busy_s.get((direction, s), 0.0)
+            a = 0.0 if anchor_uplink_taken > 0 else link.wire_s(anc)
             stall = max(0.0, burst + w * (a - idle)) + max(0.0, (period - w) * (a - idle))
             need = tl.step_s + dp_s + tied_s + stall / period
             if need > step + 1e-12:
@@ -361,6 +375,19 @@ def model_step(schedule, compute_times, message_bytes, link: LinkSpec = LinkSpec
     per_tok["total"] = sum(per_tok.values())
     return StepModel(step_s=step, pipeline_s=tl.step_s, tokens=tokens, tokens_per_s=tokens / step,
                      bytes=axes, bytes_per_token=per_tok, limiting=limiting, timeline=tl)
+
+
+def anchor_stream_share(in_flight: float, link_bps: float, max_rate_bps: float = 0.0) -> float:
+    """The average share of a serving node's uplink the anchor's snapshot stream takes from
+    the pipeline: ``in_flight`` (the fraction of the run a snapshot was on its way, measured)
+    times what it holds meanwhile: TCP shares a full link about evenly between the two
+    (one half), a stream paced to ``max_rate_bps`` (--anchor.max-rate-bps) holds at most
+    that rate. The pipeline's messages are short and bursty, so this is the share it loses
+    while both send, not a reservation."""
+    if not 0.0 <= in_flight <= 1.0:
+        raise ValueError(f"in_flight must be a fraction in [0, 1], got {in_flight}")
+    held = 0.5 if max_rate_bps <= 0 else min(0.5, max_rate_bps / link_bps)
+    return in_flight * held
 
 
 # ------------------------------------------------------------------ a finished run
@@ -400,9 +427,18 @@ def model_run(cfg, plan, history: list[dict]) -> StepModel | None:
         dp_step = [last["dp_bytes_by_stage"][s] / n for s in range(Y)]
     dp_payload = [b / X / ring for b in dp_step]
     anchor = history[-1]["bytes"]["anchor"] / n / max(1, X * Y)
+    taken = 0.0
+    if "anchor_in_flight_s" in last and last["step"] > first["step"]:
+        # The snapshot stream shares the serving node's uplink with the pipeline (one FIFO
+        # queue, TCP), not only its idle time: charged by the share of the run it was on its
+        # way (measured on rank 0, replica 0's stage 0: every stage of the serving replica
+        # streams alike), instead of as background bytes.
+        wall = sum(h["step_s"] for h in history[1:])
+        busy = min(1.0, (last["anchor_in_flight_s"] - first["anchor_in_flight_s"]) / max(wall, 1e-9))
+        taken = anchor_stream_share(busy, cfg.run.bandwidth_bps, cfg.anchor.max_rate_bps)
     tied = history[-1]["bytes"].get("tied", 0) / n / X / 2  # per end node and step
     return model_step(make_schedule(t.schedule, Y, t.microbatches), compute, msg,
                                 LinkSpec(cfg.run.bandwidth_bps, cfg.run.latency_s),
                                 replicas=X, tokens_per_replica=t.batch_size * cfg.data.seq_len,
                                 dp_payload_bytes=dp_payload, dp_blocking=cfg.dp.mode == "allreduce",
-                                anchor_up_bytes=anchor, tied_bytes=tied)
+                                anchor_up_bytes=anchor, anchor_uplink_taken=taken, tied_bytes=tied)
