@@ -70,7 +70,7 @@ def run(a, outage: bool) -> dict:
         t0 = time.monotonic()
 
         def replica(i: int):
-            return h.popen(i, [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+            return h.popen(i, [sys.executable, "-m", "orchestration.torchrun", "--nproc-per-node", "2", "--master-port",
                                "29600", "--max-restarts", "0", "-m", "orchestration.train", "--config", "run.yaml",
                                "--anchor.secret-file", "run.secret", "--mesh.bind", "{addr}", "--mesh.join",
                                f"http://{h.addr(0)}:{LIGHTHOUSE_PORT}", "--mesh.replica-id", str(i)],

@@ -97,13 +97,13 @@ def run_row(name: str, rate_bps: float, a) -> dict:
     # with a 64 kB bucket a dense 1x2 pipeline ran 30% faster than its shaped rate allows).
     with Hosts(n, f"{rate_bps / 1e3:.0f}kbit", burst="3kb", root=a.work, echo=a.verbose) as h:
         calibrated = h.transfer(0, 1, max(1 << 16, int(rate_bps / 8 * 8)))  # ~8 s of payload through both links
-        fast = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(n_fast), "--nproc-per-node", "1",
+        fast = [sys.executable, "-m", "orchestration.torchrun", "--nnodes", str(n_fast), "--nproc-per-node", "1",
                 "--master-addr", h.addr(0), "--master-port", "29500"]  # (the anchor's host is not a node of it)
         procs = [h.popen(i, [*fast, "--node-rank", str(i), "-m", "orchestration.train", *common], env=env,
                          log=f"{name}.log") for i in range(n_fast)]
         if anchor:  # the anchor row: one process per stage on a host of its own, joining the fast circuit's store
             procs[0].wait_line(r"^\[anchor\] the fast circuit's store is ", a.timeout)
-            procs.append(h.popen(n_fast, [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+            procs.append(h.popen(n_fast, [sys.executable, "-m", "orchestration.torchrun", "--nnodes", "1",
                                           "--nproc-per-node", "2", "--master-addr", h.addr(n_fast),
                                           "--master-port", "29600", "-m", "orchestration.train", *common,
                                           "--anchor.join", "--anchor.store", f"{h.addr(0)}:29500"],

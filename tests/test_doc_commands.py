@@ -47,12 +47,12 @@ def shell_commands(markdown: str) -> list[str]:
 
 
 def module_argv(command: str) -> tuple[str, list[str]] | None:
-    """(module, its arguments) of a ``python -m`` or ``torchrun ... -m`` command, else None;
-    a shell redirection ends the arguments."""
+    """(module, its arguments) of a ``python -m`` or ``torchrun ... -m`` command (the module a
+    launcher runs: its last ``-m``), else None; a shell redirection ends the arguments."""
     words = shlex.split(command)
     if "-m" not in words or not words or words[0] not in ("python", "python3", "torchrun"):
         return None
-    i = words.index("-m")
+    i = len(words) - 1 - words[::-1].index("-m")  # a launcher's (python -m orchestration.torchrun ... -m X): X
     args = []
     for w in words[i + 2:]:
         if w in (">", ">>", "|", "2>&1"):
@@ -63,14 +63,17 @@ def module_argv(command: str) -> tuple[str, list[str]] | None:
 
 def test_command_parsers():
     md = ("text `python -m a.b --x`\n```bash\npython -m orchestration.train --steps 2 \\\n    --mesh.rows 1   # c\n"
-          "pip install x && python -m y.z --k v > out.txt\ntorchrun --nnodes 2 -m orchestration.train --config r.yaml\n```\n")
-    assert modules(md) == ["a.b", "orchestration.train", "y.z", "orchestration.train"]
+          "pip install x && python -m y.z --k v > out.txt\ntorchrun --nnodes 2 -m orchestration.train --config r.yaml\n"
+          "python -m orchestration.torchrun --nnodes 2 -m orchestration.train --steps 3\n```\n")
+    assert modules(md) == ["a.b", "orchestration.train", "y.z", "orchestration.train", "orchestration.torchrun"]
     cmds = shell_commands(md)
     assert cmds == ["python -m orchestration.train --steps 2      --mesh.rows 1", "pip install x",
-                    "python -m y.z --k v > out.txt", "torchrun --nnodes 2 -m orchestration.train --config r.yaml"]
+                    "python -m y.z --k v > out.txt", "torchrun --nnodes 2 -m orchestration.train --config r.yaml",
+                    "python -m orchestration.torchrun --nnodes 2 -m orchestration.train --steps 3"]
     assert [module_argv(c) for c in cmds] == [("orchestration.train", ["--steps", "2", "--mesh.rows", "1"]), None,
                                               ("y.z", ["--k", "v"]),
-                                              ("orchestration.train", ["--config", "r.yaml"])]
+                                              ("orchestration.train", ["--config", "r.yaml"]),
+                                              ("orchestration.train", ["--steps", "3"])]
     assert restorable("bench.gone", "its code: `git show f332661:bench/gone.py`")
     assert not restorable("bench.gone", "python -m bench.gone")
 

@@ -67,7 +67,7 @@ def _lighthouse(h: Hosts):
 
 def _replica(h: Hosts, i: int, replica: int, *extra: str):
     """The recipe's torchrun line on host ``i`` (master address: torchrun's default, loopback)."""
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29600",
+    argv = [sys.executable, "-m", "orchestration.torchrun", "--nproc-per-node", "2", "--master-port", "29600",
             "--max-restarts", "0", "-m", "orchestration.train", "--config", "run.yaml", "--anchor.secret-file",
             "run.secret", "--mesh.bind", "{addr}", "--mesh.join", f"http://{h.addr(0)}:{LIGHTHOUSE_PORT}",
             "--mesh.replica-id", str(replica), *extra]
@@ -207,7 +207,7 @@ def test_loopback_advertise_address_is_refused_at_start(tmp_path):
     the flag, not a quorum that times out every step."""
     with Hosts(2, "200mbit", root=str(tmp_path)) as h:
         _setup(h, (1,))
-        p = h.popen(1, [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "0",
+        p = h.popen(1, [sys.executable, "-m", "orchestration.torchrun", "--nproc-per-node", "2", "--max-restarts", "0",
                         "-m", "orchestration.train", "--config", "run.yaml", "--anchor.secret-file", "run.secret",
                         "--mesh.bind", "127.0.0.1", "--mesh.join", f"http://{h.addr(0)}:{LIGHTHOUSE_PORT}",
                         "--mesh.replica-id", "1"], env=ENV, log="loopback.log")
@@ -215,7 +215,7 @@ def test_loopback_advertise_address_is_refused_at_start(tmp_path):
         out = "".join(p.lines)
         assert "--mesh.bind 127.0.0.1 is loopback but the lighthouse" in out and "set --mesh.bind" in out, out[-2000:]
         # an address of another host: refused where the replica runs, naming the flag
-        q = h.popen(1, [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "0",
+        q = h.popen(1, [sys.executable, "-m", "orchestration.torchrun", "--nproc-per-node", "2", "--max-restarts", "0",
                         "-m", "orchestration.train", "--config", "run.yaml", "--anchor.secret-file", "run.secret",
                         "--mesh.bind", h.addr(0), "--mesh.join", f"http://{h.addr(0)}:{LIGHTHOUSE_PORT}",
                         "--mesh.replica-id", "1"], env=ENV, log="other.log")

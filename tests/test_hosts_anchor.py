@@ -6,7 +6,7 @@ run's secret in MESHKERN_ANCHOR_SECRET (under torchrun no process creates it). H
 dies (every process in its namespace killed); the fast circuit says it lost the anchor
 and trains on; the same command on host 2 starts generation 2, which joins, and the fast
 circuit applies its updates. While generation 1 runs, no process of the run listens
-beyond its host's address or loopback (torchrun's own store aside: test_hosts_export).
+beyond its host's address or loopback, torchrun's store included (orchestration.torchrun).
 Skipped without root / network namespaces / tbf."""
 from __future__ import annotations
 
@@ -66,8 +66,7 @@ def test_an_anchor_row_on_its_own_host_dies_and_rejoins(tiny, tmp_path):
         first.wait_line(r"\[anchor\] row generation 1 linked with 1 fast replicas", 600)
         mark = len(lead.lines)
         lead.wait_line(r"^train step \d+/", 120, start=mark)  # the row linked and the fast circuit stepped on
-        foreign = {i: foreign_listeners(h, i, (fast + [None])[i].p.pid if i < 2 else first.p.pid,
-                                        FAST_PORT if i < 2 else 29541) for i in range(3)}
+        foreign = {i: foreign_listeners(h, i) for i in range(3)}
         assert all(listening(h, i) for i in range(3)) and foreign == {0: [], 1: [], 2: []}, foreign
         h.kill_host(2)  # the anchor's machine dies
         lost = lead.wait_line(r"\[anchor\] stage 0: step (\d+): lost the anchor", 300)

@@ -43,7 +43,7 @@ def _features() -> list[Feature]:
     from orchestration.config.job_config import COMPRESSORS
 
     out = [Feature("local", "python -m orchestration.train (the local launcher)", "launch"),
-           Feature("torchrun", "torchrun ... -m orchestration.train", "launch"),
+           Feature("torchrun", "python -m orchestration.torchrun ... -m orchestration.train", "launch"),
            Feature("resume", "--checkpoint.resume", active=lambda c: bool(c.checkpoint.resume)),
            Feature("elastic", "--mesh.elastic", active=lambda c: c.mesh.elastic),
            Feature("heterogeneous", "--mesh.replicas", active=lambda c: bool(c.mesh.replicas)),

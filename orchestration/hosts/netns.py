@@ -296,8 +296,9 @@ class Hosts:
                  master: str | None = None) -> list[str]:
         """The torchrun line a user runs on host ``i`` (static rendezvous at host 0's address;
         ``nnodes`` / ``node_rank`` / ``master``: another world, e.g. an anchor row alone on
-        its host: nnodes=1, node_rank=0, master="127.0.0.1")."""
-        return [python, "-m", "torch.distributed.run", "--nnodes", str(self.n if nnodes is None else nnodes),
+        its host: nnodes=1, node_rank=0, master="127.0.0.1"). orchestration.torchrun: torchrun
+        with its store bound to the master address, as docs/deploy.md tells users."""
+        return [python, "-m", "orchestration.torchrun", "--nnodes", str(self.n if nnodes is None else nnodes),
                 "--node-rank", str(i if node_rank is None else node_rank), "--nproc-per-node", str(nproc),
                 "--master-addr", master or self.addr(0), "--master-port", str(port), *args]
 
@@ -348,7 +349,7 @@ class Hosts:
                     argv = f.read().split(b"\0")
             except OSError:
                 continue  # ended meanwhile
-            if b"orchestration.train" in argv and b"torch.distributed.run" not in argv:
+            if b"orchestration.train" in argv and not {b"torch.distributed.run", b"orchestration.torchrun"} & set(argv):
                 try:
                     os.kill(int(pid), sig)
                     pids.append(int(pid))

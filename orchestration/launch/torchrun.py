@@ -35,7 +35,7 @@ def launch_torchrun(cfg, plan, layout: MeshLayout) -> int:
     if rank == 0 and cfg.anchor.enabled and not join:
         addr = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
         print(f"[anchor] the fast circuit's store is {addr}; start the anchor row (one process per stage) "
-              f"with: torchrun --nproc-per-node {layout.stages} ... -m orchestration.train <this run's flags> "
+              f"with: python -m orchestration.torchrun --nproc-per-node {layout.stages} ... -m orchestration.train <this run's flags> "
               f"--anchor.join --anchor.store {addr}", file=sys.stderr, flush=True)
     out = run_rank(layout.anchor_rank(rank) if join else rank, world, cfg, plan)
     # a clean stop exits 0 here: torchrun would restart workers that exit non-zero
