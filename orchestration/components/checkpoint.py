@@ -360,10 +360,12 @@ class Checkpointer:
 
     def _write_boundary(self, tmp: str) -> None:
         """meshkern_boundary.json into the checkpoint being written, for a run whose codec has a
-        sink row (orchestration.models.boundary_transform; finalize then lists it in meta.json)."""
+        sink row (orchestration.models.boundary_transform; finalize then lists it in meta.json).
+        Not without the model's layer count (a plan that names none: no model to deploy)."""
         from orchestration.models import boundary_transform
 
-        rec = boundary_transform.record_for(self.cfg, self.plan.num_layers)
+        num_layers = getattr(self.plan, "num_layers", 0)
+        rec = boundary_transform.record_for(self.cfg, num_layers) if num_layers else None
         if rec is not None:
             boundary_transform.write(tmp, rec)
 
