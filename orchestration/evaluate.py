@@ -258,6 +258,9 @@ def main(argv=None):
     ap.add_argument("--prune", default="", help="comma-separated prune fractions, e.g. 0.3,0.5,0.7")
     ap.add_argument("--prune-scope", default="per_matrix", choices=["per_matrix", "global"])
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--plain", action="store_true", help="score the plain model: ignore the checkpoint's "
+                    "meshkern_boundary.json (position 0's int8 round trip at the boundary layers, which a model "
+                    "trained through a pca codec with a sink row is deployed with; docs/codecs.md)")
     ap.add_argument("--json", default=None, help="also write the report to this file")
     a = ap.parse_args(argv)
     try:
@@ -321,7 +324,8 @@ def _run(a) -> int:
         problem = checkpoint.model_problem(path, checkpoint.verify(path))
         if problem:  # one host's part of a multi-host checkpoint, or a model not (yet) assembled
             raise ValueError(problem)
-    model, tok_path = models.load_causal_lm(path, base=a.base)  # an adapter folder: its base, adapters merged in
+    model, tok_path = models.load_causal_lm(path, base=a.base,  # an adapter folder: its base, adapters merged in
+                                            boundary=not a.plain)  # its boundary transform, as deployed
     tokenizer = a.tokenizer or tok_path
     if tokenizer is None:
         raise ValueError(f"{path} holds no tokenizer; pass --tokenizer")
@@ -332,6 +336,9 @@ def _run(a) -> int:
                          prune_fractions=[float(f) for f in a.prune.split(",") if f],
                          prune_scope=a.prune_scope)
     print(f"model {path}")
+    if getattr(model, "meshkern_boundary", None):
+        print(f"boundary transform: position 0's int8 round trip at decoder layers {model.meshkern_boundary['layers']} "
+              "(meshkern_boundary.json; --plain: without)")
     for src, r in rep["held_out"].items():
         print(f"held-out {src:24s} loss {r['loss']:.4f}  ppl {r['perplexity']:9.2f}  ({r['tokens']} tokens)")
     for t, r in rep["exact_match"].items():

@@ -15,6 +15,12 @@ loads them. ``export_merged`` loads the base model, merges the adapters into its
 at its end into RUN_DIR/adapter, and the second into RUN_DIR/merged with --adapter.export
 merged. Both write into OUT.tmp and rename it into place: an interrupted export never
 leaves a half folder.
+
+A checkpoint of a run whose codec sends position 0 as a sink row (pca, sink=true) holds
+meshkern_boundary.json, the boundary transform the model is deployed with
+(orchestration.models.boundary_transform, docs/codecs.md); both exports copy it, and
+``orchestration.models.loading.load_causal_lm(OUT)`` applies it. ``--plain`` (``boundary=False``)
+leaves it out: the folder then holds the plain model only.
 """
 from __future__ import annotations
 
@@ -59,10 +65,19 @@ def _copy_tokenizer(src: str, dst: str) -> None:
             shutil.copy2(os.path.join(src, name), os.path.join(dst, name))
 
 
-def export_adapter(checkpoint: str, out: str, *, base: str | None = None) -> str:
+def _copy_boundary(src: str, dst: str, boundary: bool) -> None:
+    """The checkpoint's boundary transform record, if it has one and ``boundary``."""
+    from orchestration.models import boundary_transform
+
+    rec = boundary_transform.read(src) if boundary else None  # (checked: a record this version applies)
+    if rec is not None:
+        boundary_transform.write(dst, rec)
+
+
+def export_adapter(checkpoint: str, out: str, *, base: str | None = None, boundary: bool = True) -> str:
     """Writes the PEFT folder of LoRA checkpoint ``checkpoint`` to ``out`` (adapter_config.json,
-    adapter_model.safetensors, tokenizer files); ``base`` replaces the base model path it
-    names. Returns ``out``."""
+    adapter_model.safetensors, tokenizer files, and the checkpoint's meshkern_boundary.json
+    unless ``boundary`` is False); ``base`` replaces the base model path it names. Returns ``out``."""
     src = _resolve(checkpoint)
     tmp = _fresh(out)
     shutil.copy2(os.path.join(src, ckpt.ADAPTER_WEIGHTS), os.path.join(tmp, ckpt.ADAPTER_WEIGHTS))
@@ -73,21 +88,26 @@ def export_adapter(checkpoint: str, out: str, *, base: str | None = None) -> str
     with open(os.path.join(tmp, ckpt.ADAPTER_CONFIG), "w") as f:
         json.dump(conf, f, indent=2, sort_keys=True)
     _copy_tokenizer(src, tmp)
+    _copy_boundary(src, tmp, boundary)
     return _publish(tmp, out)
 
 
-def export_merged(checkpoint: str, out: str, *, base: str | None = None, dtype: str = "float32") -> str:
+def export_merged(checkpoint: str, out: str, *, base: str | None = None, dtype: str = "float32",
+                  boundary: bool = True) -> str:
     """Writes the base model with LoRA checkpoint ``checkpoint``'s adapters merged in to
-    ``out`` as a plain HF checkpoint (safetensors, config, tokenizer). Returns ``out``."""
+    ``out`` as an HF checkpoint (safetensors, config, tokenizer, and the checkpoint's
+    meshkern_boundary.json unless ``boundary`` is False: the weights are the plain model's
+    either way). Returns ``out``."""
     import torch
 
     from orchestration.models.loading import load_adapter_folder
 
     src = _resolve(checkpoint)
-    model, tok = load_adapter_folder(src, dtype=getattr(torch, dtype), base=base)
+    model, tok = load_adapter_folder(src, dtype=getattr(torch, dtype), base=base, boundary=False)
     tmp = _fresh(out)
     model.save_pretrained(tmp)
     _copy_tokenizer(tok or src, tmp)
+    _copy_boundary(src, tmp, boundary)
     return _publish(tmp, out)
 
 
@@ -99,12 +119,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--merged", action="store_true", help="write the merged HF model instead of the PEFT folder")
     ap.add_argument("--base", default=None, help="base model directory (default: the one the adapter config names)")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="--merged: weight dtype")
+    ap.add_argument("--plain", action="store_true", help="leave out the checkpoint's meshkern_boundary.json (position "
+                    "0's int8 round trip at the boundary layers, which a model trained through a pca codec with a "
+                    "sink row is deployed with; docs/codecs.md): the folder loads as the plain model everywhere")
     ns = ap.parse_args(argv)
     try:
         if ns.merged:
-            out = export_merged(ns.checkpoint, ns.out, base=ns.base, dtype=ns.dtype)
+            out = export_merged(ns.checkpoint, ns.out, base=ns.base, dtype=ns.dtype, boundary=not ns.plain)
         else:
-            out = export_adapter(ns.checkpoint, ns.out, base=ns.base)
+            out = export_adapter(ns.checkpoint, ns.out, base=ns.base, boundary=not ns.plain)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

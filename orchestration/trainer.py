@@ -42,7 +42,7 @@ from orchestration.distributed.link_counter import LinkCounter
 from orchestration.distributed.pipeline import PipelineExecutor
 from orchestration.distributed.schedule import make_schedule
 from orchestration.distributed.tied import TiedGradSync
-from orchestration.models.scoring import checkpoint_loss
+from orchestration.models.scoring import checkpoint_loss, checkpoint_losses
 
 
 class Trainer:
@@ -292,13 +292,16 @@ class Trainer:
         s["bad_steps"] = self.guard.bad_total
         s["diverged"] = diverged
         if diverged:
-            s["eval_loss"] = s["eval_loss_base"] = None
+            s["eval_loss"] = s["eval_loss_base"] = s["eval_loss_plain"] = None
             s["links_path"] = links_path
             return s
         scored = plan.eval_rows is not None and cfg.run.eval_sequences > 0
         dtype = getattr(torch, cfg.model.dtype)
         rows = plan.eval_rows[:cfg.run.eval_sequences] if scored else None
-        s["eval_loss"] = checkpoint_loss(last_ckpt, rows, dtype=dtype) if scored and last_ckpt else None
+        # as deployed: with the checkpoint's boundary transform (meshkern_boundary.json, a codec with a sink
+        # row), and then the plain model's score beside it (eval_loss_plain; None without the transform)
+        s["eval_loss"], s["eval_loss_plain"] = checkpoint_losses(last_ckpt, rows, dtype=dtype) \
+            if scored and last_ckpt else (None, None)
         s["eval_loss_base"] = checkpoint_loss(plan.model_path, rows, dtype=dtype) if scored else None
         s["links_path"] = links_path
         return s

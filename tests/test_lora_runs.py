@@ -78,7 +78,11 @@ def test_lora_checkpoint_is_a_peft_folder_that_reproduces_the_pipeline(tiny, tmp
         torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
         assert not torch.allclose(load_causal_lm(model_dir)[0](ids).logits, ours, atol=1e-3)  # it did train
         merged_dir = export.export_merged(last, str(tmp_path / "merged"))
-        merged = load_causal_lm(merged_dir)[0](ids).logits
+        # the pca run's boundary transform travels with the exports (tests/test_boundary_transform.py);
+        # the stages above ran without it: compare the plain model
+        assert all(os.path.isfile(os.path.join(d, "meshkern_boundary.json"))
+                   for d in (last, merged_dir, os.path.join(plan.run_dir, "adapter")))
+        merged = load_causal_lm(merged_dir, boundary=False)[0](ids).logits
         torch.testing.assert_close(merged, ours, rtol=1e-4, atol=1e-4)
     assert evaluate.main(["--model", os.path.join(plan.run_dir, "adapter"), "--data", str(tiny / "data.txt"),
                           "--seq-len", "32", "--max-batches", "1", "--threads", "1"]) == 0

@@ -8,7 +8,7 @@ import torch
 
 from meshkern import pca as meshkern_pca
 from orchestration.codecs.base import NonFiniteWire, optional_width, width
-from orchestration.codecs.pca_base import PCA_BASES, PCABaseCodec, PCABasis, sink_bytes
+from orchestration.codecs.pca_base import PCA_BASES, PCABaseCodec, PCABasis, sink_bytes, sink_encode
 
 __all__ = ["PCACodec", "PCABasis", "PCA_BASES", "pca_width"]
 
@@ -117,7 +117,7 @@ class PCACodec(PCABaseCodec):
         sd = (flat - mu).pow(2).mean(0).sqrt().clamp_min(1e-20)
         wire = meshkern_pca.quantize_reference((c - mu) / sd, self.bits)
         if self.sink:
-            wire = meshkern_pca.quantize_reference(head, 8) + wire
+            wire = sink_encode(head) + wire
         return wire + [torch.stack([mu, sd])]
 
     def _decode(self, wire, basis, norm, center, shape, dtype):

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from meshkern._checks import boundary_shape
+from meshkern.pca import dequantize_reference, quantize_reference
 from meshkern.pca_nf import MAX_BITS
 from orchestration.codecs.base import BoundaryCodec, check_direction, validate_wire
 
@@ -111,6 +112,30 @@ BASIS_DTYPES = ("float32", "float16")  # the basis_dtype option
 # layer each boundary sits after, and gives every trainer's codec its replica's view instead
 # ({stage boundary: basis}; replicas of different depths cut after different layers).
 PCA_BASES: dict[int, PCABasis] = {}
+
+
+SINK_BITS = 8  # the sink row's codes: int8 over all H dims, one fp32 absmax scale per row
+
+
+def sink_encode(row: torch.Tensor) -> list[torch.Tensor]:
+    """The sink row's wire: ``row`` [..., H] (read as fp32) as [int8 codes [..., H], fp32
+    absmax scale [..., 1]] (meshkern.pca.quantize_reference at 8 bits: the quantizer both
+    layouts' ops use for position 0; the fused C++ / Triton head quantizer is bit-identical
+    to it, tests/test_pca_ops.py)."""
+    return quantize_reference(row, SINK_BITS)
+
+
+def sink_decode(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp32 [..., H] from ``sink_encode``'s wire (as both layouts' decode rebuilds position 0)."""
+    return dequantize_reference(codes, scale, codes.shape[-1], SINK_BITS)
+
+
+def sink_round_trip(row: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``row`` [..., H] as a ``sink=True`` pca codec delivers position 0 to the next stage:
+    ``sink_decode(sink_encode(row))`` cast to ``dtype`` (default row's, as the codec's decode
+    casts to the boundary's dtype). What a model trained through such a codec keeps at its
+    boundary layers when deployed (orchestration.models.boundary_transform)."""
+    return sink_decode(*sink_encode(row)).to(row.dtype if dtype is None else dtype)
 
 
 def sink_bytes(H: int, sink: bool, seq_len: int) -> int:

@@ -68,7 +68,7 @@ def build_stage(cfg: Config, plan, mesh):
     torch.manual_seed(cfg.train.seed)
     model = plan.model
     if model is None:
-        model, _ = load_causal_lm(plan.model_path, dtype=getattr(torch, cfg.model.dtype))
+        model, _ = load_causal_lm(plan.model_path, dtype=getattr(torch, cfg.model.dtype), boundary=False)
     from orchestration.subspace import training as subspace_train
 
     plan.subspace = subspace_train.prepare_model(cfg, model) if subspace_train.uses_subspace(cfg) else None

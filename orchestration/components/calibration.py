@@ -367,7 +367,7 @@ def attach(codec, cfg, plan, mesh, counter) -> None:
             if os.path.isfile(os.path.join(plan.run_dir, BASIS_FILE)):
                 bases = load(plan.run_dir, boundary_layers(plan.num_layers, cfg.mesh.stages, cfg.mesh.layers_per_stage))
             else:
-                model, _ = load_causal_lm(plan.model_path, dtype=getattr(torch, cfg.model.dtype))
+                model, _ = load_causal_lm(plan.model_path, dtype=getattr(torch, cfg.model.dtype), boundary=False)
                 bases = bases_for_run(cfg, model, plan.train_rows)
                 del model
             named = {f"{L}.{k}": v for L, basis in bases.items() for k, v in basis.state_dict().items()}

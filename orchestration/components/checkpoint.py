@@ -13,6 +13,10 @@ Layout of one checkpoint, ``<dir>/step_00000020/``:
                                           optimizer, DiLoCo/compressor state, byte counters
                                           and step; tensors and plain numbers only, loaded
                                           with torch.load(weights_only=True)
+    meshkern_boundary.json                a run whose codec sends position 0 as a sink row
+                                          (pca, sink=true): the boundary transform the model
+                                          is deployed with (orchestration.models.
+                                          boundary_transform; --checkpoint.boundary-transform)
     meta.json                             step, mesh shape, config and the sha256 and size
                                           of every other file ("files"; written last)
 
@@ -338,6 +342,8 @@ class Checkpointer:
                                 "model": model, "disks": view.disks}
                 if view.me == 0 and exp is not None:  # the model lands later, or (one on its way) not at all
                     meta["disk"].update({"pending": True} if send_model else {"skipped": exp.step})
+            if view.me == 0:  # the leader's disk, where the model is (or lands): how it is deployed
+                self._write_boundary(tmp)
             inflight = (os.path.basename(exp.path),) if view.me == 0 and exp is not None and exp.busy else ()
             finalize(root, tmp, step, meta, plan.model_path, y0, cfg.checkpoint.keep, model=model, protect=inflight)
             if view.me == 0 and exp is not None:
@@ -351,6 +357,17 @@ class Checkpointer:
             exp.wait()  # the run's end: its model is complete on the leader's disk when this returns
             check_failures(exp, mesh)
         return final
+
+    def _write_boundary(self, tmp: str) -> None:
+        """meshkern_boundary.json into the checkpoint being written, for a run whose codec has a
+        sink row (orchestration.models.boundary_transform; finalize then lists it in meta.json).
+        Not without the model's layer count (a plan that names none: no model to deploy)."""
+        from orchestration.models import boundary_transform
+
+        num_layers = getattr(self.plan, "num_layers", 0)
+        rec = boundary_transform.record_for(self.cfg, num_layers) if num_layers else None
+        if rec is not None:
+            boundary_transform.write(tmp, rec)
 
     def _count_export(self, n: int) -> None:
         if self.parts.get("counter") is not None:

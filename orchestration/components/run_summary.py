@@ -70,6 +70,10 @@ def summary_rows(s: dict) -> list[tuple[str, str, str]]:
         base = s.get("eval_loss_base")
         rows.append(("held-out loss base -> final", (f"{base:.4f} -> " if base is not None else "") + f"{s['eval_loss']:.4f}",
                      "loss on held-out sequences never trained on: the model before training and the final checkpoint"))
+        if s.get("eval_loss_plain") is not None:
+            rows.append(("held-out loss final, plain model", f"{s['eval_loss_plain']:.4f}",
+                         "the final checkpoint without its boundary transform (meshkern_boundary.json: position 0's "
+                         "int8 round trip at each boundary layer, which the figure above includes; docs/codecs.md)"))
     if s.get("skipped_steps") is not None:
         rows.append(("skipped / bad steps", f"{s['skipped_steps']} skipped, {s.get('bad_steps', 0)} bad",
                      "replica-steps whose update was skipped (non-finite gradient); steps with a non-finite or "

@@ -176,6 +176,11 @@ class CheckpointConfig:
                            "travels to the leader, in the background with the model, so that a host replaced with an "
                            "empty disk resumes from the leader's copy (off: only the model travels; such a host is "
                            "then refused, naming what to copy). Costs the rank files' bytes on the export axis")
+    boundary_transform: bool = _f(True, "a run whose codec sends position 0 as a sink row (pca with sink=true, the "
+                                  "default) writes meshkern_boundary.json into its checkpoints and exports, and "
+                                  "orchestration.models.loading then keeps position 0's int8 round trip at each "
+                                  "boundary layer, as the model trained (docs/codecs.md); false: the plain model. "
+                                  "Never for dense or other codecs")
 
 
 @dataclass

@@ -100,7 +100,7 @@ def measure_run(run_dir: str, rows: int = 16, basis_file: str | None = None, cod
         return calibration.fit_model_bases(model, calib, codec, *split, grad_rows=codec.grad_rows)
 
     dtype = getattr(torch, cfg.model.dtype)
-    base, _ = load_causal_lm(plan.model_path, dtype=dtype)
+    base, _ = load_causal_lm(plan.model_path, dtype=dtype, boundary=False)
     layers = calibration.boundary_layers(plan.num_layers, *split)  # (a basis file is keyed by them)
     if basis_file:
         run_bases = calibration.for_split(calibration.read(basis_file, layers), layers)
@@ -110,7 +110,7 @@ def measure_run(run_dir: str, rows: int = 16, basis_file: str | None = None, cod
         run_bases = fitted(base)
     records = []
     for step, path in [(0, plan.model_path)] + ckpt.complete_checkpoints(os.path.join(run_dir, "checkpoints")):
-        model = base if step == 0 else load_causal_lm(path, dtype=dtype)[0]
+        model = base if step == 0 else load_causal_lm(path, dtype=dtype, boundary=False)[0]
         hs, gs = boundary_states(model, held, *split, grad_rows=held.shape[0])
         refit = fitted(model)
         for b, (h, g) in enumerate(zip(hs, gs)):

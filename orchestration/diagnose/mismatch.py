@@ -173,7 +173,7 @@ def measure_run(run_dir: str, rows: int = 32, steps: list[int] | None = None, to
     for step, path in [(0, plan.model_path)] + ckpt.complete_checkpoints(os.path.join(run_dir, "checkpoints")):
         if steps is not None and step not in steps:
             continue
-        model, _ = load_causal_lm(path, dtype=dtype)
+        model, _ = load_causal_lm(path, dtype=dtype, boundary=False)  # the deployed model as trained: no transform
         for rec in measure(model, held, codec, bases, cfg.mesh.stages, cfg.mesh.layers_per_stage, top, only=only):
             rec = {"step": step, "checkpoint": path if step else "(the base model)", **rec}  # (no machine path)
             out.append(rec)

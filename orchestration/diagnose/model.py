@@ -48,7 +48,7 @@ def resolve_and_load(spec: str | None):
     from orchestration.models import loading as models
 
     path = model_paths.resolve_model(spec or None, progress=True)
-    model, tok = models.load_causal_lm(path)
+    model, tok = models.load_causal_lm(path, boundary=False)  # split by layers: the plain model
     if tok is None:
         raise UsageError(f"--model {path}: the checkpoint holds no tokenizer")
     return model, str(path)

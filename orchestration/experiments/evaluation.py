@@ -99,22 +99,30 @@ def evaluate_run(row: Row, seed: int, s: Settings, argv: list[str], run_dir: str
     net_step = model_run(cfg, plan, zero)
 
     curve = []
-    final_model = None
+    final_model, final_path = None, None
     for step, path in [(0, plan.model_path)] + ckpt.complete_checkpoints(os.path.join(run_dir, "checkpoints")):
         base_key = (path, tuple(held.shape), hash(held.numpy().tobytes()))
         if step == 0 and base_key in _BASE_LOSS:  # the base model on the same held-out rows: scored once
             r = _BASE_LOSS[base_key]
         else:
-            model, _ = load_causal_lm(path)
+            model, _ = load_causal_lm(path, boundary=False)  # the plain model: the records' deployed loss
             r = evaluate.eval_loss(model, held)
             if step == 0:
                 _BASE_LOSS[base_key] = r
             if step == s.steps:
-                final_model = model
+                final_model, final_path = model, path
         curve.append({"step": step, "tokens": step * tokens_per_step,
                       "modeled_s": step * model_step.step_s, "loss": r["loss"], "perplexity": r["perplexity"]})
     if final_model is None:
         raise RuntimeError(f"{run_dir}: no complete checkpoint at the last step {s.steps}")
+    # The final model with its checkpoint's boundary transform (position 0's int8 round trip at the
+    # boundary layers, a codec with a sink row: orchestration.models.boundary_transform), when it has one.
+    from orchestration.models import boundary_transform
+
+    final_boundary = None
+    if boundary_transform.apply_from(final_model, final_path) is not None:
+        final_boundary = evaluate.eval_loss(final_model, held)["loss"]
+        boundary_transform.remove(final_model)
     # The deployed model is unmasked; the masked rows trained through their boundary codec.
     # Their final model scored WITH that codec at every stage boundary (no training) shows
     # how much of the deployed model's loss is train/test mismatch.
@@ -133,7 +141,7 @@ def evaluate_run(row: Row, seed: int, s: Settings, argv: list[str], run_dir: str
         "base_loss": curve[0]["loss"], "final_loss": curve[-1]["loss"],
         "final_perplexity": curve[-1]["perplexity"], "curve": curve,
         "boundary_codec": cfg.boundary.codec, "boundary_options": dict(cfg.boundary.options),
-        "codec_on_loss": codec_on, "epochs": _epochs(cfg, plan, s.steps),
+        "codec_on_loss": codec_on, "final_loss_boundary": final_boundary, "epochs": _epochs(cfg, plan, s.steps),
         "train_config": {"lr": cfg.train.lr, "min_lr_ratio": cfg.train.min_lr_ratio,
                          "warmup_steps": cfg.train.warmup_steps, "optimizer": cfg.train.optimizer,
                          "tau": cfg.train.tau, "alpha": cfg.train.alpha, "beta_anc": cfg.train.beta_anc,

@@ -65,7 +65,7 @@ def replica_model(final: str, cfg, row: int, base_path: str):
     from orchestration.models.loading import load_causal_lm
     from orchestration.distributed.stages import hf_name, replica_split
 
-    model, _ = load_causal_lm(base_path)
+    model, _ = load_causal_lm(base_path, boundary=False)
     lay = MeshLayout.of(cfg)
     y = lay.stages_of(row)
     split, lo, sd = replica_split(model.config.num_hidden_layers, y, cfg.mesh.layers_per_stage), 0, {}

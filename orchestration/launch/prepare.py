@@ -191,5 +191,5 @@ def _run_paths(cfg: Config, hf_cfg) -> tuple[str, str, str]:
 def _load_model(cfg: Config, path: str):
     from orchestration.models.loading import load_causal_lm
 
-    model, _ = load_causal_lm(path, dtype=getattr(torch, cfg.model.dtype))
+    model, _ = load_causal_lm(path, dtype=getattr(torch, cfg.model.dtype), boundary=False)
     return model

@@ -55,7 +55,8 @@ def is_complete_checkpoint(path: str | os.PathLike) -> bool:
             and (p / "tokenizer.json").is_file())
 
 
-def load_causal_lm(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, base: str | None = None):
+def load_causal_lm(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, base: str | None = None,
+                   boundary: bool = True):
     """Load a local Hugging Face causal LM: returns ``(model, tokenizer_path)``.
 
     ``model`` is in eval mode on CPU in ``dtype``. ``tokenizer_path`` is ``str(path)``
@@ -64,6 +65,10 @@ def load_causal_lm(path: str | os.PathLike, *, dtype: torch.dtype = torch.float3
     architecture transformers cannot build as a causal LM. Only local files are read.
     A PEFT adapter folder (a LoRA run's checkpoint or export) loads as its base model with
     the adapters merged in (``load_adapter_folder``; ``base`` replaces the base it names).
+    ``boundary``: a folder with a boundary transform record (meshkern_boundary.json, written
+    for a model trained through a codec with a sink row) loads with that transform on its
+    boundary layers, as it is meant to be deployed (orchestration.models.boundary_transform);
+    False: the plain model (what training, calibration and the diagnostics load).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -71,7 +76,7 @@ def load_causal_lm(path: str | os.PathLike, *, dtype: torch.dtype = torch.float3
     if not p.exists():
         raise FileNotFoundError(f"model path {str(p)!r} does not exist")
     if is_adapter_folder(p):
-        return load_adapter_folder(p, dtype=dtype, base=base)
+        return load_adapter_folder(p, dtype=dtype, base=base, boundary=boundary)
     if not p.is_dir() or not (p / "config.json").is_file():
         raise FileNotFoundError(f"{str(p)!r} is not a Hugging Face checkpoint directory "
                                 "(no config.json)")
@@ -88,6 +93,10 @@ def load_causal_lm(path: str | os.PathLike, *, dtype: torch.dtype = torch.float3
     except OSError as e:  # e.g. config.json but no *.safetensors / *.bin weights
         raise FileNotFoundError(f"{p}: cannot load the model weights ({str(e).splitlines()[0][:200]})") from None
     model.eval()
+    if boundary:
+        from orchestration.models import boundary_transform
+
+        boundary_transform.apply_from(model, p)
     has_tok = any((p / f).is_file() for f in _TOKENIZER_FILES)
     return model, (str(p) if has_tok else None)
 
@@ -114,11 +123,14 @@ def is_adapter_folder(path: str | os.PathLike) -> bool:
     return (p / "adapter_config.json").is_file() and (p / "adapter_model.safetensors").is_file()
 
 
-def load_adapter_folder(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, base: str | None = None):
+def load_adapter_folder(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, base: str | None = None,
+                        boundary: bool = True):
     """``(model, tokenizer_path)`` of PEFT folder ``path``: its base model (``base``, else the
     folder's ``base_model_name_or_path``) in ``dtype`` with the adapters merged into the
     weights (peft's ``merge_and_unload``), so the result is a plain HF model that scores,
-    generates and saves like any other. FileNotFoundError names a base that is not on disk."""
+    generates and saves like any other. FileNotFoundError names a base that is not on disk.
+    ``boundary``: the adapter folder's boundary transform record, if any, is installed on the
+    merged model (the base's own record is not: the adapters were trained on the plain base)."""
     from peft import PeftModel
 
     p = Path(path)
@@ -126,7 +138,11 @@ def load_adapter_folder(path: str | os.PathLike, *, dtype: torch.dtype = torch.f
     if not base or not Path(base).is_dir():
         raise FileNotFoundError(f"adapter folder {str(p)!r} names base model {base!r}, which is not a local directory; "
                                 "give the base model's path (--model.path / --base)")
-    model, tok = load_causal_lm(base, dtype=dtype)
+    model, tok = load_causal_lm(base, dtype=dtype, boundary=False)
     model = PeftModel.from_pretrained(model, str(p), is_trainable=False).merge_and_unload()
     model.eval()
+    if boundary:
+        from orchestration.models import boundary_transform
+
+        boundary_transform.apply_from(model, p)
     return model, tok

@@ -130,7 +130,7 @@ def pretrain(out_dir: str | os.PathLike, cfg: PretrainConfig | None = None, *,
     try:
         torch.manual_seed(cfg.seed)
         if cfg.init_from:
-            model, tok_path = models.load_causal_lm(cfg.init_from)
+            model, tok_path = models.load_causal_lm(cfg.init_from, boundary=False)
             if tok_path is None:
                 raise ValueError(f"--init-from {cfg.init_from}: the checkpoint holds no tokenizer")
             tokenizer = data.load_tokenizer(tok_path)

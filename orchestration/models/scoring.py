@@ -93,10 +93,26 @@ def eval_loss(model_or_stages, dataset, *, batch_size: int = 16,
 # ----------------------------------------------------------------- exact match
 
 
-def checkpoint_loss(path: str, rows: torch.Tensor, *, dtype: torch.dtype = torch.float32) -> float:
+def checkpoint_loss(path: str, rows: torch.Tensor, *, dtype: torch.dtype = torch.float32,
+                    boundary: bool = True) -> float:
     """Mean next-token loss of the checkpoint at ``path`` (loaded in ``dtype``) on ``rows``
-    (int64 [N, T]): the run's held-out score of its exported checkpoint (and of the base)."""
+    (int64 [N, T]): the run's held-out score of its exported checkpoint (and of the base),
+    as deployed: with the folder's boundary transform, if it has one (``boundary`` False:
+    the plain model; orchestration.models.boundary_transform)."""
+    from orchestration.models.loading import load_causal_lm
+
+    model, _ = load_causal_lm(path, dtype=dtype, boundary=boundary)
+    return eval_loss(model, rows)["loss"]
+
+
+def checkpoint_losses(path: str, rows: torch.Tensor, *, dtype: torch.dtype = torch.float32) -> tuple[float, float | None]:
+    """(deployed, plain): ``checkpoint_loss`` of ``path`` as deployed and, when the folder has
+    a boundary transform, of the plain model too (None without one): one load, two scores."""
+    from orchestration.models import boundary_transform
     from orchestration.models.loading import load_causal_lm
 
     model, _ = load_causal_lm(path, dtype=dtype)
-    return eval_loss(model, rows)["loss"]
+    deployed = eval_loss(model, rows)["loss"]
+    if not boundary_transform.remove(model):
+        return deployed, None
+    return deployed, eval_loss(model, rows)["loss"]
