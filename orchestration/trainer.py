@@ -208,6 +208,7 @@ class Trainer:
         log.close_bar()
         self.checkpointer.close()  # a model still on its way to the leader lands before anything reads it
         self.hook.close()
+        self.counter.set_total("anchor", self.hook.bytes_sent)  # the last snapshot, finished at close, in link_bytes too
         stage_state = self._stage_state()
         elapsed = time.perf_counter() - t_start
         links_path = write_link_bytes(plan, self.mesh, self.counter)
