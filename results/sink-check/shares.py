@@ -3,7 +3,10 @@ position 0's int8 round trip (`sink`), the projection on the basis's span (`span
 (`span+sink`) kept at the boundary; and what the same transforms do to the base model and to
 the dense-trained model (through the pcanf run's basis).
 
-    python results/sink-check/shares.py      # from the repository root; prints two markdown tables
+    python results/sink-check/shares.py      # from the repository root; prints three markdown tables
+
+The third table puts python's seed 1 (re-run at step 200, issue #43) beside its seed 0, each
+seed's share against the dense record of the same seed, and their mean ± sample sd.
 
 share = (base - loss) / (base - dense); base and dense (step 200) from the tracked seed-0 dense
 record of each domain's long runs; the pcanf losses from the step-200 mismatch files (their
@@ -29,6 +32,14 @@ DOMAINS = {  # domain: tracked dense s0 record, tracked pcanf s0 record, pcanf s
                 R + "far-locales-long/mismatch-dense-s0-pcanfbasis.jsonl"),
 }
 
+# python per seed: (tracked dense record, tracked pcanf record, pcanf step-200 mismatch)
+PYTHON_SEEDS = {
+    0: DOMAINS["python"][:3],
+    1: (R + "real-long/records/dense-s1.json", R + "real-long/records/pcanf-s1.json",
+        R + "sink-check/mismatch-pcanf-s1-python-step200.jsonl"),
+}
+COLS = ("deployed", "codec on", "+sink", "+span+sink")
+
 
 def at(rec, step):
     return next(c["loss"] for c in rec["curve"] if c["step"] == step)
@@ -43,6 +54,39 @@ def losses(path, step):
 
 def fmt(x, spec=".4f"):
     return "-" if x is None else format(x, spec)
+
+
+def mean_sd(xs):
+    m = sum(xs) / len(xs)
+    sd = (sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5 if len(xs) > 1 else 0.0
+    return m, sd
+
+
+def python_seeds():
+    """python's step-200 losses and shares of dense's gain per seed, and their mean ± sample sd."""
+    print("| python, seed | base | dense @200 | pcanf @200, deployed | codec on | +sink | +span+sink "
+          "| share of dense's gain: deployed / codec on / +sink / +span+sink "
+          "| sink / span / span+sink / codec - deployed |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    shares = []
+    for seed, (dense_f, pcanf_f, mis_f) in PYTHON_SEEDS.items():
+        L = losses(mis_f, 200)
+        if L is None:
+            print(f"| {seed} | (no {mis_f}) |")
+            continue
+        dense, pcanf = json.load(open(dense_f)), json.load(open(pcanf_f))
+        base, d = dense["base_loss"], at(dense, 200)
+        assert abs(L["deployed"] - at(pcanf, 200)) < 1e-6, (seed, L["deployed"], at(pcanf, 200))
+        cols = [L["deployed"], L.get("codec", pcanf["codec_on_loss"]), L["sink"], L["span+sink"]]
+        sh = [100 * (base - x) / (base - d) for x in cols]
+        shares.append(sh)
+        print(f"| {seed} | {base:.4f} | {d:.4f} | " + " | ".join(fmt(x) for x in cols) + " | "
+              + " / ".join(f"{x:.1f}%" for x in sh) + " | "
+              + " / ".join(fmt(L[k] - L["deployed"], "+.4f") for k in ("sink", "span", "span+sink", "codec")) + " |")
+    if len(shares) > 1:
+        ms = [mean_sd([sh[i] for sh in shares]) for i in range(len(COLS))]
+        print(f"| mean of {len(shares)} seeds | | | | | | | "
+              + " / ".join(f"{m:.1f} ± {sd:.1f}%" for m, sd in ms) + " | |")
 
 
 def main():
@@ -72,6 +116,8 @@ def main():
             print(f"| {dom} | {name} | {dep:.4f} | " + " | ".join(
                 fmt(None if L.get(k) is None else L[k] - dep, "+.4f") for k in ("sink", "span", "span+sink", "codec"))
                 + " |")
+    print()
+    python_seeds()
 
 
 if __name__ == "__main__":
