@@ -67,11 +67,12 @@ def _copy_tokenizer(src: str, dst: str) -> None:
 
 def _copy_boundary(src: str, dst: str, boundary: bool) -> None:
     """The checkpoint's boundary transform record, if it has one and ``boundary``."""
+    from orchestration.components import boundary_record
     from orchestration.models import boundary_transform
 
     rec = boundary_transform.read(src) if boundary else None  # (checked: a record this version applies)
     if rec is not None:
-        boundary_transform.write(dst, rec)
+        boundary_record.write(dst, rec)
 
 
 def export_adapter(checkpoint: str, out: str, *, base: str | None = None, boundary: bool = True) -> str:

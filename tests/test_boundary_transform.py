@@ -14,6 +14,7 @@ from orchestration.components import calibration
 from orchestration.components import checkpoint as ckpt
 from orchestration.config import parse_args
 from orchestration.distributed.stages import split_model
+from orchestration.components.boundary_record import record_for, write
 from orchestration.models import boundary_transform as bt
 from orchestration.models.loading import load_causal_lm
 
@@ -79,7 +80,7 @@ def test_hooked_model_equals_the_stages_run_by_hand_with_the_codecs_sink_row(tin
     n = model.config.num_hidden_layers
     cfg = parse_args(["--model", str(tiny / "model"), "--mesh.rows", "1", "--mesh.stages", str(stages),
                       "--boundary.codec", spec])[0]
-    rec = bt.record_for(cfg, n)
+    rec = record_for(cfg, n)
     assert rec["layers"] == [L + 1 for L in layers] and (rec["codec"], rec["codec_options"]) == codecs.parse_spec(spec)
     with torch.no_grad():
         plain = model(ids).logits
@@ -169,7 +170,7 @@ def test_other_families_hooked_equals_by_hand_and_the_cache_agrees(family):
 def test_record_for_only_codecs_with_a_sink_row(tiny):
     def rec(*flags):
         cfg = parse_args(["--model", str(tiny / "model"), "--mesh.rows", "1", *flags])[0]
-        return bt.record_for(cfg, 4)
+        return record_for(cfg, 4)
 
     assert rec("--mesh.stages", "2")["layers"] == [2]  # the default codec (pca, sink)
     assert rec("--mesh.stages", "2", "--boundary.codec", "pca:quant=absmax")["layers"] == [2]
@@ -193,7 +194,7 @@ def test_loading_applies_the_file_and_only_then(tiny, tmp_path):
     assert bt.installed(model) is None and bt.read(folder) is None
     with torch.no_grad():
         plain = model(ids).logits
-        bt.write(folder, _rec([2], 4))
+        write(folder, _rec([2], 4))
         assert not os.path.exists(folder / (bt.FILE + ".part"))
         hooked, _ = load_causal_lm(folder)
         assert bt.installed(hooked)["layers"] == [2]
@@ -207,7 +208,7 @@ def test_loading_applies_the_file_and_only_then(tiny, tmp_path):
     with pytest.raises(ValueError, match="not a boundary transform"):
         load_causal_lm(folder)
     assert bt.installed(load_causal_lm(folder, boundary=False)[0]) is None
-    bt.write(folder, _rec([2], 6))
+    write(folder, _rec([2], 6))
     with pytest.raises(ValueError, match="for 6 decoder layers"):
         load_causal_lm(folder)
 

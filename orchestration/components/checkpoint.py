@@ -362,12 +362,12 @@ class Checkpointer:
         """meshkern_boundary.json into the checkpoint being written, for a run whose codec has a
         sink row (orchestration.models.boundary_transform; finalize then lists it in meta.json).
         Not without the model's layer count (a plan that names none: no model to deploy)."""
-        from orchestration.models import boundary_transform
+        from orchestration.components import boundary_record
 
         num_layers = getattr(self.plan, "num_layers", 0)
-        rec = boundary_transform.record_for(self.cfg, num_layers) if num_layers else None
+        rec = boundary_record.record_for(self.cfg, num_layers) if num_layers else None
         if rec is not None:
-            boundary_transform.write(tmp, rec)
+            boundary_record.write(tmp, rec)
 
     def _count_export(self, n: int) -> None:
         if self.parts.get("counter") is not None:

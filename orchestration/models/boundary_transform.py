@@ -10,9 +10,8 @@ share of dense's gain 90.0% -> 96.3% (python), 94.9% -> 99.4% (prose), 96.3% -> 
 (locales), docs/far-domain.md, "The sink's round trip on python and prose". A dense-trained
 model loses with it (+0.017), so it belongs to a codec-trained model only.
 
-    record_for(cfg, num_layers)  the record of a run (None: its codec has no sink row, one
-                                 stage, or --checkpoint.boundary-transform false)
-    write(folder, record)        FILE (meshkern_boundary.json) in an HF / PEFT folder, atomically
+    (the record of a run: orchestration.components.boundary_record.record_for)
+    (written, atomically, by orchestration.components.boundary_record.write)
     read(folder)                 the folder's record, or None
     install(model, record)       forward pre-hooks on the record's layers; returns the handles
     remove(model)                takes them off (the plain model again)
@@ -44,46 +43,6 @@ WHY = ("trained through a codec that sends position 0 of every row at each stage
        "layer: share of dense's gain 90.0%->96.3% (python), 94.9%->99.4% (prose), 96.3%->97.9% (locales), "
        "docs/far-domain.md (issue #43)")
 _HANDLES = "_meshkern_boundary_handles"
-
-
-def codec_has_sink(boundary, name: str | None = None) -> bool:
-    """Whether the codec ``name`` (default --boundary.codec) of a run's --boundary settings
-    sends position 0 as a sink row (a pca codec with sink=True)."""
-    from orchestration import codecs
-    from orchestration.codecs.pca_base import PCABaseCodec
-
-    codec = codecs.codec_for(boundary, name)
-    return isinstance(codec, PCABaseCodec) and bool(codec.sink)
-
-
-def record_for(cfg, num_layers: int) -> dict | None:
-    """The record of run ``cfg`` for a model of ``num_layers`` decoder layers: replica 0's
-    codec and split (the exported model is replica 0's weights); None when that codec has no
-    sink row (dense and every other codec), replica 0 has one stage, or
-    --checkpoint.boundary-transform is off."""
-    from orchestration.components.calibration import boundary_layers
-
-    if not getattr(cfg.checkpoint, "boundary_transform", True):
-        return None
-    name, stages = cfg.replica_codec(0), cfg.replica_stages[0]
-    if stages < 2 or not codec_has_sink(cfg.boundary, name):
-        return None
-    after = boundary_layers(int(num_layers), stages, cfg.mesh.layers_per_stage)
-    return {"format": FORMAT, "kind": KIND, "layers": [int(L) + 1 for L in after], "position": 0, "bits": 8,
-            "num_hidden_layers": int(num_layers), "codec": name,
-            "codec_options": dict(cfg.boundary.options) if name == cfg.boundary.codec else {},
-            "why": WHY,
-            "load": "orchestration.models.loading.load_causal_lm(folder) applies it; boundary=False (or "
-                    "AutoModelForCausalLM.from_pretrained(folder)) gives the plain model"}
-
-
-def write(folder: str | os.PathLike, record: dict) -> str:
-    """``record`` as ``folder``/FILE (written as .part, fsynced, renamed); returns the path."""
-    from orchestration.components.checkpoint_files import write_json_atomic
-
-    path = os.path.join(folder, FILE)
-    write_json_atomic(path, record, indent=1, sort_keys=True)
-    return path
 
 
 def read(folder: str | os.PathLike) -> dict | None:
