@@ -18,28 +18,13 @@ from __future__ import annotations
 import sys
 
 
-def _bound_tcp_store(host, port, world_size=None, is_master=False, timeout=None, *args, **kwargs):
-    """torch.distributed.TCPStore as the static rendezvous calls it; the master's on a socket
-    listening on (host, port) only."""
-    from datetime import timedelta
-
-    from torch.distributed import TCPStore
-
-    from orchestration.distributed.mesh import listen_socket
-
-    timeout = timedelta(seconds=300) if timeout is None else timeout
-    if not is_master:
-        return TCPStore(host, port, world_size, False, timeout, *args, **kwargs)
-    kwargs.pop("use_libuv", None)
-    fd = listen_socket(host, port).detach()  # the store owns (and closes) the descriptor
-    return TCPStore(host, port, world_size, True, timeout, *args, master_listen_fd=fd, use_libuv=True, **kwargs)
-
-
 def main(argv: list[str] | None = None) -> None:
     from torch.distributed.elastic.rendezvous import static_tcp_rendezvous
     from torch.distributed.run import main as torchrun_main
 
-    static_tcp_rendezvous.TCPStore = _bound_tcp_store  # the one name its rendezvous makes the store with
+    from orchestration.distributed.mesh import bound_tcp_store
+
+    static_tcp_rendezvous.TCPStore = bound_tcp_store  # the one name its rendezvous makes the store with
     torchrun_main(sys.argv[1:] if argv is None else argv)
 
 

@@ -307,6 +307,17 @@ def listen_socket(host: str, port: int) -> socket.socket:
     raise OSError(f"the fast circuit's store cannot listen on {host}:{port}: {err}")
 
 
+def bound_tcp_store(host, port, world_size=None, is_master=False, timeout=None, *args, **kwargs):
+    """torch.distributed.TCPStore as torchrun's static rendezvous calls it, the master's on a
+    socket listening on (host, port) only (``listen_socket``): orchestration.torchrun."""
+    timeout = timedelta(seconds=300) if timeout is None else timeout
+    if not is_master:
+        return dist.TCPStore(host, port, world_size, False, timeout, *args, **kwargs)
+    kwargs.pop("use_libuv", None)
+    fd = listen_socket(host, port).detach()  # the store owns (and closes) the descriptor
+    return dist.TCPStore(host, port, world_size, True, timeout, *args, master_listen_fd=fd, use_libuv=True, **kwargs)
+
+
 def rendezvous_store(rank: int, world_size: int, timeout_s: float):
     """The fast circuit's TCPStore, like torch's env:// rendezvous (MASTER_ADDR,
     MASTER_PORT; rank 0 holds it, waiting for ``world_size`` ranks), except that rank 0's
