@@ -48,6 +48,16 @@ if grep -q "extension unavailable" train.err; then
     cat train.err; echo "ci_install_check: the trainer fell back to the pure-torch reference" >&2; exit 1
 fi
 grep -q '"step": 3' runs/ci/metrics.jsonl
+# torchrun as the docs tell users to start each machine (the installed meshkern-torchrun: its
+# store bound to --master-addr), the default codec: its checkpoint carries the sink transform
+PORT=$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+OMP_NUM_THREADS=1 "$WORK/venv/bin/meshkern-torchrun" --nnodes 1 --nproc-per-node 2 --master-addr 127.0.0.1 \
+    --master-port "$PORT" -m orchestration.train --model tiny --data data.txt --data.seq-len 32 \
+    --data.max-sequences 64 --train.batch-size 4 --train.microbatches 2 --train.steps 3 --mesh.rows 1 \
+    --mesh.stages 2 --run.out-dir runs --run.name ci-torchrun --run.progress false --run.eval-sequences 0 \
+    >torchrun.out 2>torchrun.err || { cat torchrun.out torchrun.err; echo "ci_install_check: the torchrun run failed" >&2; exit 1; }
+ls runs/ci-torchrun/checkpoints/step_00000003/meshkern_boundary.json >/dev/null \
+    || { cat torchrun.out; echo "ci_install_check: no boundary transform in the pca run's checkpoint" >&2; exit 1; }
 # elastic replicas from the installed package: torchft as a user adds it, the lighthouse
 # started as `python -m orchestration.elastic.lighthouse` from the venv, 2 replicas x 2 stages
 "$PY" -m pip install -q torchft==0.2.0 2> >(grep -v "^WARNING: Location" >&2)
@@ -56,4 +66,4 @@ grep -q '"step": 3' runs/ci/metrics.jsonl
     --boundary.codec mask --run.out-dir runs --run.name ci-elastic --run.progress false --run.eval-sequences 0 \
     >elastic.out 2>elastic.err || { cat elastic.out elastic.err; echo "ci_install_check: the elastic run failed" >&2; exit 1; }
 grep -q "^elastic: 2-2 replicas per step" elastic.out || { cat elastic.out elastic.err; echo "ci_install_check: no elastic summary" >&2; exit 1; }
-echo "ci_install_check: OK in $((SECONDS - T0)) s (non-editable install, torch $("$PY" -c 'import torch; print(torch.__version__)'), compiled backend in use, 3 trainer steps, 3 elastic steps)"
+echo "ci_install_check: OK in $((SECONDS - T0)) s (non-editable install, torch $("$PY" -c 'import torch; print(torch.__version__)'), compiled backend in use, 3 trainer steps, 3 under meshkern-torchrun, 3 elastic steps)"
