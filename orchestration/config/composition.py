@@ -70,15 +70,20 @@ RULES: dict[frozenset, Rule] = {frozenset(k): v for k, v in {
     ("elastic", "anchor"): Rule(WORKS, "the anchor row meets the replicas in a store the lighthouse hosts and pulls "
                                        "snapshots from the lowest replica linked; asynchronous mode only "
                                        "(--anchor.delay 0; docs/anchor.md)"),
-    ("elastic", "heterogeneous"): Rule(NOT_BUILT, "an elastic run needs replicas alike (--mesh.rows x --mesh.stages)"),
+    ("elastic", "heterogeneous"): Rule(NOT_BUILT, "an elastic run needs replicas alike (--mesh.rows x --mesh.stages): "
+                                                  "torchft gives each stage index one DP group across the replicas, "
+                                                  "while replicas of different depths hold different layers at the "
+                                                  "same index; their sync by parameter name needs a group per layer "
+                                                  "segment that follows every quorum, and heals between splits"),
     ("elastic", "codec:subspace"): Rule(WORKS, "each replica computes the basis from the base model; the replicas "
                                                "compare it at step 0 (a replica whose basis differs stops) and a "
                                                "heal carries it with the weights"),
     ("elastic", "dp:none"): Rule(INHERENT, "an elastic replica drops out of and heals into the DP sync; with no DP "
                                            "sync there is nothing to drop out of or heal from"),
     ("anchor", "heterogeneous"): Rule(NOT_BUILT, "the anchor row is one replica of the fast replicas' split and meets "
-                                                 "them stage by stage; replicas of different depths have no common "
-                                                 "stages"),
+                                                 "them stage by stage; a replica of another depth holds layers of "
+                                                 "several anchor stages and would need a link to each and their "
+                                                 "updates merged by parameter name"),
     ("anchor", "codec:subspace"): Rule(WORKS, "the anchor computes its gradient on a snapshot of the constrained "
                                               "weights (the embedding frozen on every rank); the fast replica applies "
                                               "the prior, then puts its weights back into the subspace"),
