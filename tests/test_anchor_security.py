@@ -68,9 +68,9 @@ def _hook(tmp_path, monkeypatch, transport):
     (stage.b @ torch.tanh(stage.a @ x.T)).sum().add(stage.bias.sum()).backward()
     cfg = types.SimpleNamespace(
         anchor=types.SimpleNamespace(snapshot_every=1, delay=0, max_staleness=50, transport=transport,
-                                     snapshot_codec="full", secret_file="", store="", max_rate_bps=0.0),
+                                     snapshot_codec="full", secret_file="", store=""),
         train=types.SimpleNamespace(steps=10_000, spectral_rank=4),
-        mesh=types.SimpleNamespace(timeout_s=5.0, elastic=False))
+        mesh=types.SimpleNamespace(timeout_s=5.0, elastic=False), anchor_pace_bps=0.0)
     ctx = types.SimpleNamespace(cfg=cfg, mesh=types.SimpleNamespace(stage=0, row=1, rank=1), optimizer=opt,
                                 params=params, stage=stage, plan=types.SimpleNamespace(run_dir=str(tmp_path), secret=KEY),
                                 counter=types.SimpleNamespace(extra={}))

@@ -242,7 +242,8 @@ def test_anchor_stream_share_is_its_time_on_the_wire_times_what_it_holds():
 def test_model_run_charges_the_anchor_stream_by_its_measured_time_in_flight():
     """A 1x2 pipeline whose snapshot stream was on its way for the whole run: the modeled step
     is the pipeline's with every message at half the rate (unpaced), or at the rate less the
-    pace (--anchor.max-rate-bps); the anchor's bytes still count on their axis."""
+    pace (--anchor.max-rate-bps; by default a quarter of --run.bandwidth-bps); the anchor's
+    bytes still count on their axis."""
     from types import SimpleNamespace
 
     from orchestration.config import parse_args
@@ -258,7 +259,8 @@ def test_model_run_charges_the_anchor_stream_by_its_measured_time_in_flight():
 
     # dense fp32 boundary: 2 x 8 x 100 x 4 = 6400 B each way, 51.2 ms at 1 Mbit/s; zero compute,
     # one micro-batch: the step is the forward and the backward message, one after the other
-    m = run()
+    m = run("--anchor.max-rate-bps", "0")
     assert m.step_s == pytest.approx(2 * 0.0512 / 0.5)
     assert m.bytes["anchor"] > 0
     assert run("--anchor.max-rate-bps", "1e5").step_s == pytest.approx(2 * 0.0512 / 0.9)
+    assert run().step_s == pytest.approx(2 * 0.0512 / 0.75)  # the default: a quarter of --run.bandwidth-bps

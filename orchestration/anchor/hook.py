@@ -90,7 +90,7 @@ class FastHook:
                              numel=sum(p.numel() for p in self.params), snapshot_codec=a.snapshot_codec,
                              serves=self.serves, newest_first=not self.delay, timeout_s=self.timeout_s,
                              secret=secret, store=store_address(cfg) if a.store else None,
-                             relink=cfg.mesh.elastic, max_bps=a.max_rate_bps)
+                             relink=cfg.mesh.elastic, max_bps=cfg.anchor_pace_bps)
 
     # ------------------------------------------------------------------ helpers
     def _store_snapshot(self, version: int) -> None:

@@ -261,7 +261,7 @@ def _fan_out(peers: FastPeers, tensors, cfg) -> int:
         if peers.elastic else LINK_TIMEOUT
     for r, peer in sorted(peers.links.items()):
         try:
-            sent += send(tensors, FAST, peer.pg, timeout, max_bps=cfg.anchor.max_rate_bps)
+            sent += send(tensors, FAST, peer.pg, timeout, max_bps=cfg.anchor_pace_bps)
         except Exception as e:
             if not (peers.elastic and is_link_failure(e)):
                 raise

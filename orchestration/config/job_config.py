@@ -136,7 +136,7 @@ class AnchorConfig:
     transport: str = _f("dense", "anchor gradient transport: dense or factored (top-r SVD of its momentum)")
     max_staleness: int = _f(50, "anchor updates older than this many fast steps are rejected")
     delay: int = _f(0, "deterministic delay mode: apply anchor gradients exactly this many fast steps after their snapshot (0: asynchronous)")
-    max_rate_bps: float = _f(0.0, "pace the anchor's payloads (snapshots up, updates down) to at most this many bit/s each way, so they leave the fast circuit's pipeline most of a shared link (a home uplink is one queue: unpaced, TCP splits it about evenly while a snapshot is on its way, measured: docs/benchmarks.md, Across hosts); 0: unpaced")
+    max_rate_bps: float = _f(-1.0, "pace the anchor's payloads (snapshots up, updates down) to at most this many bit/s each way, so they leave the fast circuit's pipeline most of a shared link (a home uplink is one queue: unpaced, TCP splits it about evenly while a snapshot is on its way, measured: docs/benchmarks.md, Across hosts); -1 (auto): a quarter of --run.bandwidth-bps; 0: unpaced")
     snapshot_codec: str = _f("int8", "snapshot transfer to the anchor: full (parameters as they are) or int8 (first in full, then int8 deltas against what the anchor holds, one scale per 1024 values: ~4x fewer bytes than fp32)")
     state_every: int = _f(1, "anchor rounds between saves of the anchor's state (round counter, factored momentum) to CHECKPOINT_DIR/anchor/; 0: never")
     restarts: int = _f(2, "local launcher: restart a dead anchor row up to this many times (it rejoins the running fast circuit)")
@@ -234,6 +234,13 @@ class Config:
         """Pipeline stages of each fast replica."""
         return [int(y) for y in self.mesh.replicas] if self.mesh.replicas else [self.mesh.stages] * self.fast_rows
 
+    @property
+    def anchor_pace_bps(self) -> float:
+        """The anchor's payload pace in bit/s (--anchor.max-rate-bps; auto: ANCHOR_PACE_SHARE of
+        --run.bandwidth-bps); 0: unpaced."""
+        r = self.anchor.max_rate_bps
+        return float(r) if r >= 0 else ANCHOR_PACE_SHARE * self.run.bandwidth_bps
+
     def replica_codec(self, row: int) -> str:
         """The boundary codec replica ``row`` uses: --boundary.codec, or dense for a full
         (1-stage) replica under --boundary.compress selective."""
@@ -247,6 +254,10 @@ COMPRESSORS = ("none", "powersgd", "sparseloco", "int8")
 ADAPTERS = ("none", "lora")
 ADAPTER_EXPORTS = ("adapter", "merged")
 WANDB_MODES = ("offline", "online", "disabled")  # wandb.init(mode=...)
+# The anchor's default pace, a share of the uplink (--run.bandwidth-bps): the pipeline keeps
+# the rest while a snapshot travels. Measured at 500 kbit/s (docs/benchmarks.md, Across hosts):
+# unpaced, the fast step went from 0.25 s to 0.56 s; paced at a tenth, it stayed at 0.25 s.
+ANCHOR_PACE_SHARE = 0.25
 ANCHOR_TRANSPORTS = ("dense", "factored")  # orchestration.anchor.wire numbers them on the wire
 SNAPSHOT_CODECS = ("full", "int8")  # orchestration.anchor.snapshot.SnapshotCoder
 RENAMED = {("mesh", "backend"): "dist_backend"}  # old field name -> its name now (old config files)

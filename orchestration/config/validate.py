@@ -198,8 +198,8 @@ def _check_anchor(cfg: Config) -> None:
                                          f"the anchor updates), got {t.optimizer!r}")
         _need(a.snapshot_every >= 1 and a.microbatches >= 1,
               "--anchor.snapshot-every and --anchor.microbatches must be >= 1")
-        _need(math.isfinite(a.max_rate_bps) and a.max_rate_bps >= 0,
-              f"--anchor.max-rate-bps must be a finite rate >= 0 (0: unpaced), got {a.max_rate_bps}")
+        _need(a.max_rate_bps == -1 or (math.isfinite(a.max_rate_bps) and a.max_rate_bps >= 0),
+              f"--anchor.max-rate-bps must be -1 (auto), 0 (unpaced) or a finite rate in bit/s, got {a.max_rate_bps}")
         _need(a.max_staleness >= 0 and a.delay >= 0, "--anchor.max-staleness and --anchor.delay must be >= 0")
         _need(a.delay <= a.max_staleness, f"--anchor.delay {a.delay} exceeds --anchor.max-staleness "
                                           f"{a.max_staleness}: every update would be rejected")

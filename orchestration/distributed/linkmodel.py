@@ -435,7 +435,7 @@ def model_run(cfg, plan, history: list[dict]) -> StepModel | None:
         # streams alike), instead of as background bytes.
         wall = sum(h["step_s"] for h in history[1:])
         busy = min(1.0, (last["anchor_in_flight_s"] - first["anchor_in_flight_s"]) / max(wall, 1e-9))
-        taken = anchor_stream_share(busy, cfg.run.bandwidth_bps, cfg.anchor.max_rate_bps)
+        taken = anchor_stream_share(busy, cfg.run.bandwidth_bps, cfg.anchor_pace_bps)
     tied = history[-1]["bytes"].get("tied", 0) / n / X / 2  # per end node and step
     return model_step(make_schedule(t.schedule, Y, t.microbatches), compute, msg,
                                 LinkSpec(cfg.run.bandwidth_bps, cfg.run.latency_s),
