@@ -200,10 +200,13 @@ def test_late_join_heals_from_a_peer_and_a_wrong_secret_is_refused(tmp_path):
         # lighthouse, managers, heal servers, stores, gloo: all on --mesh.bind (127.0.0.1 here)
         listens = _listen_addresses(_descendants(main.pid) | _descendants(good.pid))
         assert len(listens) >= 3 * 4 and set(listens) == {"0100007F"}, listens
-        main.send_signal(signal.SIGINT)  # stop the run cleanly at the next step boundary (both launchers)
+        # stop the run cleanly at the next step boundary, the joiner first: main hosts the
+        # lighthouse, and a replica that is waiting for a quorum when it goes does not see a
+        # Ctrl-C until --mesh.rejoin-timeout-s (seen once in CI: not fixed yet)
         good.send_signal(signal.SIGINT)
-        main.wait(BUDGET_S)
         good.wait(BUDGET_S)
+        main.send_signal(signal.SIGINT)
+        main.wait(BUDGET_S)
     finally:
         for p in [main] + joiners:
             if p.poll() is None:

@@ -134,4 +134,7 @@ def test_elastic_replicas_and_the_anchor_row_die_and_come_back_while_the_other_s
     for s in (0, 1):
         rounds = _rounds(run, s)
         assert {r["generation"] for r in rounds} == {1, 2}
-        assert rounds[-1]["server"] == 1 and rounds[-1]["linked"] == [1]  # replica 0 was gone for good
+        # replica 0 gone for good: from the first round replica 1 served, no round links replica 0
+        # (the last round may have found replica 1 gone too: the run had stopped)
+        first = next(i for i, r in enumerate(rounds) if r["generation"] == 2 and r["server"] == 1)
+        assert all(0 not in r["linked"] for r in rounds[first:]) and any(r["linked"] == [1] for r in rounds[first:])
