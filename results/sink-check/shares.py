@@ -62,6 +62,19 @@ def mean_sd(xs):
     return m, sd
 
 
+def step200(label, dense_f, pcanf_f, mis_f):
+    """(base, dense @200, [deployed, codec on, +sink, +span+sink] losses, the mismatch losses) of
+    one pcanf model at step 200, or None (a table row saying so printed) without its mismatch file."""
+    L = losses(mis_f, 200)
+    if L is None:
+        print(f"| {label} | (no {mis_f}) |")
+        return None
+    dense, pcanf = json.load(open(dense_f)), json.load(open(pcanf_f))
+    base, d = dense["base_loss"], at(dense, 200)
+    assert abs(L["deployed"] - at(pcanf, 200)) < 1e-6, (label, L["deployed"], at(pcanf, 200))
+    return base, d, [L["deployed"], L.get("codec", pcanf["codec_on_loss"]), L["sink"], L["span+sink"]], L
+
+
 def python_seeds():
     """python's step-200 losses and shares of dense's gain per seed, and their mean ± sample sd."""
     print("| python, seed | base | dense @200 | pcanf @200, deployed | codec on | +sink | +span+sink "
@@ -70,14 +83,10 @@ def python_seeds():
     print("|---|---|---|---|---|---|---|---|---|")
     shares = []
     for seed, (dense_f, pcanf_f, mis_f) in PYTHON_SEEDS.items():
-        L = losses(mis_f, 200)
-        if L is None:
-            print(f"| {seed} | (no {mis_f}) |")
+        got = step200(seed, dense_f, pcanf_f, mis_f)
+        if got is None:
             continue
-        dense, pcanf = json.load(open(dense_f)), json.load(open(pcanf_f))
-        base, d = dense["base_loss"], at(dense, 200)
-        assert abs(L["deployed"] - at(pcanf, 200)) < 1e-6, (seed, L["deployed"], at(pcanf, 200))
-        cols = [L["deployed"], L.get("codec", pcanf["codec_on_loss"]), L["sink"], L["span+sink"]]
+        base, d, cols, L = got
         sh = [100 * (base - x) / (base - d) for x in cols]
         shares.append(sh)
         print(f"| {seed} | {base:.4f} | {d:.4f} | " + " | ".join(fmt(x) for x in cols) + " | "
@@ -94,14 +103,10 @@ def main():
           "| share of dense's gain: deployed / codec on / +sink / +span+sink |")
     print("|---|---|---|---|---|---|---|---|")
     for dom, (dense_f, pcanf_f, mis_f, _, _) in DOMAINS.items():
-        L = losses(mis_f, 200)
-        if L is None:
-            print(f"| {dom} | (no {mis_f}) |")
+        got = step200(dom, dense_f, pcanf_f, mis_f)
+        if got is None:
             continue
-        dense, pcanf = json.load(open(dense_f)), json.load(open(pcanf_f))
-        base, d = dense["base_loss"], at(dense, 200)
-        assert abs(L["deployed"] - at(pcanf, 200)) < 1e-6, (dom, L["deployed"], at(pcanf, 200))
-        cols = [L["deployed"], L.get("codec", pcanf["codec_on_loss"]), L["sink"], L["span+sink"]]
+        base, d, cols, _ = got
         print(f"| {dom} | {base:.4f} | {d:.4f} | " + " | ".join(fmt(x) for x in cols) + " | "
               + " / ".join(f"{100 * (base - x) / (base - d):.1f}%" for x in cols) + " |")
     print()
