@@ -113,13 +113,17 @@ class ElasticReplica:
         self._carry: dict = {}  # the step and commit counts a new Manager starts from (_quorum_or_wait)
         self._attempts_at_try = 0  # the heal transport's receive attempts when this quorum try began
 
-    def attach(self, state_fn, load_fn, digest_fn=None, save_fn=None, codec_digest_fn=None, facts_fn=None) -> None:
+    def attach(self, state_fn, load_fn, digest_fn=None, save_fn=None, codec_digest_fn=None, facts_fn=None,
+               stop_fn=None) -> None:
         """``digest_fn() -> str``: a hash of what replicas hold alike after a commit (for
         MESHKERN_ELASTIC_DIGESTS=1 records: the tests check a healed replica against its peers).
         ``save_fn(step)``: checkpoints this replica at a step boundary (the leader calls it
         when the quorum is lost, so the run stops with its last committed state saved).
-        ``facts_fn() -> dict``: more of the step's record (the anchor hook's counters)."""
+        ``facts_fn() -> dict``: more of the step's record (the anchor hook's counters).
+        ``stop_fn() -> bool``: whether Ctrl-C / SIGTERM asked this rank to stop (checked while
+        it waits for a quorum)."""
         self._state_fn, self._load_fn, self._save_fn, self._facts_fn = state_fn, load_fn, save_fn, facts_fn
+        self._stop_fn = stop_fn or (lambda: False)
         self._digest_fn = digest_fn if os.environ.get(DIGESTS_ENV) == "1" else None
         self._codec_digest_fn = codec_digest_fn if self._digest_fn is not None else None
 
@@ -140,14 +144,16 @@ class ElasticReplica:
         (the schedule is a function of the step alone)."""
         return not any(d.in_flight for d in sync.diloco)
 
-    def begin(self, step: int) -> int:
-        """Quorum for ``step``; returns the step to run (another one after a heal). Raises
-        HealRefused (the run's secret is not ours), QuorumLost (too few live replicas for
-        --mesh.quorum-timeout-s) or the heal's own error."""
+    def begin(self, step: int) -> int | None:
+        """Quorum for ``step``; returns the step to run (another one after a heal), or None
+        when a stop request came while it waited for one. Raises HealRefused (the run's
+        secret is not ours), QuorumLost (too few live replicas for --mesh.quorum-timeout-s)
+        or the heal's own error."""
         self.step, self.healed_to = step, None
         n0 = len(self.transport.recv_log)
         t0 = time.perf_counter()
-        self._quorum_or_wait(step)
+        if not self._quorum_or_wait(step):
+            return None
         err = self.manager.errored()
         if err is not None:
             cause = err.original_exception
@@ -171,14 +177,17 @@ class ElasticReplica:
             self._quorum.update(healed_to=self.healed_to, **heal)
         return step if self.healed_to is None else self.healed_to
 
-    def _quorum_or_wait(self, step: int) -> None:
+    def _quorum_or_wait(self, step: int) -> bool:
         """torchft's quorum, taken by every stage of this replica together. A try that fails
         on any stage (no quorum of --mesh.min-replicas within --mesh.quorum-timeout-s, the
         lighthouse unreachable: a link that is down) fails on all of them (they agree over
         the replica's own world, on loopback), every stage's torchft Manager is replaced
         (``_retire`` / ``_new_manager``: why, there) and the quorum asked for again with
         backoff, each wait said on stderr, for --mesh.rejoin-timeout-s in all; then
-        QuorumLost (the leader saves its last committed step first)."""
+        QuorumLost (the leader saves its last committed step first). True once in a quorum;
+        False when Ctrl-C / SIGTERM reached any stage while it waited: it is seen after the
+        try under way (--mesh.quorum-timeout-s at most) or during the backoff, and every
+        stage returns False together."""
         m = self.cfg.mesh
         t0, tries, delay = time.monotonic(), 0, 1.0
         # what a new Manager starts from: the counts before this quorum, alike on every stage
@@ -186,6 +195,8 @@ class ElasticReplica:
         # step it had, behind, so the try that succeeds heals every stage again)
         self._carry = {k: getattr(self.manager, k) for k in ("_step", "_batches_committed", "_commit_failures")}
         while True:
+            if tries and self._stopping(step):  # after the backoff: before a new try
+                return False
             t_try = time.monotonic()
             self._attempts_at_try = self.transport.recv_attempts
             err = self._new_manager() if self.manager is None else None
@@ -207,6 +218,8 @@ class ElasticReplica:
             why = _short(err) if err is not None else "another stage of this replica got no quorum"
             self._retire()
             self.healed_to = None
+            if self._stopping(step):
+                return False
             # the same decision on every stage: stage 0's clock
             left = self._replica_max((m.rejoin_timeout_s - (time.monotonic() - t0)) if self.mesh.stage == 0 else -1e30)
             if left <= 0:
@@ -225,8 +238,24 @@ class ElasticReplica:
                   f"lighthouse {self.lighthouse} to answer with >= {m.min_replicas} live replica(s): asking again "
                   f"in {wait:.0f} s, for up to {left:.0f} s more (--mesh.rejoin-timeout-s)",
                   file=sys.stderr, flush=True)
-            time.sleep(wait)  # backoff between quorum requests, not a synchronisation
+            self._backoff(wait)
             delay = min(2 * delay, 8.0)
+
+    def _stopping(self, step: int) -> bool:
+        """Whether Ctrl-C / SIGTERM reached any stage of this replica (every stage gets the
+        same answer: they stop waiting together)."""
+        if not self._replica_max(self._stop_fn()):
+            return False
+        print(f"[elastic] {self.mesh.describe()}: stopped while waiting for a quorum at step {step}",
+              file=sys.stderr, flush=True)
+        return True
+
+    def _backoff(self, wait: float) -> None:
+        """Sleeps ``wait`` seconds between quorum requests (not a synchronisation), ending
+        early on a stop request (the next check agrees on it with the other stages)."""
+        end = time.monotonic() + wait
+        while not self._stop_fn() and (left := end - time.monotonic()) > 0:
+            time.sleep(min(left, 0.25))
 
     def _replica_max(self, x: float) -> float:
         """The largest ``x`` over this replica's stages (its own world, on loopback, with a
