@@ -213,7 +213,7 @@ class ElasticReplica:
                     print(f"[elastic] {self.mesh.describe()}: back in a quorum after {time.monotonic() - t0:.1f} s "
                           f"without one ({tries} failed tries; {self.manager.num_participants()} replica(s))",
                           file=sys.stderr, flush=True)
-                return
+                return True
             tries += 1
             why = _short(err) if err is not None else "another stage of this replica got no quorum"
             self._retire()
