@@ -286,6 +286,70 @@ def test_ctrl_c_stops_a_replica_that_waits_for_a_quorum(tmp_path):
     assert "QuorumLost" not in log and "no quorum of >=" not in log
 
 
+
+# A lone replica (one stage, its own gloo world of one) against a real lighthouse process
+# that is stopped (SIGSTOP) from just after its first quorum try timed out until the backoff
+# before its second try ends: a heartbeat its retired Manager sent meanwhile is read, and
+# stamped, only then, as on a loaded machine where the lighthouse gets no CPU for a while.
+_GHOST = r"""
+import os, signal, sys, time, types
+import torch.distributed as dist
+from orchestration.config import parse_args
+from orchestration.elastic.errors import QuorumLost
+from orchestration.elastic.lighthouse import start_lighthouse
+from orchestration.elastic.replica import ElasticReplica
+
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+cfg, _ = parse_args(["--mesh.elastic", "--mesh.rows", "2", "--mesh.min-replicas", "2", "--mesh.heartbeat-s", "1",
+                     "--mesh.timeout-s", "10", "--mesh.quorum-timeout-s", "2", "--mesh.rejoin-timeout-s", "8"])
+m = cfg.mesh
+lh, url, _ = start_lighthouse(f"{m.bind}:0", m.min_replicas, m.heartbeat_s, 2 * m.heartbeat_s)
+mesh = types.SimpleNamespace(row=0, stage=0, fast=None, describe=lambda: "replica 0",
+                             layout=types.SimpleNamespace(stages_of=lambda row: 1))
+rep = ElasticReplica(cfg, mesh, 0, url, b"s" * 32)
+rep.attach(lambda: {}, lambda sd: None)
+retire, backoff, stalled = rep._retire, rep._backoff, []
+
+def stalled_retire():
+    if rep.manager is not None and not stalled:  # the first try's Manager only
+        stalled.append(True)
+        os.kill(lh.pid, signal.SIGSTOP)
+        time.sleep(0.5)  # it heartbeats every 100 ms: one is left unread
+    retire()
+
+def resumed_backoff(wait):
+    backoff(wait)
+    if stalled:
+        os.kill(lh.pid, signal.SIGCONT)
+
+rep._retire, rep._backoff = stalled_retire, resumed_backoff
+try:
+    rep.begin(0)
+    print("QUORUM of", rep.manager.num_participants(), flush=True)
+except QuorumLost as e:
+    print("LOST:", e, flush=True)
+finally:
+    lh.kill()
+    sys.stdout.flush()
+    os._exit(0)  # not torchft's threads' joins
+"""
+
+
+def test_a_retired_manager_is_no_ghost_in_the_next_quorum(tmp_path):
+    """A replica alone under --mesh.min-replicas 2 never gets a quorum, even when the
+    lighthouse reads a heartbeat of the Manager it retired after its first try late (a
+    starved lighthouse): the new Manager asks only once the lighthouse itself counts the
+    retired one dead. (Before, it asked after the backoff, on the replica's clock: the
+    lighthouse then answered with a quorum of 2, the retired Manager (a ghost, its quorum
+    request of the first try still pending there) and the new one, and the group's
+    configure waited --mesh.timeout-s for the ghost.)"""
+    p = subprocess.run([sys.executable, "-c", _GHOST, str(tmp_path / "pg")], capture_output=True, text=True,
+                       timeout=BUDGET_S, env=_env(), cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = p.stdout + p.stderr
+    assert "LOST:" in p.stdout and "QUORUM" not in p.stdout, out[-3000:]
+    assert "no quorum of >= 2 live replicas" in p.stdout, out[-3000:]
+
+
 # ---------------------------------------------------------------- deaths without restarts
 def test_two_die_together_the_last_one_stops_the_run_with_a_valid_checkpoint(tmp_path):
     run = tmp_path / "deaths"

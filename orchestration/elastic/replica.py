@@ -49,6 +49,7 @@ from torchft._torchft import ManagerServer as _ManagerServer  # noqa: E402
 
 from orchestration.distributed.replica_world import replica_store  # noqa: E402
 from orchestration.elastic.errors import HealRefused, QuorumLost  # noqa: E402
+from orchestration.elastic.lighthouse import heartbeat_ages  # noqa: E402
 from orchestration.elastic.transport import SecretHTTPTransport  # noqa: E402
 
 _BIND = {"host": "127.0.0.1"}
@@ -112,6 +113,7 @@ class ElasticReplica:
         self._events = open(events, "a") if events else None
         self._carry: dict = {}  # the step and commit counts a new Manager starts from (_quorum_or_wait)
         self._attempts_at_try = 0  # the heal transport's receive attempts when this quorum try began
+        self._retired_id: str | None = None  # stage 0: the Manager retired last, until the lighthouse counts it dead
 
     def attach(self, state_fn, load_fn, digest_fn=None, save_fn=None, codec_digest_fn=None, facts_fn=None,
                stop_fn=None) -> None:
@@ -231,8 +233,8 @@ class ElasticReplica:
                                  f"{m.quorum_timeout_s:g} each, --mesh.rejoin-timeout-s {m.rejoin_timeout_s:g} in "
                                  f"all): {why}") from err
             # Backoff between tries that fail fast (the lighthouse unreachable); at least the
-            # lighthouse's heartbeat timeout, so that it counts the retired Manager dead before
-            # the new one asks (a quorum naming the retired one would wait for it).
+            # lighthouse's heartbeat timeout, the time it usually takes to count the retired
+            # Manager dead (_new_manager then makes sure it does before the new one asks).
             wait = min(max(m.heartbeat_s + 0.5, delay - (time.monotonic() - t_try)), left)
             print(f"[elastic] {self.mesh.describe()}: no quorum at step {step} ({why}); waiting for the "
                   f"lighthouse {self.lighthouse} to answer with >= {m.min_replicas} live replica(s): asking again "
@@ -276,6 +278,8 @@ class ElasticReplica:
         if old is None:  # no Manager was made in this try
             return
         if old._manager is not None:
+            # the id torchft gave it (with the uuid), the one the lighthouse knows it by
+            self._retired_id = old._logger._replica_id
             old._manager.shutdown()  # the ManagerServer (stage 0): its heartbeats and requests end
         old._executor.shutdown(wait=False)
 
@@ -283,11 +287,15 @@ class ElasticReplica:
         """A new torchft Manager on every stage of this replica, or on none (the error, the
         same on every stage). Stage 0's hosts the ManagerServer and must reach the lighthouse
         (a link still down fails here, after --mesh.timeout-s at most); the others are made
-        after it, so they read its new address from the replica's torchft store."""
+        after it, so they read its new address from the replica's torchft store. Stage 0
+        first waits until the lighthouse counts the Manager it retired dead
+        (``_retired_forgotten``); when it does not, no stage makes one."""
         err: BaseException | None = None
         if self.mesh.stage == 0:
             try:
-                self.manager = Manager(**self._manager_kw)
+                err = self._retired_forgotten()
+                if err is None:
+                    self.manager = Manager(**self._manager_kw)
             except Exception as e:
                 err = e
         if self._replica_max(err is not None):  # stage 0 could not: none tries
@@ -303,6 +311,42 @@ class ElasticReplica:
         self._carry_into(self.manager)
         self.stats["new_managers"] += 1
         return None
+
+    def _retired_forgotten(self) -> BaseException | None:
+        """Stage 0, before its new Manager asks for a quorum: waits until the lighthouse no
+        longer counts the Manager last retired (``_retire``) as live, i.e. has not heard
+        from it for --mesh.heartbeat-s on its own clock, for --mesh.timeout-s at most.
+        None once it does (or the lighthouse never heard of it, or its status cannot be
+        read: the new Manager's own connect then says why); otherwise the error (this try
+        fails, and the next one waits again), also on a stop request.
+
+        Why: the lighthouse keeps a quorum request that timed out as a participant until a
+        quorum forms, and counts its replica live while its heartbeats are recent, stamped
+        when the lighthouse reads them. A lighthouse that was starved of CPU (a loaded
+        machine) reads a heartbeat the retired Manager sent before its shutdown only later,
+        so the wait on this side's clock (the backoff) is not enough: the new Manager's
+        request would then complete a quorum with the retired one, a ghost whose store key
+        the group's configure waits for (--mesh.timeout-s) in vain."""
+        rid = self._retired_id
+        if rid is None:
+            return None
+        m = self.cfg.mesh
+        end = time.monotonic() + m.timeout_s
+        while True:
+            try:
+                age = heartbeat_ages(self.lighthouse, min(5.0, m.timeout_s)).get(rid)
+            except (OSError, ValueError):
+                return None
+            if age is None or age >= m.heartbeat_s:
+                self._retired_id = None
+                return None
+            if self._stop_fn():
+                return RuntimeError("stopped while the lighthouse still counted the retired torchft Manager live")
+            if time.monotonic() >= end:
+                return RuntimeError(f"the lighthouse {self.lighthouse} still counts this replica's retired torchft "
+                                    f"Manager {rid} live (heard from {age:.1f} s ago, after {m.timeout_s:g} s: "
+                                    f"--mesh.timeout-s); a quorum with it would wait for it")
+            time.sleep(0.1)
 
     def _carry_into(self, manager) -> None:
         # the step and commit counts go on: a replica behind its peers heals at the next quorum
