@@ -233,8 +233,12 @@ def test_a_replica_whose_quorums_timed_out_gets_in_when_a_peer_comes(tmp_path):
     quorum without asking the lighthouse again: before each retry got a new Manager, the
     first timeout was the replica's last request and the two never met.)"""
     run = tmp_path / "wait"
+    # --mesh.quorum-timeout-s 10, not less: the joiner's first step (3.5 s on a loaded box)
+    # must fit in replica 0's next quorum request. A request that times out stays a
+    # participant at torchft 0.2.0's lighthouse while its Manager's heartbeats are recent,
+    # so the joiner's next quorum would take that ghost in and wait --mesh.timeout-s for it.
     main = _start(_cmd(tmp_path, "wait", "--mesh.rows", "2", "--mesh.local-replicas", "0", "--mesh.min-replicas", "2",
-                       "--mesh.quorum-timeout-s", "3", "--mesh.rejoin-timeout-s", "600", "--train.steps", "400",
+                       "--mesh.quorum-timeout-s", "10", "--mesh.rejoin-timeout-s", "600", "--train.steps", "400",
                        "--dp.sync-every", "4", "--checkpoint.every", "0"), tmp_path / "wait.log")
     joiner = None
     try:

@@ -279,7 +279,8 @@ class ElasticReplica:
             return
         if old._manager is not None:
             # the id torchft gave it (with the uuid), the one the lighthouse knows it by
-            self._retired_id = old._logger._replica_id
+            # (a private attribute of torchft 0.2.0: without it, no wait for the lighthouse)
+            self._retired_id = getattr(getattr(old, "_logger", None), "_replica_id", None)
             old._manager.shutdown()  # the ManagerServer (stage 0): its heartbeats and requests end
         old._executor.shutdown(wait=False)
 
