@@ -92,7 +92,8 @@ class Trainer:
             "counter": self.counter, "guard": self.guard,
             "anchor": self.hook if cfg.anchor.enabled else None})  # delay mode: what makes a resume exact
         self.gate.attach(params=self.params, optimizer=self.optimizer, sync=self.sync, save=self.save,
-                         facts=self._anchor_facts if cfg.anchor.enabled else None, subspace=self.subspace)
+                         facts=self._anchor_facts if cfg.anchor.enabled else None, subspace=self.subspace,
+                         stop=lambda: self.stop_requested)
 
     def _anchor_facts(self) -> dict:
         """The anchor's part of an elastic replica's step record: the generation linked and
@@ -168,15 +169,22 @@ class Trainer:
 
         signal.signal(signal.SIGINT, on_stop)
         signal.signal(signal.SIGTERM, on_stop)  # a scheduler's / container's stop: same clean stop
-        start = self.gate.start(start)  # (elastic: the first quorum; a replica that joins late heals here)
+        begun = self.gate.start(start)  # (elastic: the first quorum; a replica that joins late heals here)
+        start = start if begun is None else begun
         log = RunLog(cfg, plan, start, active=rank == 0)
         history: list[dict] = []
         last_ckpt = plan.resume_from
         t_start = t_last = time.perf_counter()
-        steps_done, step, interrupted, diverged = 0, start, False, ""
-        while step < cfg.train.steps:
+        steps_done, step, interrupted, diverged = 0, start, begun is None, ""
+        while not interrupted and step < cfg.train.steps:
             self.faults.check(step)
-            step = self.gate.before_step(step, self.sync)  # (elastic: a heal may move it on)
+            nxt = self.gate.before_step(step, self.sync)  # (elastic: a heal may move it on)
+            if nxt is None:  # stopped while the gate waited (elastic: for a quorum): save where it stands
+                if steps_done and self.gate.leader:
+                    last_ckpt = self._checkpoint(step - 1) or last_ckpt
+                interrupted = True
+                break
+            step = nxt
             if step >= cfg.train.steps:
                 break
             stats, gnorm = self.step(step)

@@ -29,15 +29,20 @@ class StepGate:
     incarnation = 0  # how many times this rank's replica was restarted before
     leader = True  # this rank's replica writes checkpoints (rank 0's stage files among them)
 
-    def attach(self, *, params, optimizer, sync, save, facts=None, subspace=None) -> None:
+    def attach(self, *, params, optimizer, sync, save, facts=None, subspace=None, stop=None) -> None:
         """The parts a gate may need to heal or save this rank (an elastic one does);
         ``facts() -> dict``: what else each step's record carries (the anchor hook's);
-        ``subspace``: the rank's SubspaceRun (its basis is calibrated state)."""
+        ``subspace``: the rank's SubspaceRun (its basis is calibrated state); ``stop() ->
+        bool``: whether Ctrl-C / SIGTERM asked the rank to stop (a gate that waits checks it)."""
 
-    def start(self, step: int) -> int:
+    def start(self, step: int) -> int | None:
+        """The step the run starts at; None: a stop request came while the gate waited
+        (elastic: for its first quorum), and no step runs."""
         return step
 
-    def before_step(self, step: int, sync) -> int:
+    def before_step(self, step: int, sync) -> int | None:
+        """The step to run now (a heal may move it on); None: a stop request came while the
+        gate waited (elastic: for a quorum), and the run stops before ``step``."""
         return step
 
     def sync(self, fn, sync) -> None:

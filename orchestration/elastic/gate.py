@@ -34,12 +34,12 @@ class ElasticGate(StepGate):
     def leader(self) -> bool:
         return self.replica.leader
 
-    def attach(self, *, params, optimizer, sync, save, facts=None, subspace=None) -> None:
+    def attach(self, *, params, optimizer, sync, save, facts=None, subspace=None, stop=None) -> None:
         self.params, self.optimizer, self._sync = params, optimizer, sync
         if subspace is not None:
             self.codec.attach_subspace(subspace)
         self.replica.attach(self._heal_state, self._load_heal, self._synced_digest, save_fn=save,
-                            codec_digest_fn=lambda: self.codec.digest, facts_fn=facts)
+                            codec_digest_fn=lambda: self.codec.digest, facts_fn=facts, stop_fn=stop)
 
     # ------------------------------------------------------------------ heal state
     def _heal_state(self) -> dict:
@@ -68,17 +68,19 @@ class ElasticGate(StepGate):
         return h.hexdigest()[:16]
 
     # ------------------------------------------------------------------ the step protocol
-    def start(self, step: int) -> int:
+    def start(self, step: int) -> int | None:
         """The first quorum: a replica that joins late heals here."""
         return self._begin(step)
 
-    def before_step(self, step: int, sync) -> int:
+    def before_step(self, step: int, sync) -> int | None:
         if not self._quorum and self.replica.quorum_due(sync):
-            step = self._begin(step)
+            return self._begin(step)
         return step
 
-    def _begin(self, step: int) -> int:
+    def _begin(self, step: int) -> int | None:
         step = self.replica.begin(step)
+        if step is None:  # stopped while waiting for a quorum
+            return None
         self._quorum = True
         r = self.replica
         if r.healed_to is None and r.manager.current_step() == 0 and r.manager.num_participants() > 1:

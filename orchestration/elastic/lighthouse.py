@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import threading
+import urllib.request
 
 
 def start_lighthouse(bind: str, min_replicas: int, heartbeat_s: float, join_timeout_s: float,
@@ -47,6 +49,19 @@ def start_lighthouse(bind: str, min_replicas: int, heartbeat_s: float, join_time
     # its stderr (torchft logs a line per quorum) must not fill the pipe and block it
     threading.Thread(target=proc.stderr.read, daemon=True).start()
     return proc, lines[0].split()[1], lines[1].split()[1] if anchor_store else ""
+
+
+def heartbeat_ages(url: str, timeout_s: float) -> dict[str, float]:
+    """The replica ids the lighthouse at ``url`` ("http://host:port") has heard from (a
+    heartbeat or a quorum request), each with the seconds since it last did, on the
+    lighthouse's own clock: it counts a replica live while that is below its heartbeat
+    timeout. Read from its /status page (torchft 0.2.0 has no RPC that tells). Raises
+    OSError when the page cannot be read within ``timeout_s``."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # no proxy answers for the lighthouse
+    with opener.open(url.rstrip("/") + "/status", timeout=timeout_s) as r:
+        page = r.read().decode("utf-8", "replace")
+    # torchft's templates/status.html: "<li class=...> {{replica_id}}: seen {{age}}s ago </li>"
+    return {rid: float(age) for rid, age in re.findall(r"(\S+): seen ([0-9.]+)s ago", page)}
 
 
 def main(argv: list[str] | None = None) -> int:

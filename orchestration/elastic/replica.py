@@ -49,6 +49,7 @@ from torchft._torchft import ManagerServer as _ManagerServer  # noqa: E402
 
 from orchestration.distributed.replica_world import replica_store  # noqa: E402
 from orchestration.elastic.errors import HealRefused, QuorumLost  # noqa: E402
+from orchestration.elastic.lighthouse import heartbeat_ages  # noqa: E402
 from orchestration.elastic.transport import SecretHTTPTransport  # noqa: E402
 
 _BIND = {"host": "127.0.0.1"}
@@ -112,14 +113,19 @@ class ElasticReplica:
         self._events = open(events, "a") if events else None
         self._carry: dict = {}  # the step and commit counts a new Manager starts from (_quorum_or_wait)
         self._attempts_at_try = 0  # the heal transport's receive attempts when this quorum try began
+        self._retired_id: str | None = None  # stage 0: the Manager retired last, until the lighthouse counts it dead
 
-    def attach(self, state_fn, load_fn, digest_fn=None, save_fn=None, codec_digest_fn=None, facts_fn=None) -> None:
+    def attach(self, state_fn, load_fn, digest_fn=None, save_fn=None, codec_digest_fn=None, facts_fn=None,
+               stop_fn=None) -> None:
         """``digest_fn() -> str``: a hash of what replicas hold alike after a commit (for
         MESHKERN_ELASTIC_DIGESTS=1 records: the tests check a healed replica against its peers).
         ``save_fn(step)``: checkpoints this replica at a step boundary (the leader calls it
         when the quorum is lost, so the run stops with its last committed state saved).
-        ``facts_fn() -> dict``: more of the step's record (the anchor hook's counters)."""
+        ``facts_fn() -> dict``: more of the step's record (the anchor hook's counters).
+        ``stop_fn() -> bool``: whether Ctrl-C / SIGTERM asked this rank to stop (checked while
+        it waits for a quorum)."""
         self._state_fn, self._load_fn, self._save_fn, self._facts_fn = state_fn, load_fn, save_fn, facts_fn
+        self._stop_fn = stop_fn or (lambda: False)
         self._digest_fn = digest_fn if os.environ.get(DIGESTS_ENV) == "1" else None
         self._codec_digest_fn = codec_digest_fn if self._digest_fn is not None else None
 
@@ -140,14 +146,16 @@ class ElasticReplica:
         (the schedule is a function of the step alone)."""
         return not any(d.in_flight for d in sync.diloco)
 
-    def begin(self, step: int) -> int:
-        """Quorum for ``step``; returns the step to run (another one after a heal). Raises
-        HealRefused (the run's secret is not ours), QuorumLost (too few live replicas for
-        --mesh.quorum-timeout-s) or the heal's own error."""
+    def begin(self, step: int) -> int | None:
+        """Quorum for ``step``; returns the step to run (another one after a heal), or None
+        when a stop request came while it waited for one. Raises HealRefused (the run's
+        secret is not ours), QuorumLost (too few live replicas for --mesh.quorum-timeout-s)
+        or the heal's own error."""
         self.step, self.healed_to = step, None
         n0 = len(self.transport.recv_log)
         t0 = time.perf_counter()
-        self._quorum_or_wait(step)
+        if not self._quorum_or_wait(step):
+            return None
         err = self.manager.errored()
         if err is not None:
             cause = err.original_exception
@@ -171,14 +179,17 @@ class ElasticReplica:
             self._quorum.update(healed_to=self.healed_to, **heal)
         return step if self.healed_to is None else self.healed_to
 
-    def _quorum_or_wait(self, step: int) -> None:
+    def _quorum_or_wait(self, step: int) -> bool:
         """torchft's quorum, taken by every stage of this replica together. A try that fails
         on any stage (no quorum of --mesh.min-replicas within --mesh.quorum-timeout-s, the
         lighthouse unreachable: a link that is down) fails on all of them (they agree over
         the replica's own world, on loopback), every stage's torchft Manager is replaced
         (``_retire`` / ``_new_manager``: why, there) and the quorum asked for again with
         backoff, each wait said on stderr, for --mesh.rejoin-timeout-s in all; then
-        QuorumLost (the leader saves its last committed step first)."""
+        QuorumLost (the leader saves its last committed step first). True once in a quorum;
+        False when Ctrl-C / SIGTERM reached any stage while it waited: it is seen after the
+        try under way (--mesh.quorum-timeout-s at most) or during the backoff, and every
+        stage returns False together."""
         m = self.cfg.mesh
         t0, tries, delay = time.monotonic(), 0, 1.0
         # what a new Manager starts from: the counts before this quorum, alike on every stage
@@ -186,6 +197,8 @@ class ElasticReplica:
         # step it had, behind, so the try that succeeds heals every stage again)
         self._carry = {k: getattr(self.manager, k) for k in ("_step", "_batches_committed", "_commit_failures")}
         while True:
+            if tries and self._stopping(step):  # after the backoff: before a new try
+                return False
             t_try = time.monotonic()
             self._attempts_at_try = self.transport.recv_attempts
             err = self._new_manager() if self.manager is None else None
@@ -202,11 +215,13 @@ class ElasticReplica:
                     print(f"[elastic] {self.mesh.describe()}: back in a quorum after {time.monotonic() - t0:.1f} s "
                           f"without one ({tries} failed tries; {self.manager.num_participants()} replica(s))",
                           file=sys.stderr, flush=True)
-                return
+                return True
             tries += 1
             why = _short(err) if err is not None else "another stage of this replica got no quorum"
             self._retire()
             self.healed_to = None
+            if self._stopping(step):
+                return False
             # the same decision on every stage: stage 0's clock
             left = self._replica_max((m.rejoin_timeout_s - (time.monotonic() - t0)) if self.mesh.stage == 0 else -1e30)
             if left <= 0:
@@ -218,15 +233,31 @@ class ElasticReplica:
                                  f"{m.quorum_timeout_s:g} each, --mesh.rejoin-timeout-s {m.rejoin_timeout_s:g} in "
                                  f"all): {why}") from err
             # Backoff between tries that fail fast (the lighthouse unreachable); at least the
-            # lighthouse's heartbeat timeout, so that it counts the retired Manager dead before
-            # the new one asks (a quorum naming the retired one would wait for it).
+            # lighthouse's heartbeat timeout, the time it usually takes to count the retired
+            # Manager dead (_new_manager then makes sure it does before the new one asks).
             wait = min(max(m.heartbeat_s + 0.5, delay - (time.monotonic() - t_try)), left)
             print(f"[elastic] {self.mesh.describe()}: no quorum at step {step} ({why}); waiting for the "
                   f"lighthouse {self.lighthouse} to answer with >= {m.min_replicas} live replica(s): asking again "
                   f"in {wait:.0f} s, for up to {left:.0f} s more (--mesh.rejoin-timeout-s)",
                   file=sys.stderr, flush=True)
-            time.sleep(wait)  # backoff between quorum requests, not a synchronisation
+            self._backoff(wait)
             delay = min(2 * delay, 8.0)
+
+    def _stopping(self, step: int) -> bool:
+        """Whether Ctrl-C / SIGTERM reached any stage of this replica (every stage gets the
+        same answer: they stop waiting together)."""
+        if not self._replica_max(self._stop_fn()):
+            return False
+        print(f"[elastic] {self.mesh.describe()}: stopped while waiting for a quorum at step {step}",
+              file=sys.stderr, flush=True)
+        return True
+
+    def _backoff(self, wait: float) -> None:
+        """Sleeps ``wait`` seconds between quorum requests (not a synchronisation), ending
+        early on a stop request (the next check agrees on it with the other stages)."""
+        end = time.monotonic() + wait
+        while not self._stop_fn() and (left := end - time.monotonic()) > 0:
+            time.sleep(min(left, 0.25))
 
     def _replica_max(self, x: float) -> float:
         """The largest ``x`` over this replica's stages (its own world, on loopback, with a
@@ -247,6 +278,9 @@ class ElasticReplica:
         if old is None:  # no Manager was made in this try
             return
         if old._manager is not None:
+            # the id torchft gave it (with the uuid), the one the lighthouse knows it by
+            # (a private attribute of torchft 0.2.0: without it, no wait for the lighthouse)
+            self._retired_id = getattr(getattr(old, "_logger", None), "_replica_id", None)
             old._manager.shutdown()  # the ManagerServer (stage 0): its heartbeats and requests end
         old._executor.shutdown(wait=False)
 
@@ -254,11 +288,15 @@ class ElasticReplica:
         """A new torchft Manager on every stage of this replica, or on none (the error, the
         same on every stage). Stage 0's hosts the ManagerServer and must reach the lighthouse
         (a link still down fails here, after --mesh.timeout-s at most); the others are made
-        after it, so they read its new address from the replica's torchft store."""
+        after it, so they read its new address from the replica's torchft store. Stage 0
+        first waits until the lighthouse counts the Manager it retired dead
+        (``_retired_forgotten``); when it does not, no stage makes one."""
         err: BaseException | None = None
         if self.mesh.stage == 0:
             try:
-                self.manager = Manager(**self._manager_kw)
+                err = self._retired_forgotten()
+                if err is None:
+                    self.manager = Manager(**self._manager_kw)
             except Exception as e:
                 err = e
         if self._replica_max(err is not None):  # stage 0 could not: none tries
@@ -274,6 +312,42 @@ class ElasticReplica:
         self._carry_into(self.manager)
         self.stats["new_managers"] += 1
         return None
+
+    def _retired_forgotten(self) -> BaseException | None:
+        """Stage 0, before its new Manager asks for a quorum: waits until the lighthouse no
+        longer counts the Manager last retired (``_retire``) as live, i.e. has not heard
+        from it for --mesh.heartbeat-s on its own clock, for --mesh.timeout-s at most.
+        None once it does (or the lighthouse never heard of it, or its status cannot be
+        read: the new Manager's own connect then says why); otherwise the error (this try
+        fails, and the next one waits again), also on a stop request.
+
+        Why: the lighthouse keeps a quorum request that timed out as a participant until a
+        quorum forms, and counts its replica live while its heartbeats are recent, stamped
+        when the lighthouse reads them. A lighthouse that was starved of CPU (a loaded
+        machine) reads a heartbeat the retired Manager sent before its shutdown only later,
+        so the wait on this side's clock (the backoff) is not enough: the new Manager's
+        request would then complete a quorum with the retired one, a ghost whose store key
+        the group's configure waits for (--mesh.timeout-s) in vain."""
+        rid = self._retired_id
+        if rid is None:
+            return None
+        m = self.cfg.mesh
+        end = time.monotonic() + m.timeout_s
+        while True:
+            try:
+                age = heartbeat_ages(self.lighthouse, min(5.0, m.timeout_s)).get(rid)
+            except (OSError, ValueError):
+                return None
+            if age is None or age >= m.heartbeat_s:
+                self._retired_id = None
+                return None
+            if self._stop_fn():
+                return RuntimeError("stopped while the lighthouse still counted the retired torchft Manager live")
+            if time.monotonic() >= end:
+                return RuntimeError(f"the lighthouse {self.lighthouse} still counts this replica's retired torchft "
+                                    f"Manager {rid} live (heard from {age:.1f} s ago, after {m.timeout_s:g} s: "
+                                    f"--mesh.timeout-s); a quorum with it would wait for it")
+            time.sleep(0.1)
 
     def _carry_into(self, manager) -> None:
         # the step and commit counts go on: a replica behind its peers heals at the next quorum
