@@ -25,9 +25,14 @@ def _readme_commands() -> list[str]:
 def test_readme_lines_use_the_install_script_and_ci_runs_line_2():
     first, second = _readme_commands()
     assert first.startswith("scripts/install.sh --base-model && ") and first.endswith("python -m orchestration.train")
-    assert second.startswith("scripts/install.sh --test && ") and "pytest -q" in second
+    assert second.startswith("scripts/install.sh --test && ") and second.endswith(" && scripts/test.sh")
     with open(os.path.join(ROOT, ".ci", "run")) as f:
         assert second in f.read().splitlines()  # CI runs exactly the README's test command
+    with open(os.path.join(ROOT, "scripts", "test.sh")) as f:  # the suite, and beside it the two checks
+        lines = [x.strip() for x in f.read().splitlines() if not x.lstrip().startswith("#")]
+    assert 'pytest -q "$@"' in lines
+    assert any(x.startswith("nice -n 10 scripts/ci_install_check.sh ") and x.endswith("&") for x in lines)
+    assert any("python -m bench.compile_check --triton " in x and x.endswith("&") for x in lines)
 
 
 def test_readme_states_the_measured_first_run_time():
