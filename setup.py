@@ -40,8 +40,12 @@ def _write_build_info(torch_version, groups, cuda_groups):
     except (OSError, ValueError):
         old = {}
     keep = set(old.get("cuda_groups", [])) - set(groups) if old.get("torch") == torch_version else set()
-    with open(path, "w") as f:
-        json.dump({"torch": torch_version, "cuda_groups": sorted(keep | set(cuda_groups))}, f)
+    new = {"torch": torch_version, "cuda_groups": sorted(keep | set(cuda_groups))}
+    if new == old:
+        return  # unchanged: not rewritten (a build beside running tests, scripts/test.sh, must not touch it)
+    with open(path + ".tmp", "w") as f:
+        json.dump(new, f)
+    os.replace(path + ".tmp", path)  # whole or not at all for a process reading it meanwhile
 
 
 def _torch_requirement():

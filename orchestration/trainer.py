@@ -32,6 +32,7 @@ from orchestration.codecs import codec_for
 from orchestration.components.builders import (NullAnchor, RankContext, lr_at, make_compressor, make_optimizer,
                                                replica_mask_seed, replica_sampler)
 from orchestration.components.checkpoint import Checkpointer, continue_command
+from orchestration.components.checkpoint_read import step_dir
 from orchestration.components.divergence import DivergenceGuard, divergence_report
 from orchestration.components.gate import FailPoint, StepGate
 from orchestration.components.metrics import RunLog, reduce_step, summarize, write_link_bytes
@@ -180,7 +181,7 @@ class Trainer:
             self.faults.check(step)
             nxt = self.gate.before_step(step, self.sync)  # (elastic: a heal may move it on)
             if nxt is None:  # stopped while the gate waited (elastic: for a quorum): save where it stands
-                if steps_done and self.gate.leader:
+                if steps_done and self.gate.leader and last_ckpt != step_dir(plan.ckpt_dir, step):
                     last_ckpt = self._checkpoint(step - 1) or last_ckpt
                 interrupted = True
                 break

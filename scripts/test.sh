@@ -16,14 +16,20 @@ LOGS=.venv/logs
 mkdir -p "$LOGS"
 T0=$SECONDS
 
-nice -n 10 scripts/ci_install_check.sh >"$LOGS/ci_install_check.log" 2>&1 &
+# setsid: each check is a process group of its own (a terminal's Ctrl-C reaches pytest, not
+# them), which the EXIT trap ends whole (pip's and the trainer's children included)
+setsid nice -n 10 scripts/ci_install_check.sh >"$LOGS/ci_install_check.log" 2>&1 &
 INSTALL=$!
-OMP_WAIT_POLICY=PASSIVE nice -n 10 python -m bench.compile_check --triton >"$LOGS/compile_check.log" 2>&1 &
+OMP_WAIT_POLICY=PASSIVE setsid nice -n 10 python -m bench.compile_check --triton >"$LOGS/compile_check.log" 2>&1 &
 COMPILE=$!
-trap 'kill "$INSTALL" "$COMPILE" 2>/dev/null' EXIT  # a Ctrl-C of the suite ends the checks too
+trap 'kill -- -"$INSTALL" -"$COMPILE" 2>/dev/null' EXIT
 
 pytest -q "$@"
 rc_pytest=$?
+if [ "$rc_pytest" = 2 ]; then  # pytest interrupted (Ctrl-C, or an error collecting the tests): so are the checks
+    echo "[test.sh] pytest was interrupted (exit 2): the install and compile checks are stopped" >&2
+    exit 2
+fi
 
 report() {  # name pid log: waits for the check; its last line, or its log's tail if it failed
     local name=$1 pid=$2 log=$3 rc=0
@@ -39,6 +45,7 @@ report() {  # name pid log: waits for the check; its last line, or its log's tai
 rc_install=0 rc_compile=0
 report "install check" "$INSTALL" "$LOGS/ci_install_check.log" || rc_install=$?
 report "compile check" "$COMPILE" "$LOGS/compile_check.log" || rc_compile=$?
+trap - EXIT  # both reaped: their ids are no longer ours to signal
 echo "[test.sh] done in $((SECONDS - T0)) s: pytest exit $rc_pytest, install check exit $rc_install, compile check exit $rc_compile"
 for rc in "$rc_pytest" "$rc_install" "$rc_compile"; do
     [ "$rc" = 0 ] || exit "$rc"

@@ -325,6 +325,7 @@ def resumed_backoff(wait):
     backoff(wait)
     if stalled:
         os.kill(lh.pid, signal.SIGCONT)
+        print("RESUMED", flush=True)  # the test asserts it: the lighthouse ran again for the next try
 
 rep._retire, rep._backoff = stalled_retire, resumed_backoff
 try:
@@ -350,6 +351,7 @@ def test_a_retired_manager_is_no_ghost_in_the_next_quorum(tmp_path):
     p = subprocess.run([sys.executable, "-c", _GHOST, str(tmp_path / "pg")], capture_output=True, text=True,
                        timeout=BUDGET_S, env=_env(), cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = p.stdout + p.stderr
+    assert "RESUMED" in p.stdout, out[-3000:]  # the lighthouse was paused across the retire and ran again
     assert "LOST:" in p.stdout and "QUORUM" not in p.stdout, out[-3000:]
     assert "no quorum of >= 2 live replicas" in p.stdout, out[-3000:]
 

@@ -11,8 +11,10 @@ did not commit.
 
 The protocol, per step (orchestration.trainer.Trainer):
 
-    step = gate.start(step)                   once, before the loop (first quorum / heal)
-    step = gate.before_step(step, sync)       a quorum when one is due; a heal may move the step
+    step = gate.start(step)                   once, before the loop (first quorum / heal);
+                                              None: stopped (Ctrl-C) while it waited
+    step = gate.before_step(step, sync)       a quorum when one is due; a heal may move the step;
+                                              None: stopped while it waited (no step runs)
     gate.sync(fn, sync)                       every DP sync call of the step
     gate.commit_grads(sync)                   allreduce mode, after the gradient sync: False =
                                               drop this update

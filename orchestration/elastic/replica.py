@@ -113,6 +113,7 @@ class ElasticReplica:
         self._events = open(events, "a") if events else None
         self._carry: dict = {}  # the step and commit counts a new Manager starts from (_quorum_or_wait)
         self._attempts_at_try = 0  # the heal transport's receive attempts when this quorum try began
+        self._stop_fn = lambda: False  # whether a stop was requested (attach)
         self._retired_id: str | None = None  # stage 0: the Manager retired last, until the lighthouse counts it dead
 
     def attach(self, state_fn, load_fn, digest_fn=None, save_fn=None, codec_digest_fn=None, facts_fn=None,
@@ -188,7 +189,8 @@ class ElasticReplica:
         backoff, each wait said on stderr, for --mesh.rejoin-timeout-s in all; then
         QuorumLost (the leader saves its last committed step first). True once in a quorum;
         False when Ctrl-C / SIGTERM reached any stage while it waited: it is seen after the
-        try under way (--mesh.quorum-timeout-s at most) or during the backoff, and every
+        try under way (a quorum request: --mesh.quorum-timeout-s at most; reaching a
+        lighthouse that is down: --mesh.timeout-s at most) or during the backoff, and every
         stage returns False together."""
         m = self.cfg.mesh
         t0, tries, delay = time.monotonic(), 0, 1.0
