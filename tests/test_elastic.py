@@ -411,6 +411,30 @@ def test_below_min_replicas_the_run_waits_then_stops_with_a_checkpoint(tmp_path)
     assert ckpt.read_meta(last)["step"] == 4  # where the survivor stopped: every step before it committed
 
 
+def test_ctrl_c_while_the_survivor_waits_saves_where_it_stands(tmp_path):
+    """Replica 1 dies at step 4 (no restart) under --mesh.min-replicas 2: replica 0, the
+    leader, waits for a quorum (--mesh.rejoin-timeout-s 600); a Ctrl-C then stops it at once,
+    and its checkpoint holds step 4, where it stood (--checkpoint.every 0: no other save)."""
+    main = _start(_cmd(tmp_path, "stopwait", "--mesh.rows", "2", "--mesh.min-replicas", "2",
+                       "--mesh.quorum-timeout-s", "3", "--mesh.rejoin-timeout-s", "600", "--mesh.replica-restarts",
+                       "0", "--dp.mode", "allreduce", "--train.steps", "40", "--run.fail-rank", "2",
+                       "--run.fail-step", "4", "--checkpoint.every", "0"), tmp_path / "stopwait.log")
+    try:
+        _wait_for(lambda: open(tmp_path / "stopwait.log").read().count("no quorum at step 4") >= 2, [main],
+                  "replica 0 waits for a quorum at step 4")
+        main.send_signal(signal.SIGINT)
+        main.wait(BUDGET_S)
+    finally:
+        if main.poll() is None:
+            main.kill()
+    log = open(tmp_path / "stopwait.log").read()
+    assert main.returncode == 130, log[-3000:]
+    assert "stopped while waiting for a quorum at step 4" in log and "QuorumLost" not in log, log[-3000:]
+    last = ckpt.resolve("latest", str(tmp_path / "stopwait" / "checkpoints"), quiet=True)
+    ckpt.verify(last)
+    assert ckpt.read_meta(last)["step"] == 4  # every step before it committed
+
+
 # ---------------------------------------------------------------- configuration
 @pytest.mark.parametrize("flags,needle", [
     (["--mesh.elastic", "--anchor.enabled", "true"], "--anchor.enabled"),
