@@ -267,25 +267,31 @@ def test_a_replica_whose_quorums_timed_out_gets_in_when_a_peer_comes(tmp_path):
     assert {x["step"] for x in recs[(1, 0)] if x["committed"]} & {x["step"] for x in recs[(0, 0)] if x["committed"]}
 
 
+def _ctrl_c_while_waiting(tmp_path, name, step, *flags):
+    """A run of 2 replicas under --mesh.min-replicas 2 (--mesh.rejoin-timeout-s 600, no
+    checkpoint but a stop's) whose replica 0 gets SIGINT once both its stages said they wait
+    for a quorum at ``step``; (exit code, log)."""
+    main = _start(_cmd(tmp_path, name, "--mesh.rows", "2", "--mesh.min-replicas", "2", "--mesh.quorum-timeout-s", "3",
+                       "--mesh.rejoin-timeout-s", "600", "--checkpoint.every", "0", *flags), tmp_path / f"{name}.log")
+    try:
+        _wait_for(lambda: open(tmp_path / f"{name}.log").read().count(f"no quorum at step {step}") >= 2, [main],
+                  f"replica 0 says it waits for a quorum at step {step}")
+        main.send_signal(signal.SIGINT)
+        main.wait(BUDGET_S)
+    finally:
+        if main.poll() is None:
+            main.kill()
+    return main.returncode, open(tmp_path / f"{name}.log").read()
+
+
 def test_ctrl_c_stops_a_replica_that_waits_for_a_quorum(tmp_path):
     """Replica 0 alone under --mesh.min-replicas 2 waits for a quorum (for up to
     --mesh.rejoin-timeout-s, 600 s here); a Ctrl-C stops it at the end of the request under
     way, every stage together, as a clean stop (exit 130), not after the rejoin timeout.
     (Before, the wait loop did not look at the stop request: this test then ran into
     BUDGET_S.)"""
-    main = _start(_cmd(tmp_path, "ctrlc", "--mesh.rows", "2", "--mesh.local-replicas", "0", "--mesh.min-replicas", "2",
-                       "--mesh.quorum-timeout-s", "3", "--mesh.rejoin-timeout-s", "600", "--train.steps", "50",
-                       "--checkpoint.every", "0"), tmp_path / "ctrlc.log")
-    try:
-        _wait_for(lambda: open(tmp_path / "ctrlc.log").read().count("no quorum at step 0") >= 2, [main],
-                  "replica 0 says it waits for a quorum")
-        main.send_signal(signal.SIGINT)
-        main.wait(BUDGET_S)
-    finally:
-        if main.poll() is None:
-            main.kill()
-    log = open(tmp_path / "ctrlc.log").read()
-    assert main.returncode == 130, log[-3000:]
+    rc, log = _ctrl_c_while_waiting(tmp_path, "ctrlc", 0, "--mesh.local-replicas", "0", "--train.steps", "50")
+    assert rc == 130, log[-3000:]
     assert "stopped while waiting for a quorum at step 0" in log, log[-3000:]
     assert "QuorumLost" not in log and "no quorum of >=" not in log
 
@@ -415,20 +421,9 @@ def test_ctrl_c_while_the_survivor_waits_saves_where_it_stands(tmp_path):
     """Replica 1 dies at step 4 (no restart) under --mesh.min-replicas 2: replica 0, the
     leader, waits for a quorum (--mesh.rejoin-timeout-s 600); a Ctrl-C then stops it at once,
     and its checkpoint holds step 4, where it stood (--checkpoint.every 0: no other save)."""
-    main = _start(_cmd(tmp_path, "stopwait", "--mesh.rows", "2", "--mesh.min-replicas", "2",
-                       "--mesh.quorum-timeout-s", "3", "--mesh.rejoin-timeout-s", "600", "--mesh.replica-restarts",
-                       "0", "--dp.mode", "allreduce", "--train.steps", "40", "--run.fail-rank", "2",
-                       "--run.fail-step", "4", "--checkpoint.every", "0"), tmp_path / "stopwait.log")
-    try:
-        _wait_for(lambda: open(tmp_path / "stopwait.log").read().count("no quorum at step 4") >= 2, [main],
-                  "replica 0 waits for a quorum at step 4")
-        main.send_signal(signal.SIGINT)
-        main.wait(BUDGET_S)
-    finally:
-        if main.poll() is None:
-            main.kill()
-    log = open(tmp_path / "stopwait.log").read()
-    assert main.returncode == 130, log[-3000:]
+    rc, log = _ctrl_c_while_waiting(tmp_path, "stopwait", 4, "--mesh.replica-restarts", "0", "--dp.mode", "allreduce",
+                                    "--train.steps", "40", "--run.fail-rank", "2", "--run.fail-step", "4")
+    assert rc == 130, log[-3000:]
     assert "stopped while waiting for a quorum at step 4" in log and "QuorumLost" not in log, log[-3000:]
     last = ckpt.resolve("latest", str(tmp_path / "stopwait" / "checkpoints"), quiet=True)
     ckpt.verify(last)
