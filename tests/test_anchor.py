@@ -301,7 +301,7 @@ def test_killed_anchor_leaves_the_fast_circuit_training_and_checkpointing(tiny, 
                                     "--anchor.delay", "2", "--checkpoint.every", "4",
                                     "--run.fail-rank", "2", "--run.fail-step", "3"))
     assert res[2] is None  # killed
-    assert res[3]["stopped"].startswith("link closed")  # its anchor peer is gone
+    assert res[3]["stopped"].startswith("anchor row closed")  # its anchor peer is gone
     assert len(recs) == 12 and all(math.isfinite(r["loss"]) for r in recs)
     last = recs[-1]
     assert last["anchor_link"] == "lost" and not last["anchor_prior_on"]

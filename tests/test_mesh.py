@@ -52,6 +52,42 @@ def _groups_worker(rank, world, anchor):
     return out
 
 
+def _row_worker(rank, world, late_s, join):
+    """Anchor stage ``rank`` of a 2x2 mesh's anchor row, met on a store rank 0 hosts: joins
+    with a 2 s join bound and patient collectives; stage 1 comes ``late_s`` late to the
+    all-reduce (as one busy on a fast replica's link), or with ``join`` False never joins."""
+    from datetime import timedelta
+
+    store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), 2, rank == 0, timedelta(seconds=30))
+    lay = MeshLayout(3, 2, anchor=True)
+    if rank == 1 and not join:
+        store.wait(["test/stage0_done"])
+        return "absent"
+    try:
+        init_anchor_row(lay, rank, store, 1, timeout_s=2, wait_s=120)
+    except Exception as e:
+        store.set("test/stage0_done", "1")
+        return f"join failed: {type(e).__name__}"
+    if rank == 1:
+        time.sleep(late_s)
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    destroy_mesh()
+    store.set(f"test/done/{rank}", "1")
+    store.wait(["test/done/0", "test/done/1"])  # rank 0 hosts the store: it stays until both are done
+    return t.item()
+
+
+@pytest.mark.slow
+def test_anchor_row_collectives_outwait_the_join_bound_which_still_holds():
+    """The anchor row's stages wait on each other longer than --mesh.timeout-s (one may be
+    busy that long on a fast replica's link; a row that timed out on it ended for good), while
+    a stage that never comes still fails the join within the join bound."""
+    assert run_local(_row_worker, 2, (5.0, True), timeout_s=100) == [3.0, 3.0]  # 5 s late, 2 s bound
+    res = run_local(_row_worker, 2, (0.0, False), timeout_s=100)  # the row's wait_s would be 120 s
+    assert res[1] == "absent" and res[0].startswith("join failed"), res
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("anchor", [False, True])
 def test_groups_sum_the_right_ranks(anchor):

@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import time
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
@@ -32,6 +33,31 @@ from orchestration.distributed.schedule import make_schedule
 
 FAULT_KINDS = ("nan", "shape", "stall", "die", "huge", "ortho")
 HUGE_DEFAULT = 1e10  # huge:K without a value: a finite payload of 1e10s (issue #14)
+
+
+class AnchorRowBroken(Exception):
+    """A collective of the anchor row's own world failed: another stage of this row died or
+    was cut off (not a fast replica's link, which ``FastPeers`` drops and relinks)."""
+
+
+@contextmanager
+def _in_row(what: str):
+    """Names a communication failure inside the block as the anchor row's own."""
+    try:
+        yield
+    except Exception as e:
+        if not (is_peer_error(e) or is_store_error(e)):
+            raise
+        raise AnchorRowBroken(f"{what}: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}") from e
+
+
+def _store_up(store) -> bool:
+    """Whether the fast circuit's store still answers (it closes when the run is over)."""
+    try:
+        store.check([f"{PREFIX}run_id"])
+        return True
+    except Exception:
+        return False
 
 
 def parse_faults(spec: str) -> dict[str, dict[int, float]]:
@@ -197,7 +223,8 @@ def run_anchor_rank(ctx) -> dict:
             t0 = time.perf_counter()
             for p in params:
                 p.grad = None
-            stats = pipe.step(version, round_batch(cfg, plan, k), num_microbatches=a.microbatches)
+            with _in_row("the anchor row's pipeline step"):
+                stats = pipe.step(version, round_batch(cfg, plan, k), num_microbatches=a.microbatches)
             payload = layout.encode([p.grad for _, p in named], momentum)
             ms = int(1000 * (time.perf_counter() - t0))
             hdr = layout.grad_header(k, version, ms)
@@ -241,6 +268,11 @@ def run_anchor_rank(ctx) -> dict:
                 save_state(path, run_id, k, layout, momentum)
     except FastCircuitGone:  # e.g. a short run that finished before this row linked
         rec["stopped"] = "the fast circuit ended before this anchor row linked"
+    except AnchorRowBroken as e:
+        if elastic and _store_up(mesh.store):  # the replicas train on: the launcher restarts the row
+            raise AnchorRowBroken(f"anchor stage {mesh.stage}, generation {mesh.generation}: the anchor row "
+                                  f"broke while the fast replicas train ({e})") from None
+        rec["stopped"] = f"anchor row closed: {e}"
     except Exception as e:  # a fast rank or anchor peer is gone: the run ended or broke
         if not (is_peer_error(e) or is_store_error(e)):
             raise
@@ -282,7 +314,8 @@ def _next_snapshot(mesh, peers: FastPeers, want: int, params, rec, cfg) -> tuple
     waited_since = None
     while True:
         peers.accept()
-        server = peers.common_server()
+        with _in_row("choosing the snapshot's server"):
+            server = peers.common_server()
         if server is None:
             waited_since = waited_since or time.monotonic()
             if time.monotonic() - waited_since > cfg.mesh.rejoin_timeout_s:
@@ -349,7 +382,8 @@ def _pull_snapshot(mesh, peer, want: int, params, rec, timeout_s: float, *, elas
                             device=mesh.device)
         if mesh.layout.stages > 1:
             everyone = [torch.zeros_like(mine) for _ in range(mesh.layout.stages)]
-            dist.all_gather(everyone, mine)
+            with _in_row("agreeing on the snapshot's version"):
+                dist.all_gather(everyone, mine)
         else:
             everyone = [mine]
         if any(int(e[0]) for e in everyone):

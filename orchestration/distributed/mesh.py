@@ -403,19 +403,27 @@ def init_mesh(layout: MeshLayout, *, dist_backend: str = "auto", timeout_s: floa
 
 
 def init_anchor_row(layout: MeshLayout, stage: int, store, generation: int, *, dist_backend: str = "auto",
-                    timeout_s: float = 60.0, device: str = "cpu") -> Mesh:
+                    timeout_s: float = 60.0, wait_s: float | None = None, device: str = "cpu") -> Mesh:
     """Joins anchor row ``generation``'s own world: the anchor ranks of every stage, rank =
     stage, rendezvous on ``store`` (a client of the fast circuit's store) under a prefix
     of the generation, so a new anchor row never meets a dead one's keys. Every anchor
     stage of one generation must call this; raises DistStoreError after ``timeout_s`` if
-    one does not come. The returned Mesh has ``rank`` = the anchor rank's number in the
-    whole mesh (for names and fault injection) and neighbours in the anchor world."""
+    one does not come. ``wait_s`` (default ``timeout_s``): how long the row's own
+    collectives wait for a stage of the row, which may be busy on a fast replica's link
+    for longer than ``timeout_s`` (the stages meet on the store first, so the join still
+    fails after ``timeout_s``). The returned Mesh has ``rank`` = the anchor rank's number
+    in the whole mesh (for names and fault injection) and neighbours in the anchor world."""
     if not layout.anchor:
         raise ValueError("init_anchor_row needs a mesh layout with the anchor")
     if not dist.is_initialized():
+        prefix = f"meshkern/anchor/g{generation}/row"
+        wait_s = timeout_s if wait_s is None else wait_s
+        if wait_s > timeout_s:  # the join's bound: every stage here within timeout_s
+            store.set(f"{prefix}/here/{stage}", "1")
+            store.wait([f"{prefix}/here/{s}" for s in range(layout.stages)], timedelta(seconds=timeout_s))
         dist.init_process_group(resolve_dist_backend(dist_backend, device, local_ranks=layout.stages),
-                                store=dist.PrefixStore(f"meshkern/anchor/g{generation}/row", store),
-                                rank=stage, world_size=layout.stages, timeout=timedelta(seconds=timeout_s))
+                                store=dist.PrefixStore(prefix, store),
+                                rank=stage, world_size=layout.stages, timeout=timedelta(seconds=wait_s))
     m = Mesh(layout, layout.anchor_rank(stage), layout.rows - 1, stage, store=store, generation=generation)
     m.device = rank_device(device)
     return m
