@@ -19,6 +19,7 @@ Anchor ranks run ``orchestration.anchor.run_anchor_rank(RankContext)`` instead.
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -76,7 +77,7 @@ class Trainer:
                                 projector=self.subspace.projector if self.subspace else None)
         self.tied = TiedGradSync(stage, mesh, self.counter, untie=cfg.model.tied_embeddings == "untie")
         self.hook = NullAnchor()
-        if cfg.anchor.enabled:
+        if mesh.row in mesh.layout.anchor_rows():  # a replica of another split than the anchor's: none
             from orchestration.anchor import FastHook
 
             self.hook = FastHook(RankContext(cfg, plan, mesh, stage, self.params, self.counter, self.optimizer))
@@ -91,7 +92,7 @@ class Trainer:
             "stage": AdapterState(stage, cfg.adapter, os.path.abspath(plan.model_path)) if lora else stage,
             "optimizer": self.optimizer, **self.sync.parts(),
             "counter": self.counter, "guard": self.guard,
-            "anchor": self.hook if cfg.anchor.enabled else None})  # delay mode: what makes a resume exact
+            "anchor": None if isinstance(self.hook, NullAnchor) else self.hook})  # delay mode: what makes a resume exact
         self.gate.attach(params=self.params, optimizer=self.optimizer, sync=self.sync, save=self.save,
                          facts=self._anchor_facts if cfg.anchor.enabled else None, subspace=self.subspace,
                          stop=lambda: self.stop_requested)
@@ -276,11 +277,42 @@ class Trainer:
         cfg = self.cfg
         rec, stopping = reduce_step(cfg, self.mesh, step, stats, gnorm, self.guard.skipped, self.counter,
                                     self.stop_requested, step_s, lr_at(step, cfg))
-        rec.update({f"anchor_{k}": v for k, v in self.hook.stats().items()})
-        if hasattr(self.optimizer, "anchor_stats") and cfg.anchor.enabled:
-            rec["anchor_optim"] = {k: v for k, v in self.optimizer.anchor_stats().items()
-                                   if isinstance(v, (int, float, type(None)))}
+        hook, optim = self._anchor_view()
+        rec.update({f"anchor_{k}": v for k, v in hook.items()})
+        if optim is not None:
+            rec["anchor_optim"] = optim
         return rec, stopping
+
+    def _own_anchor_view(self) -> tuple[dict, dict | None]:
+        optim = None
+        if self.cfg.anchor.enabled and hasattr(self.optimizer, "anchor_stats"):
+            optim = {k: v for k, v in self.optimizer.anchor_stats().items() if isinstance(v, (int, float, type(None)))}
+        return self.hook.stats(), optim
+
+    def _anchor_view(self) -> tuple[dict, dict | None]:
+        """The anchor hook's counters and the optimizer's anchor figures for the step record:
+        this rank's, except on rank 0 of a heterogeneous mesh whose replica 0 is not of the
+        anchor's split (it has no hook): there, those of the lowest replica of that split,
+        stage 0, which sends them as JSON (never a pickle) after the step's reduction."""
+        lay, dev = self.mesh.layout, self.mesh.device
+        rows = lay.anchor_rows()
+        if not rows or rows[0] == 0:
+            return self._own_anchor_view()
+        reporter = lay.rank_of(rows[0], 0)
+        if self.rank == reporter:
+            hook, optim = self._own_anchor_view()
+            data = torch.tensor(list(json.dumps({"hook": hook, "optim": optim}).encode()), dtype=torch.uint8)
+            dist.send(torch.tensor([data.numel()], dtype=torch.int64, device=dev), 0)
+            dist.send(data.to(dev), 0)
+            return hook, optim
+        if self.rank == 0:
+            n = torch.zeros(1, dtype=torch.int64, device=dev)
+            dist.recv(n, reporter)
+            data = torch.empty(int(n.item()), dtype=torch.uint8, device=dev)
+            dist.recv(data, reporter)
+            got = json.loads(bytes(data.cpu().tolist()).decode())
+            return got["hook"], got["optim"]
+        return self._own_anchor_view()
 
     def _checkpoint(self, step: int) -> str | None:
         """Saves after ``step`` unless the run is in a bad stretch (its weights are never

@@ -542,7 +542,7 @@ def test_anchor_that_outlives_the_fast_circuit_says_so():
         mesh = types.SimpleNamespace(store=store, generation=1, stage=0, layout=MeshLayout(2, 2, True))
         quit_.set()
         with pytest.raises(A.FastCircuitGone, match="store closed before rank 0 .* linked"):
-            A.link_to_fast(mesh, 1, timeout_s=60)
+            A.link_to_fast(mesh, [0], timeout_s=60)
     finally:
         quit_.set()
         proc.join(30)

@@ -23,7 +23,7 @@ from orchestration.components import checkpoint as ckpt
 from orchestration.anchor import auth, wire
 from orchestration.distributed import secret
 from orchestration.launch.processes import free_port
-from orchestration.distributed.mesh import listen_socket, rendezvous_store
+from orchestration.distributed.mesh import MeshLayout, listen_socket, rendezvous_store
 
 KEY = b"0123456789abcdef0123456789abcdef"
 
@@ -71,7 +71,8 @@ def _hook(tmp_path, monkeypatch, transport):
                                      snapshot_codec="full", secret_file="", store=""),
         train=types.SimpleNamespace(steps=10_000, spectral_rank=4),
         mesh=types.SimpleNamespace(timeout_s=5.0, elastic=False), anchor_pace_bps=0.0)
-    ctx = types.SimpleNamespace(cfg=cfg, mesh=types.SimpleNamespace(stage=0, row=1, rank=1), optimizer=opt,
+    ctx = types.SimpleNamespace(cfg=cfg, mesh=types.SimpleNamespace(stage=0, row=1, rank=1, layout=MeshLayout(3, 2, True)),
+                                optimizer=opt,
                                 params=params, stage=stage, plan=types.SimpleNamespace(run_dir=str(tmp_path), secret=KEY),
                                 counter=types.SimpleNamespace(extra={}))
     return A.FastHook(ctx), opt, params

@@ -57,6 +57,7 @@ def test_the_validator_accepts_every_pair_the_matrix_says_works():
 def test_known_refusals_and_what_is_not_built_yet():
     assert comp.rule("elastic", "anchor").kind == comp.WORKS  # issue #41 item 1
     assert comp.rule("heterogeneous", "elastic").kind == comp.NOT_BUILT
+    assert comp.rule("heterogeneous", "anchor").kind == comp.WORKS  # the anchor serves the replicas of its split
     assert comp.rule("lora", "codec:subspace").kind == comp.INHERENT
     assert comp.rule("heterogeneous", "codec:pca").kind == comp.WORKS  # issue #41 item 3
     with pytest.raises(ValueError, match="alternatives"):

@@ -22,8 +22,7 @@ from test_train import _args
 
 RUN_ARGV = {  # the flags of each feature on the tiny model (4 layers, H = 40)
     "heterogeneous": ["--mesh.replicas", "1,2,2"],
-    "anchor": ["--anchor.enabled", "true", "--train.optimizer", "spectral", "--mesh.rows", "3", "--mesh.stages", "2",
-               "--anchor.microbatches", "2", "--train.spectral-rank", "2", "--anchor.snapshot-every", "1",
+    "anchor": ["--anchor.enabled", "true", "--train.optimizer", "spectral", "--anchor.microbatches", "2", "--train.spectral-rank", "2", "--anchor.snapshot-every", "1",
                "--anchor.delay", "1"],  # delay mode: deterministic, so the resumed run can be compared bit for bit
     "lora": ["--adapter", "lora", "--adapter.rank", "2", "--adapter.alpha", "4", "--train.lr", "1e-2"],
     "bf16": ["--model.dtype", "bfloat16"],
@@ -47,7 +46,8 @@ STACK_ARGV = {  # more flags of one stack
 
 
 def _argv(tiny, tmp_path, feats, *extra, stack=""):
-    argv = [] if {"heterogeneous", "anchor"} & set(feats) else ["--mesh.rows", "2", "--mesh.stages", "2"]
+    argv = ([] if "heterogeneous" in feats else ["--mesh.rows", "3", "--mesh.stages", "2"] if "anchor" in feats
+            else ["--mesh.rows", "2", "--mesh.stages", "2"])  # with --mesh.replicas, the anchor row is one more
     for f in feats:
         argv += RUN_ARGV.get(f, [])
     return _args(tiny, tmp_path, *argv, *STACK_ARGV.get(stack, []), "--train.steps", "4", "--checkpoint.every", "2",
@@ -87,6 +87,8 @@ def test_stack(tiny, tmp_path_factory, stack):
         sends_fwd = stage < cfg.replica_stages[row] - 1
         assert (rec["bytes"]["pp_fwd"] > 0) == sends_fwd and (rec["bytes"]["pp_bwd"] > 0) == (stage > 0), rank
         assert (rec["bytes"]["dp"] > 0) == (cfg.dp.mode != "none"), rank
+        # the anchor's traffic (snapshots out, updates in) on the replicas of its split only
+        assert (rec["bytes"]["anchor"] > 0) == (row in lay.anchor_rows()), rank
     if cfg.anchor.enabled:
         last = read_jsonl(f"{plan.run_dir}/metrics.jsonl")[-1]
         assert last["anchor_applied"] > 0 and last["anchor_rejected"] == 0, last

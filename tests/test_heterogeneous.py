@@ -24,8 +24,16 @@ def test_a_full_replica_and_two_pipelines_number_ranks_replica_by_replica():
         lay.rank_of(0, 1)  # the full replica has one stage
     with pytest.raises(ValueError, match="no stage columns"):
         lay.dp_ranks(0)
-    with pytest.raises(ValueError, match="anchor"):
-        MeshLayout(3, 2, anchor=True, shapes=(1, 2, 2))
+    # with the anchor: its row last, of the deepest replicas' split, serving the replicas of that split
+    lay = MeshLayout(4, 2, anchor=True, shapes=(1, 2, 2, 2))
+    assert (lay.world_size, lay.fast_world_size, lay.fast_rows) == (7, 5, 3)
+    assert lay.anchor_rows() == [1, 2] and [lay.anchor_rank(s) for s in (0, 1)] == [5, 6]
+    assert lay.is_anchor(5) and not lay.is_anchor(4) and lay.describe(6) == "rank 6 (anchor replica, stage 1)"
+    assert lay.sync_segments(4) == MeshLayout(3, 2, shapes=(1, 2, 2)).sync_segments(4)  # fast replicas only
+    assert lay.name == "replicas 1,2,2 + the anchor row"
+    assert MeshLayout(3, 2, anchor=True).anchor_rows() == [0, 1]
+    with pytest.raises(ValueError, match="deepest"):
+        MeshLayout(4, 2, anchor=True, shapes=(1, 2, 2, 1))
 
 
 def test_sync_segments_group_every_unit_by_the_ranks_that_hold_it():
@@ -69,10 +77,15 @@ def test_config_derives_the_mesh_and_the_codec_of_each_replica():
     # --mesh.rows / --mesh.stages given alongside: accepted when they agree, one by one
     cfg, _ = parse_args(["--mesh.replicas", "1,3", "--mesh.rows", "2"])
     assert (cfg.mesh.rows, cfg.mesh.stages) == (2, 3)
+    # with the anchor: its row comes last, one more row of the deepest replicas' stages
+    cfg, _ = parse_args(["--mesh.replicas", "1,2,2", "--anchor.enabled", "true", "--train.optimizer", "spectral"])
+    assert (cfg.mesh.rows, cfg.mesh.stages, cfg.fast_rows, cfg.world_size) == (4, 2, 3, 7)
+    assert cfg.replica_stages == [1, 2, 2]
 
 
 @pytest.mark.parametrize("argv,match", [
-    (["--mesh.replicas", "1,2", "--anchor.enabled", "true", "--train.optimizer", "spectral"], "anchor"),
+    (["--mesh.replicas", "1,2", "--mesh.rows", "2", "--anchor.enabled", "true", "--train.optimizer", "spectral"],
+     "and the anchor row; it conflicts with --mesh.rows 2"),  # the anchor row is one row more
     (["--mesh.replicas", "1,2", "--boundary.codec", "int4", "--boundary.compress", "all"], "full replica"),
     (["--mesh.replicas", "0,2"], "stage counts >= 1"),
     (["--boundary.compress", "some"], "all or selective"),

@@ -51,7 +51,8 @@ class FastHook:
         self.n_opt = len(flat)
         # Elastic: every replica serves snapshots (the anchor pulls from the lowest one linked,
         # whichever replicas are alive); each keeps its newest one, a copy of its stage (CPU).
-        self.serves = mesh.row == 0 or cfg.mesh.elastic
+        # Fixed: the lowest replica of the anchor's split (replica 0 on a homogeneous mesh).
+        self.serves = mesh.row == min(mesh.layout.anchor_rows()) or cfg.mesh.elastic
         self.generation = 0  # of the anchor row linked now (0: none yet)
         self.pending: list[Arrival] = []
         self.refused: set[int] = set()  # versions whose update the link thread refused

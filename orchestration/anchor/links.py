@@ -253,8 +253,8 @@ def join_anchor_row(layout, rank: int, cfg, secret: bytes):
     return mesh
 
 
-def link_to_fast(mesh, fast_rows: int, timeout_s: float) -> list:
-    """Anchor side: one pair link per fast replica of this stage (replica order), each
+def link_to_fast(mesh, rows: list[int], timeout_s: float) -> list:
+    """Anchor side: one pair link per fast replica ``rows`` of this stage (in that order), each
     made once that replica said it waits for this generation, and authenticated both
     ways (auth.anchor_handshake with ``mesh.secret``; AuthError if the fast end cannot
     prove the secret); TimeoutError names a replica that did not link within
@@ -263,7 +263,7 @@ def link_to_fast(mesh, fast_rows: int, timeout_s: float) -> list:
     store, g, s = mesh.store, mesh.generation, mesh.stage
     store.set(f"{PREFIX}g{g}/open/{s}", "1")
     pgs = []
-    for r in range(fast_rows):
+    for r in rows:
         try:
             store.wait([f"{PREFIX}g{g}/here/{s}/{r}"], timedelta(seconds=timeout_s))
             if not accept_slot(store, g, s, r, 0):

@@ -309,8 +309,9 @@ def _next_snapshot(mesh, peers: FastPeers, want: int, params, rec, cfg) -> tuple
     the pull starts again with another; with no replica linked it waits, up to
     --mesh.rejoin-timeout-s, for one to link."""
     if not peers.elastic:
-        got = _pull_snapshot(mesh, peers.links[0], want, params, rec, cfg.mesh.timeout_s, elastic=False)
-        return None if got is None else (got, 0)
+        server = min(peers.links)  # the lowest replica of the anchor's split
+        got = _pull_snapshot(mesh, peers.links[server], want, params, rec, cfg.mesh.timeout_s, elastic=False)
+        return None if got is None else (got, server)
     waited_since = None
     while True:
         peers.accept()

@@ -53,9 +53,11 @@ class FastPeers:
               flush=True)
 
     def link_all(self) -> None:
-        """Fixed mesh: links every replica's first slot, in replica order (links.link_to_fast:
-        its errors name the replica that did not link)."""
-        for r, pg in enumerate(link_to_fast(self.mesh, self.rows, self.timeout_s)):
+        """Fixed mesh: links the first slot of every replica of the anchor's split
+        (``MeshLayout.anchor_rows``), in replica order (links.link_to_fast: its errors name
+        the replica that did not link)."""
+        rows = self.mesh.layout.anchor_rows()
+        for r, pg in zip(rows, link_to_fast(self.mesh, rows, self.timeout_s)):
             self.links[r] = self._peer(r, 0, pg)
             self.next_slot[r] = 1
 

@@ -140,7 +140,8 @@ def summarize(cfg, plan, history: list[dict], elapsed: float, steps_done: int, l
     bpt = last["bytes_per_token"]
     s = {
         "mesh": ((f"replicas {','.join(map(str, cfg.mesh.replicas))} ({cfg.fast_rows} replicas of "
-                  f"{', '.join(map(str, cfg.replica_stages))} stages)") if cfg.mesh.replicas else
+                  f"{', '.join(map(str, cfg.replica_stages))} stages"
+                  + (f" + anchor x {cfg.mesh.stages} stages" if cfg.anchor.enabled else "") + ")") if cfg.mesh.replicas else
                  (f"{cfg.mesh.rows}x{cfg.mesh.stages} ({cfg.fast_rows} fast replicas"
                   + (" + anchor" if cfg.anchor.enabled else "") + f" x {cfg.mesh.stages} stages)"))
                 + (f" on {where}" if where else ""),
@@ -171,10 +172,13 @@ def summarize(cfg, plan, history: list[dict], elapsed: float, steps_done: int, l
             s["loss_first_run"] = first[0]["loss"] if first and first[0].get("step") == 1 else None
         except (OSError, ValueError, KeyError):
             pass
-    if cfg.anchor.enabled:  # rank 0's view of the anchor hook (orchestration.anchor stats)
+    if cfg.anchor.enabled:  # one rank's view of the anchor hook (orchestration.anchor stats; Trainer._anchor_view)
         s["anchor"] = {k[len("anchor_"):]: v for k, v in last.items()
                        if k in ("anchor_arrivals", "anchor_applied", "anchor_rejected", "anchor_mean_staleness",
                                 "anchor_link", "anchor_prior_on", "anchor_generation")}
+        from orchestration.distributed.mesh import MeshLayout
+
+        s["anchor"]["seen_by"] = min(MeshLayout.of(cfg).anchor_rows())  # that rank's replica (its stage 0)
     return s
 
 

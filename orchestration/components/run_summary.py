@@ -102,7 +102,7 @@ def summary_rows(s: dict) -> list[tuple[str, str, str]]:
     if s.get("anchor"):
         a = s["anchor"]
         ms = a.get("mean_staleness")
-        rows.append(("anchor updates (rank 0)", f"{a.get('applied', 0)} applied of {a.get('arrivals', 0)} arrived, "
+        rows.append((f"anchor updates (replica {a.get('seen_by', 0)})", f"{a.get('applied', 0)} applied of {a.get('arrivals', 0)} arrived, "
                      f"{a.get('rejected', 0)} rejected, mean staleness {'n/a' if ms is None else f'{ms:.1f}'} steps, "
                      + ("no anchor ever linked" if a.get("generation") == 0 else
                         f"link {a.get('link', '?')} (anchor row generation {a.get('generation', '?')})"),

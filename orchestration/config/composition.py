@@ -80,10 +80,10 @@ RULES: dict[frozenset, Rule] = {frozenset(k): v for k, v in {
                                                "heal carries it with the weights"),
     ("elastic", "dp:none"): Rule(INHERENT, "an elastic replica drops out of and heals into the DP sync; with no DP "
                                            "sync there is nothing to drop out of or heal from"),
-    ("anchor", "heterogeneous"): Rule(NOT_BUILT, "the anchor row is one replica of the fast replicas' split and meets "
-                                                 "them stage by stage; a replica of another depth holds layers of "
-                                                 "several anchor stages and would need a link to each and their "
-                                                 "updates merged by parameter name"),
+    ("anchor", "heterogeneous"): Rule(WORKS, "the anchor row takes the deepest replicas' split and serves the "
+                                             "replicas of that split (snapshots from the lowest of them); a replica "
+                                             "of another depth trains without its prior: a full replica has no stage "
+                                             "boundary, so nothing masked to correct"),
     ("anchor", "codec:subspace"): Rule(WORKS, "the anchor computes its gradient on a snapshot of the constrained "
                                               "weights (the embedding frozen on every rank); the fast replica applies "
                                               "the prior, then puts its weights back into the subspace"),
@@ -128,6 +128,8 @@ STACKS: dict[str, tuple[str, ...]] = {
     "anchor-tahquant-diloco-powersgd": ("local", "anchor", "codec:tahquant", "dp:diloco", "compressor:powersgd",
                                         "bf16", "resume"),
     "hetero-subspace-none": ("local", "heterogeneous", "codec:subspace", "dp:none", "bf16", "resume"),
+    "hetero-anchor-pca-diloco-powersgd": ("local", "heterogeneous", "anchor", "codec:pca", "dp:diloco",
+                                          "compressor:powersgd", "resume"),
     "anchor-subspace-diloco-powersgd": ("local", "anchor", "codec:subspace", "dp:diloco", "compressor:powersgd"),
     "bottleneck-lora-none": ("local", "codec:bottleneck", "lora", "dp:none", "bf16", "resume"),
 }

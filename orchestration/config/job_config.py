@@ -227,7 +227,9 @@ class Config:
 
     @property
     def world_size(self) -> int:
-        return sum(self.mesh.replicas) if self.mesh.replicas else self.mesh.rows * self.mesh.stages
+        if self.mesh.replicas:  # the fast replicas, plus the anchor row (the deepest replicas' split)
+            return sum(self.mesh.replicas) + (max(self.mesh.replicas) if self.anchor.enabled else 0)
+        return self.mesh.rows * self.mesh.stages
 
     @property
     def replica_stages(self) -> list[int]:

@@ -203,11 +203,12 @@ def _heterogeneous_defaults(cfg: Config, named: set) -> None:
     """A heterogeneous mesh's own defaults, for what no preset, file or flag set; each of
     --mesh.rows / --mesh.stages that was given must agree with --mesh.replicas."""
     reps = list(cfg.mesh.replicas)
-    for k, v in (("rows", len(reps)), ("stages", max(reps))):
+    rows = len(reps) + (1 if cfg.anchor.enabled else 0)
+    for k, v in (("rows", rows), ("stages", max(reps))):
         if ("mesh", k) in named and getattr(cfg.mesh, k) != v:
             raise ValueError(f"--mesh.replicas {','.join(map(str, reps))} makes a mesh of {len(reps)} replicas of up "
-                             f"to {max(reps)} stages; it conflicts with --mesh.{k} {getattr(cfg.mesh, k)} (give one "
-                             f"or the other)")
+                             f"to {max(reps)} stages{' and the anchor row' if cfg.anchor.enabled else ''}; it "
+                             f"conflicts with --mesh.{k} {getattr(cfg.mesh, k)} (give one or the other)")
     fill: dict = {}
     for (sec, k), v in HETEROGENEOUS_DEFAULTS.items():
         if (sec, k) not in named:
@@ -221,8 +222,8 @@ def normalize(cfg: Config) -> Config:
     ``name:key=value,...`` split into the name and its options (--boundary.options win).
     Idempotent; returns ``cfg``."""
     m, b = cfg.mesh, cfg.boundary
-    if m.replicas:
-        m.rows, m.stages = len(m.replicas), max(m.replicas)
+    if m.replicas:  # with the anchor, its row comes last (of the deepest replicas' split)
+        m.rows, m.stages = len(m.replicas) + (1 if cfg.anchor.enabled else 0), max(m.replicas)
     if ":" in b.codec:
         from orchestration.codecs import parse_spec
 

@@ -98,9 +98,11 @@ def _check_mesh(cfg: Config) -> None:
     if m.replicas:
         _need(all(isinstance(y, int) and y >= 1 for y in m.replicas),
               f"--mesh.replicas entries are stage counts >= 1, got {m.replicas}")
-        _need((m.rows, m.stages) == (len(m.replicas), max(m.replicas)),
+        rows = len(m.replicas) + (1 if a.enabled else 0)  # the anchor row last
+        _need((m.rows, m.stages) == (rows, max(m.replicas)),
               f"--mesh.replicas {','.join(map(str, m.replicas))} makes {len(m.replicas)} replicas of up to "
-              f"{max(m.replicas)} stages, not --mesh.rows {m.rows} x --mesh.stages {m.stages}")
+              f"{max(m.replicas)} stages{' and the anchor row' if a.enabled else ''}, not --mesh.rows {m.rows} x "
+              f"--mesh.stages {m.stages}")
     _need(m.rows >= 1, f"--mesh.rows must be >= 1, got {m.rows}")
     _need(m.stages >= 1, f"--mesh.stages must be >= 1, got {m.stages}")
     _need(not a.enabled or m.rows >= 2, "--anchor.enabled needs --mesh.rows >= 2 (the last row is the anchor)")
@@ -157,7 +159,7 @@ def _check_boundary(cfg: Config) -> None:
     _need(b.codec in CODECS, f"--boundary.codec must be one of {', '.join(CODECS)}, got {b.codec!r}")
     _need(b.compress in ("all", "selective"), f"--boundary.compress must be all or selective, got {b.compress!r}")
     if m.replicas and len(set(m.replicas)) > 1:
-        full_compressed = [r for r in range(m.rows) if m.replicas[r] == 1 and cfg.replica_codec(r) not in ("dense", "subspace")]
+        full_compressed = [r for r in range(len(m.replicas)) if m.replicas[r] == 1 and cfg.replica_codec(r) not in ("dense", "subspace")]
         _need(not full_compressed, f"--mesh.replicas: replica {full_compressed[:1]} is a full replica (no stage boundary) "
                                    f"and --boundary.codec {b.codec} compresses boundaries only; use --boundary.compress "
                                    f"selective, or the subspace codec (a full replica keeps its constraint)")

@@ -88,9 +88,11 @@ class MeshLayout:
 
     Homogeneous (``shapes`` empty): ``rows`` replicas of ``stages`` stages each.
     Heterogeneous (``shapes`` = stage count per replica, e.g. (1, 2, 2): one full replica
-    and two 2-stage pipeline replicas; no anchor): replica ``row`` has ``shapes[row]``
-    stages, ranks are numbered replica by replica, and ``stages`` is the deepest replica's
-    count. DP sync then runs per ``sync_segments`` (by parameter name), not per column."""
+    and two 2-stage pipeline replicas): replica ``row`` has ``shapes[row]`` stages, ranks
+    are numbered replica by replica, and ``stages`` is the deepest replica's count. DP sync
+    then runs per ``sync_segments`` (by parameter name), not per column. With the anchor,
+    ``shapes`` ends with the anchor row's: the deepest replicas' split (``of``), and the
+    anchor serves the replicas of that split (``anchor_rows``)."""
 
     rows: int
     stages: int
@@ -102,8 +104,9 @@ class MeshLayout:
             object.__setattr__(self, "shapes", tuple(int(y) for y in self.shapes))
             if any(y < 1 for y in self.shapes):
                 raise ValueError(f"every replica needs >= 1 stage, got replicas {list(self.shapes)}")
-            if self.anchor:
-                raise ValueError("a heterogeneous mesh (--mesh.replicas) cannot run the anchor row")
+            if self.anchor and self.shapes[-1] != max(self.shapes):
+                raise ValueError(f"the anchor row (the last of replicas {list(self.shapes)}) takes the deepest "
+                                 f"replicas' split, {max(self.shapes)} stages, not {self.shapes[-1]}")
             if (self.rows, self.stages) != (len(self.shapes), max(self.shapes)):
                 raise ValueError(f"replicas {list(self.shapes)} make a mesh of {len(self.shapes)} rows and at most "
                                  f"{max(self.shapes)} stages, not {self.rows}x{self.stages}")
@@ -116,7 +119,10 @@ class MeshLayout:
     def of(cls, cfg, anchor: bool | None = None) -> "MeshLayout":
         """The layout of a run's config (``anchor``: override cfg.anchor.enabled)."""
         a = cfg.anchor.enabled if anchor is None else anchor
-        return cls(cfg.mesh.rows, cfg.mesh.stages, a, tuple(cfg.mesh.replicas))
+        shapes = tuple(cfg.mesh.replicas)
+        if shapes and a:
+            shapes += (max(shapes),)
+        return cls(len(shapes) if shapes else cfg.mesh.rows, cfg.mesh.stages, a, shapes)
 
     @property
     def heterogeneous(self) -> bool:
@@ -137,7 +143,7 @@ class MeshLayout:
     @property
     def fast_world_size(self) -> int:
         """The fast circuit's torch.distributed world (the anchor row is a world of its own)."""
-        return sum(self.shapes) if self.shapes else self.fast_rows * self.stages
+        return sum(self.shapes[:self.fast_rows]) if self.shapes else self.fast_rows * self.stages
 
     @property
     def fast_rows(self) -> int:
@@ -162,7 +168,9 @@ class MeshLayout:
     @property
     def name(self) -> str:
         """'3x2' (homogeneous) or 'replicas 1,2,2' (``mesh_name``)."""
-        return mesh_name(list(self.shapes) or [self.stages] * self.rows)
+        if not self.shapes:
+            return mesh_name([self.stages] * self.rows)
+        return mesh_name(list(self.shapes[:self.fast_rows])) + (" + the anchor row" if self.anchor else "")
 
     def anchor_rank(self, stage: int) -> int:
         """The anchor row's rank of ``stage`` (numbering of the whole mesh, as the launcher's)."""
@@ -172,6 +180,26 @@ class MeshLayout:
 
     def is_anchor(self, rank: int) -> bool:
         return self.anchor and self.coords(rank)[0] == self.rows - 1
+
+    def anchor_rows(self) -> list[int]:
+        """The fast replicas the anchor row serves: those of its split (every one on a
+        homogeneous mesh). A replica of another depth trains without the anchor's prior: a
+        full replica has no stage boundary, so nothing masked to correct."""
+        if not self.anchor:
+            return []
+        return [r for r in range(self.fast_rows) if self.stages_of(r) == self.stages_of(self.rows - 1)]
+
+    def anchor_scope(self) -> str:
+        """Which replicas the anchor serves, in words, when not all of them ('' otherwise)."""
+        served = self.anchor_rows()
+        others = [r for r in range(self.fast_rows) if r not in served]
+        if not self.anchor or not others:
+            return ""
+        full = [r for r in others if self.stages_of(r) == 1]
+        why = ("full replicas: no stage boundary, nothing masked to correct" if len(full) == len(others) else
+               "their masked boundaries go uncorrected")
+        return (f"the anchor row ({self.stages_of(self.rows - 1)} stages) serves replicas {served} (its split); "
+                f"replicas {others} train without its prior ({why})")
 
     def pp_ranks(self, row: int) -> list[int]:
         return [self.rank_of(row, s) for s in range(self.stages_of(row))]

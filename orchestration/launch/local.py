@@ -48,6 +48,8 @@ def launch_local(cfg, plan, layout: MeshLayout) -> int:
             print(f"[anchor] the fast circuit's store is 127.0.0.1:{port}; a new anchor row joins it with: "
                   f"python -m orchestration.train --config {os.path.join(plan.run_dir, 'config.yaml')} "
                   f"--anchor.join --anchor.store 127.0.0.1:{port}", file=sys.stderr, flush=True)
+            if layout.anchor_scope():
+                print(f"[anchor] {layout.anchor_scope()}", file=sys.stderr, flush=True)
         res = run_local(run_rank, cfg.world_size, (cfg, plan),
                         start_method=devices.start_method(cfg.mesh.start_method, cfg.mesh.device),
                         threads=cfg.mesh.threads_per_rank, describe=layout.describe, optional=anchors,

@@ -37,6 +37,8 @@ def launch_torchrun(cfg, plan, layout: MeshLayout) -> int:
         print(f"[anchor] the fast circuit's store is {addr}; start the anchor row (one process per stage) "
               f"with: python -m orchestration.torchrun --nproc-per-node {layout.stages} ... -m orchestration.train <this run's flags> "
               f"--anchor.join --anchor.store {addr}", file=sys.stderr, flush=True)
+        if layout.anchor_scope():
+            print(f"[anchor] {layout.anchor_scope()}", file=sys.stderr, flush=True)
     out = run_rank(layout.anchor_rank(rank) if join else rank, world, cfg, plan)
     # a clean stop exits 0 here: torchrun would restart workers that exit non-zero
     return _leave(exit_code([out], speak=rank == 0, clean_stop=0))
