@@ -110,6 +110,9 @@ class Trainer:
         opt, mesh, params = self.optimizer, self.mesh, self.params
         for g in opt.param_groups:
             g["lr"] = lr_at(step, self.cfg)
+        tail = self.cfg.boundary.dense_tail
+        if tail and step >= self.cfg.train.steps - tail and self.executor.codec.name != "dense":
+            self._start_dense_tail(step)  # the codec-free tail (on a resume inside it too)
         stats = self.executor.step(step, self.sampler(step), num_microbatches=self.cfg.train.microbatches,
                                    sample_ids=self.sampler.indices(step))
         self.tied.sync()
@@ -282,6 +285,16 @@ class Trainer:
         if optim is not None:
             rec["anchor_optim"] = optim
         return rec, stopping
+
+    def _start_dense_tail(self, step: int) -> None:
+        """--boundary.dense-tail: from ``step`` on, this replica's boundaries are sent dense.
+        Every stage switches at the same step, so both ends of a boundary agree."""
+        from orchestration.codecs import make_codec
+
+        if self.rank == 0:
+            print(f"step {step + 1}: the last {self.cfg.boundary.dense_tail} steps send the stage boundaries dense "
+                  "(--boundary.dense-tail)", flush=True)
+        self.executor.codec = make_codec("dense")
 
     def _own_anchor_view(self) -> tuple[dict, dict | None]:
         optim = None

@@ -257,6 +257,25 @@ def test_other_codecs_optimizers_and_compressors_train(tiny, tmp_path, extra):
 
 
 @pytest.mark.slow
+def test_a_dense_tail_is_the_codec_run_continued_dense(tiny, tmp_path):
+    """--boundary.dense-tail 2 of 4 steps: the first 2 steps are the int4 run's, the last 2
+    those of its step-2 checkpoint resumed with --boundary.codec dense (bit for bit), and the
+    pipeline bytes are 2 steps of int4 wire plus 2 of dense."""
+    from orchestration.codecs import make_codec
+
+    base = ["--mesh.rows", "1", "--mesh.stages", "2", "--train.steps", "4", "--checkpoint.every", "2",
+            "--dp.mode", "none", "--boundary.codec", "int4"]
+    _, _, tail = _run(_args(tiny, tmp_path / "tail", *base, "--boundary.dense-tail", "2"))
+    _, plan, plain = _run(_args(tiny, tmp_path / "int4", *base))
+    step2 = ckpt.step_dir(plan.ckpt_dir, 2)
+    _, _, cont = _run(_args(tiny, tmp_path / "int4", *base, "--boundary.codec", "dense", "--checkpoint.resume", step2))
+    assert tail[1]["losses"][:2] == plain[1]["losses"][:2]
+    assert tail[1]["losses"][2:] == cont[1]["losses"] and tail[1]["losses"][2:] != plain[1]["losses"][2:]
+    per_mb = {n: make_codec(n).wire_bytes((2, 32, 40), torch.float32, "fwd") for n in ("int4", "dense")}
+    assert tail[0]["bytes"]["pp_fwd"] == 2 * 2 * per_mb["int4"] + 2 * 2 * per_mb["dense"]
+
+
+@pytest.mark.slow
 def test_tied_embeddings_stay_tied_across_stages(tiny, tmp_path):
     """A tied checkpoint split over 2 stages: the last stage's lm_head copy gets the summed
     gradient like stage 0's embedding, so the two copies remain equal after training."""

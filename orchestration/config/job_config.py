@@ -112,6 +112,7 @@ class BoundaryConfig:
     p: float = _f(0.95, "fraction of hidden dims dropped per token (mask; also the ratio target of topk/bottleneck)")
     rescale: bool = _f(False, "mask: scale kept values by 1/(1-p) (dropout-style unbiased estimate)")
     options: dict = _f({}, "extra keyword arguments for the codec, as JSON, e.g. '{\"k\": 64}'")
+    dense_tail: int = _f(0, "the last N training steps send every stage boundary uncompressed (the dense codec, in the model's dtype) so training ends on exact activations, their bytes counted; 0: off (a codec-free tail, issue 43)")
     compress: str = _f("all", "which replicas use --boundary.codec: all, or selective (only the pipeline replicas; full replicas train uncompressed and, with the subspace codec, unconstrained); selective is the default with --mesh.replicas")
 
 

@@ -158,6 +158,8 @@ def _check_boundary(cfg: Config) -> None:
 
     _need(b.codec in CODECS, f"--boundary.codec must be one of {', '.join(CODECS)}, got {b.codec!r}")
     _need(b.compress in ("all", "selective"), f"--boundary.compress must be all or selective, got {b.compress!r}")
+    _need(isinstance(b.dense_tail, int) and 0 <= b.dense_tail <= cfg.train.steps,
+          f"--boundary.dense-tail must be a step count in 0..--train.steps ({cfg.train.steps}), got {b.dense_tail!r}")
     if m.replicas and len(set(m.replicas)) > 1:
         full_compressed = [r for r in range(len(m.replicas)) if m.replicas[r] == 1 and cfg.replica_codec(r) not in ("dense", "subspace")]
         _need(not full_compressed, f"--mesh.replicas: replica {full_compressed[:1]} is a full replica (no stage boundary) "

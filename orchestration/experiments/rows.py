@@ -83,6 +83,12 @@ ROWS: tuple[Row, ...] = (
     # bytes spent on every coordinate by its variance instead of int4 on the top half.
     Row("pcanf", "baseline", "pca4", ("--boundary.options", _nf_options(15)),
         label="PCA-NF (bits per coordinate) + sink, 1/15 of dense", paper="(not in the paper)"),
+    # pcanf whose last 10 / 25 steps (of the long runs' 200) send dense boundaries (issue #43,
+    # the codec-free tail): does ending on exact activations close the deployed model's gap,
+    # and at how many more bytes (the tail's dense bytes are counted)?
+    *(Row(f"pcanf-tail{n}", "baseline", "pca4", ("--boundary.options", _nf_options(15), "--boundary.dense-tail", str(n)),
+          label=f"PCA-NF + sink, 1/15 of dense, the last {n} steps dense", paper="(not in the paper)")
+      for n in (10, 25)),
     # 1/12 of dense fp32 (190 B/token at H = 576): about pca4-b8's forward error (every
     # coordinate but a few gets a bit) at two thirds of its bytes.
     Row("pcanf-b12", "baseline", "pca4", ("--boundary.options", _nf_options(12)),
