@@ -86,6 +86,8 @@ def test_config_derives_the_mesh_and_the_codec_of_each_replica():
 @pytest.mark.parametrize("argv,match", [
     (["--mesh.replicas", "1,2", "--mesh.rows", "2", "--anchor.enabled", "true", "--train.optimizer", "spectral"],
      "and the anchor row; it conflicts with --mesh.rows 2"),  # the anchor row is one row more
+    (["--mesh.replicas", "1,2", "--anchor.enabled", "true", "--train.optimizer", "spectral", "--dp.mode", "none"],
+     "replica 0's, which the anchor row does not serve"),
     (["--mesh.replicas", "1,2", "--boundary.codec", "int4", "--boundary.compress", "all"], "full replica"),
     (["--mesh.replicas", "0,2"], "stage counts >= 1"),
     (["--boundary.compress", "some"], "all or selective"),

@@ -8,7 +8,8 @@ import torch
 import torch.distributed as dist
 
 from orchestration.launch.processes import MeshFailure, run_local
-from orchestration.distributed.mesh import MeshLayout, destroy_mesh, init_anchor_row, init_mesh
+from orchestration.distributed.anchor_world import init_anchor_row, set_collective_timeout
+from orchestration.distributed.mesh import MeshLayout, destroy_mesh, init_mesh
 
 
 def test_layout_arithmetic():
@@ -54,8 +55,8 @@ def _groups_worker(rank, world, anchor):
 
 def _row_worker(rank, world, late_s, join):
     """Anchor stage ``rank`` of a 2x2 mesh's anchor row, met on a store rank 0 hosts: joins
-    with a 2 s join bound and patient collectives; stage 1 comes ``late_s`` late to the
-    all-reduce (as one busy on a fast replica's link), or with ``join`` False never joins."""
+    with a 2 s bound, then waits 120 s in its collectives; stage 1 comes ``late_s`` late to
+    the all-reduce (as one busy on a fast replica's link), or with ``join`` False never joins."""
     from datetime import timedelta
 
     store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), 2, rank == 0, timedelta(seconds=30))
@@ -64,10 +65,11 @@ def _row_worker(rank, world, late_s, join):
         store.wait(["test/stage0_done"])
         return "absent"
     try:
-        init_anchor_row(lay, rank, store, 1, timeout_s=2, wait_s=120)
+        init_anchor_row(lay, rank, store, 1, timeout_s=2)
     except Exception as e:
         store.set("test/stage0_done", "1")
         return f"join failed: {type(e).__name__}"
+    set_collective_timeout(120)
     if rank == 1:
         time.sleep(late_s)
     t = torch.tensor([float(rank + 1)])
@@ -80,13 +82,12 @@ def _row_worker(rank, world, late_s, join):
 
 @pytest.mark.slow
 def test_anchor_row_collectives_outwait_the_join_bound_which_still_holds():
-    """The anchor row's stages wait on each other longer than --mesh.timeout-s (one may be
-    busy that long on a fast replica's link; a row that timed out on it ended for good), while
-    a stage that never comes still fails the join within the join bound."""
-    assert run_local(_row_worker, 2, (5.0, True), timeout_s=100) == [3.0, 3.0]  # 5 s late, 2 s bound
-    res = run_local(_row_worker, 2, (0.0, False), timeout_s=100)  # the row's wait_s would be 120 s
+    """The anchor row's collectives wait what set_collective_timeout says (one stage may be
+    busy longer than --mesh.timeout-s on a fast replica's link; a row that timed out on it
+    ended for good), while a stage that never comes still fails the join within its bound."""
+    assert run_local(_row_worker, 2, (5.0, True), timeout_s=100) == [3.0, 3.0]  # 5 s late, 2 s join bound
+    res = run_local(_row_worker, 2, (0.0, False), timeout_s=100)
     assert res[1] == "absent" and res[0].startswith("join failed"), res
-
 
 @pytest.mark.slow
 @pytest.mark.parametrize("anchor", [False, True])

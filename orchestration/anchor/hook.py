@@ -52,7 +52,12 @@ class FastHook:
         # Elastic: every replica serves snapshots (the anchor pulls from the lowest one linked,
         # whichever replicas are alive); each keeps its newest one, a copy of its stage (CPU).
         # Fixed: the lowest replica of the anchor's split (replica 0 on a homogeneous mesh).
-        self.serves = mesh.row == min(mesh.layout.anchor_rows()) or cfg.mesh.elastic
+        self.speaks = mesh.row == min(mesh.layout.anchor_rows())  # the lowest replica the anchor serves: it logs
+        self.serves = self.speaks or cfg.mesh.elastic
+        # Delay mode waits for a due update at most this long. With replicas the anchor does
+        # not serve (a heterogeneous mesh), those wait meanwhile in the step's collectives,
+        # bounded by --mesh.timeout-s: half of it leaves them room for the step itself.
+        self.delay_wait_s = self.timeout_s / 2 if mesh.layout.anchor_scope() else self.timeout_s
         self.generation = 0  # of the anchor row linked now (0: none yet)
         self.pending: list[Arrival] = []
         self.refused: set[int] = set()  # versions whose update the link thread refused
@@ -83,7 +88,7 @@ class FastHook:
         secret = ctx.plan.secret  # the run's (orchestration.distributed.secret), resolved before the ranks started
         if secret is None:
             raise ValueError("--anchor.enabled: the plan holds no run secret (orchestration.launch.prepare resolves it)")
-        if mesh.rank == 0 and not os.environ.get(SECRET_ENV):
+        if self.speaks and mesh.stage == 0 and not os.environ.get(SECRET_ENV):
             print(f"[anchor] anchor rows authenticate with this run's secret {secret_path(cfg, ctx.plan.run_dir)} (mode 0600); "
                   f"an anchor row on another machine needs a copy: --anchor.secret-file PATH (or {SECRET_ENV})",
                   file=sys.stderr, flush=True)
@@ -103,7 +108,7 @@ class FastHook:
         self.link.offer(version, flat, keep_older=bool(self.delay))
 
     def _log(self, msg: str) -> None:
-        if self.row == 0:  # one line per stage column, not one per replica
+        if self.speaks:  # one line per stage column, not one per replica
             print(f"[anchor] stage {self.stage_index}: {msg}", file=sys.stderr, flush=True)
 
     @property
@@ -188,10 +193,10 @@ class FastHook:
                 t0 = time.perf_counter()
                 while (self.link_state == "up" and due not in self.refused
                        and not any(x.version == due for x in self.pending)):
-                    if time.perf_counter() - t0 > self.timeout_s:
+                    if time.perf_counter() - t0 > self.delay_wait_s:
                         self.degraded = True
                         self._log(f"step {step}: the update of snapshot {due} did not arrive within "
-                                  f"{self.timeout_s:.0f} s; delay mode off, updates are applied when they arrive")
+                                  f"{self.delay_wait_s:.0f} s; delay mode off, updates are applied when they arrive")
                         break
                     self._drain(step, block_s=0.5)
                 self.blocked_s += time.perf_counter() - t0

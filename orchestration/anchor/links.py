@@ -12,7 +12,6 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from orchestration.anchor.auth import anchor_handshake, generation_value, parse_generation
-from orchestration.anchor.wire import LINK_TIMEOUT
 from orchestration.distributed.failures import LinkFailure, is_link_failure, is_store_error  # noqa: F401 (re-exported)
 
 # Keys under PREFIX in the fast circuit's rendezvous store, per stage column s (anyone who
@@ -32,7 +31,7 @@ from orchestration.distributed.failures import LinkFailure, is_link_failure, is_
 #                     k = 1, 2, ... ("slots", slot_key)
 #   g<G>/link/s/r/    the pair link's gloo rendezvous (fast end 0, anchor end 1); slot k:
 #                     g<G>/link/s/r.k/
-#   g<G>/row/         generation G's anchor-row world (orchestration.distributed.mesh.init_anchor_row)
+#   g<G>/row/         generation G's anchor-row world (orchestration.distributed.anchor_world.init_anchor_row)
 #   run_id            a token of this fast circuit, kept with the anchor's saved state
 PREFIX = "meshkern/anchor/"
 FAST, ANCHOR = 0, 1  # the two ends of a pair link
@@ -229,20 +228,14 @@ def join_anchor_row(layout, rank: int, cfg, secret: bytes):
     generation of its stage and joins that generation's anchor-row world; returns the
     orchestration.distributed.mesh.Mesh (``store``, ``generation`` and ``secret`` set). ``secret``:
     the run's (orchestration.distributed.secret, handed over in the rank's Plan)."""
-    from orchestration.distributed.mesh import init_anchor_row
+    from orchestration.distributed.anchor_world import init_anchor_row
 
     _, stage = layout.coords(rank)
     store = side_store(store_address(cfg), cfg.mesh.timeout_s)
     generation = claim_generation(store, stage, cfg.mesh.timeout_s, secret=secret)
     try:
-        # The row's stages wait on each other as long as on a fast link (LINK_TIMEOUT): one
-        # may spend minutes on a fast replica's link (a payload_timeout per dropped replica,
-        # a snapshot at a slow link's pace), and a row that timed out on it ended for good.
-        # A dead stage closes its connections (the others fail at once; the launcher
-        # restarts the row).
         mesh = init_anchor_row(layout, stage, store, generation, dist_backend=cfg.mesh.dist_backend,
-                               timeout_s=cfg.mesh.timeout_s, wait_s=LINK_TIMEOUT.total_seconds(),
-                               device=cfg.mesh.device)
+                               timeout_s=cfg.mesh.timeout_s, device=cfg.mesh.device)
     except Exception as e:
         raise store_failure(
             e, f"{layout.describe(rank)}: the other anchor stages of generation {generation} did not join within "

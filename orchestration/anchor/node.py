@@ -1,5 +1,6 @@
 """The anchor node: one anchor rank's loop over rounds (docs/anchor.md): pull a snapshot
-of its stage from fast replica 0 (elastic replicas: the lowest one linked), run an
+of its stage from the lowest fast replica of its split (replica 0 on a homogeneous mesh;
+elastic replicas: the lowest one linked), run an
 unmasked forward/backward over its own batches through the anchor row's pipeline, send the
 result to every fast replica of its column.
 Also its fault injection (MESHKERN_ANCHOR_FAULT, --run.fail-rank) and its saved state
@@ -27,6 +28,7 @@ from orchestration.anchor.wire import (CODE_DTYPES, F_DTYPE, F_KIND, F_LAYOUT, F
 from orchestration.codecs import make_codec
 from orchestration.data.sampling import BatchSampler
 from orchestration.distributed.failures import is_peer_error
+from orchestration.distributed.anchor_world import set_collective_timeout
 from orchestration.distributed.pipeline import PipelineExecutor
 from orchestration.distributed.schedule import make_schedule
 
@@ -49,6 +51,19 @@ def _in_row(what: str):
         if not (is_peer_error(e) or is_store_error(e)):
             raise
         raise AnchorRowBroken(f"{what}: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}") from e
+
+
+def row_wait_s(cfg, update_bytes: int, snapshot_bytes: int) -> float:
+    """How long the anchor row's stages wait on each other in their own collectives: what one
+    of them may spend on its fast links between two of them, each wait bounded as the link
+    bounds it (``payload_timeout``: --mesh.timeout-s plus the bytes at PAYLOAD_FLOOR_BPS):
+    an update to every fast replica and a new link taken from each (rendezvous and
+    handshake), a snapshot's header and payload, and --mesh.timeout-s for the stages' compute
+    skew. With --mesh.timeout-s it timed out while the other stage waited out an update to a
+    replica that had just died, and the row ended for good. A stage silent for longer is gone."""
+    t = cfg.mesh.timeout_s
+    per_replica = payload_timeout(update_bytes, t).total_seconds() + 2 * t
+    return 2 * t + cfg.fast_rows * per_replica + payload_timeout(snapshot_bytes, t).total_seconds()
 
 
 def _store_up(store) -> bool:
@@ -180,8 +195,11 @@ def run_anchor_rank(ctx) -> dict:
            "losses": [], "round_s": [], "bytes_to_fast": 0, "bytes_from_fast": 0, "stopped": "", "restored": ""}
     want, k = 0, 0
     elastic = cfg.mesh.elastic
+    numel = sum(p.numel() for p in params)
     peers = FastPeers(mesh, cfg.fast_rows, elastic=elastic, timeout_s=cfg.mesh.timeout_s,
-                      numel=sum(p.numel() for p in params), snapshot_codec=a.snapshot_codec)
+                      numel=numel, snapshot_codec=a.snapshot_codec)
+    if mesh.layout.stages > 1:
+        set_collective_timeout(row_wait_s(cfg, layout.nbytes + HEADER_BYTES, numel * pdtype.itemsize + HEADER_BYTES))
     os.makedirs(os.path.join(plan.run_dir, "anchor"), exist_ok=True)
     rounds_log = open(rounds_path(plan.run_dir, mesh.stage), "a")
     try:
@@ -303,8 +321,8 @@ def _fan_out(peers: FastPeers, tensors, cfg) -> int:
 
 def _next_snapshot(mesh, peers: FastPeers, want: int, params, rec, cfg) -> tuple[int, int] | None:
     """(version, replica) of the snapshot >= ``want`` now loaded into ``params``, the same on
-    every anchor stage; None when the fast circuit finished. A fixed mesh pulls from replica
-    0. Elastic: from the lowest replica linked on every stage (``FastPeers.common_server``),
+    every anchor stage; None when the fast circuit finished. A fixed mesh pulls from the
+    lowest replica of the anchor's split (MeshLayout.anchor_rows: replica 0 when alike). Elastic: from the lowest replica linked on every stage (``FastPeers.common_server``),
     taking new links first; a server whose link fails or that says it stopped is dropped and
     the pull starts again with another; with no replica linked it waits, up to
     --mesh.rejoin-timeout-s, for one to link."""
@@ -319,7 +337,7 @@ def _next_snapshot(mesh, peers: FastPeers, want: int, params, rec, cfg) -> tuple
             server = peers.common_server()
         if server is None:
             waited_since = waited_since or time.monotonic()
-            if time.monotonic() - waited_since > cfg.mesh.rejoin_timeout_s:
+            if _row_any(mesh, time.monotonic() - waited_since > cfg.mesh.rejoin_timeout_s):  # all stages give up together
                 raise FastCircuitGone(f"no fast replica linked with every anchor stage for "
                                       f"{cfg.mesh.rejoin_timeout_s:g} s (--mesh.rejoin-timeout-s)")
             time.sleep(0.5)
@@ -331,6 +349,16 @@ def _next_snapshot(mesh, peers: FastPeers, want: int, params, rec, cfg) -> tuple
             return None
         if got != RETRY:
             return got, server
+
+
+def _row_any(mesh, flag: bool) -> bool:
+    """Whether ``flag`` holds on any stage of the anchor row (every stage must call it)."""
+    if mesh.layout.stages == 1:
+        return flag
+    t = torch.tensor([int(flag)], dtype=torch.int64, device=mesh.device)
+    with _in_row("agreeing to stop waiting for a fast replica"):
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(int(t))
 
 
 RETRY = -1  # _pull_snapshot, elastic: the server failed or stopped on some stage, pick another

@@ -197,6 +197,12 @@ def _check_anchor(cfg: Config) -> None:
           f"--anchor.transport must be {' or '.join(ANCHOR_TRANSPORTS)}, got {a.transport!r}")
     _need(a.snapshot_codec in SNAPSHOT_CODECS,
           f"--anchor.snapshot-codec must be {' or '.join(SNAPSHOT_CODECS)}, got {a.snapshot_codec!r}")
+    reps = list(cfg.mesh.replicas)
+    _need(not (a.enabled and reps and cfg.dp.mode == "none" and reps[0] != max(reps)),
+          f"--anchor.enabled with --mesh.replicas {','.join(map(str, reps))} and --dp.mode none: the model a run "
+          "exports is replica 0's, which the anchor row does not serve (it serves the replicas of the deepest split), "
+          "and with no DP sync nothing of the anchor reaches it; use a DP sync, or list a replica of the deepest "
+          "split first")
     if a.enabled:
         _need(t.optimizer == "spectral", "--anchor.enabled needs --train.optimizer spectral (SpectralAdamW consumes "
                                          f"the anchor updates), got {t.optimizer!r}")

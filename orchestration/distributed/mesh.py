@@ -9,7 +9,7 @@ norm + head) by the ranks that hold them, one rank per replica, whatever the spl
 
 Two torch.distributed worlds. The fast circuit's world holds the fast ranks only
 (ranks 0 .. fast_world_size-1, env:// rendezvous as set by torchrun or
-orchestration.launch.processes). The anchor row is a world of its own (``init_anchor_row``),
+orchestration.launch.processes). The anchor row is a world of its own (``anchor_world.init_anchor_row``),
 formed through the fast world's rendezvous store under a generation prefix, so that an
 anchor row can die and a new one can join the running fast circuit later: a
 torch.distributed world is fixed at init, and a process outside it can never enter its
@@ -382,7 +382,7 @@ def init_mesh(layout: MeshLayout, *, dist_backend: str = "auto", timeout_s: floa
               num_layers: int = 0, layers_per_stage: list[int] | None = None, device: str = "cpu") -> Mesh:
     """Joins the fast circuit's world (env:// rendezvous: RANK, MASTER_ADDR, MASTER_PORT,
     as set by torchrun or orchestration.launch.processes; its size is ``layout.fast_world_size``) and
-    creates every group. Fast ranks only: the anchor row joins with ``init_anchor_row``.
+    creates every group. Fast ranks only: the anchor row joins with ``anchor_world.init_anchor_row``.
     A heterogeneous layout needs ``num_layers`` (and the run's ``layers_per_stage``): its DP
     groups are the ``layout.sync_segments`` (``Mesh.segments``), not stage columns.
 
@@ -427,33 +427,6 @@ def init_mesh(layout: MeshLayout, *, dist_backend: str = "auto", timeout_s: floa
         ends = sorted({layout.rank_of(r, 0), layout.rank_of(r, layout.stages_of(r) - 1)})
         m.groups[f"ends{r}"] = dist.new_group(ends, timeout=tmo)
     m.fast = m.groups["fast"] = dist.new_group(layout.fast_ranks(), timeout=tmo)
-    return m
-
-
-def init_anchor_row(layout: MeshLayout, stage: int, store, generation: int, *, dist_backend: str = "auto",
-                    timeout_s: float = 60.0, wait_s: float | None = None, device: str = "cpu") -> Mesh:
-    """Joins anchor row ``generation``'s own world: the anchor ranks of every stage, rank =
-    stage, rendezvous on ``store`` (a client of the fast circuit's store) under a prefix
-    of the generation, so a new anchor row never meets a dead one's keys. Every anchor
-    stage of one generation must call this; raises DistStoreError after ``timeout_s`` if
-    one does not come. ``wait_s`` (default ``timeout_s``): how long the row's own
-    collectives wait for a stage of the row, which may be busy on a fast replica's link
-    for longer than ``timeout_s`` (the stages meet on the store first, so the join still
-    fails after ``timeout_s``). The returned Mesh has ``rank`` = the anchor rank's number
-    in the whole mesh (for names and fault injection) and neighbours in the anchor world."""
-    if not layout.anchor:
-        raise ValueError("init_anchor_row needs a mesh layout with the anchor")
-    if not dist.is_initialized():
-        prefix = f"meshkern/anchor/g{generation}/row"
-        wait_s = timeout_s if wait_s is None else wait_s
-        if wait_s > timeout_s:  # the join's bound: every stage here within timeout_s
-            store.set(f"{prefix}/here/{stage}", "1")
-            store.wait([f"{prefix}/here/{s}" for s in range(layout.stages)], timedelta(seconds=timeout_s))
-        dist.init_process_group(resolve_dist_backend(dist_backend, device, local_ranks=layout.stages),
-                                store=dist.PrefixStore(prefix, store),
-                                rank=stage, world_size=layout.stages, timeout=timedelta(seconds=wait_s))
-    m = Mesh(layout, layout.anchor_rank(stage), layout.rows - 1, stage, store=store, generation=generation)
-    m.device = rank_device(device)
     return m
 
 

@@ -134,8 +134,9 @@ def evaluate_run(row: Row, seed: int, s: Settings, argv: list[str], run_dir: str
         "row": row.name, "group": row.group, "label": row.label, "seed": seed,
         "settings": s.key(), "trainer_argv": argv,
         "command": "python -m orchestration.train " + " ".join(shlex.quote(a) for a in argv),
-        "mesh": f"{cfg.mesh.rows}x{cfg.mesh.stages} ({cfg.fast_rows} fast"
-                + (" + anchor" if cfg.anchor.enabled else "") + ")",
+        "mesh": (f"replicas {','.join(map(str, cfg.replica_stages))}" if cfg.mesh.replicas else
+                 f"{cfg.mesh.rows}x{cfg.mesh.stages} ({cfg.fast_rows} fast") + (" + anchor" if cfg.anchor.enabled else "")
+                + ("" if cfg.mesh.replicas else ")"),
         "hidden_size": plan.hidden_size,
         "eval_sequences": int(held.shape[0]), "eval_tokens": int(held.shape[0] * (held.shape[1] - 1)),
         "base_loss": curve[0]["loss"], "final_loss": curve[-1]["loss"],
