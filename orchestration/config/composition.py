@@ -74,7 +74,9 @@ RULES: dict[frozenset, Rule] = {frozenset(k): v for k, v in {
                                                   "torchft gives each stage index one DP group across the replicas, "
                                                   "while replicas of different depths hold different layers at the "
                                                   "same index; their sync by parameter name needs a group per layer "
-                                                  "segment that follows every quorum, and heals between splits"),
+                                                  "segment that follows every quorum (one torchft Manager per segment, "
+                                                  "a process holding several segments running several), and heals "
+                                                  "between splits by parameter name"),
     ("elastic", "codec:subspace"): Rule(WORKS, "each replica computes the basis from the base model; the replicas "
                                                "compare it at step 0 (a replica whose basis differs stops) and a "
                                                "heal carries it with the weights"),
