@@ -427,7 +427,8 @@ def test_dead_anchor_row_is_restarted_and_rejoins(tiny, tmp_path, monkeypatch, c
     gen2 = res[2:]
     assert all(r["generation"] == 2 and r["restored"] == f"restored round 2 from {A.state_path(plan, s)}"
                for s, r in enumerate(gen2))
-    assert all(r["rounds"] >= 1 and r["stopped"] == "the fast circuit finished" for r in gen2)
+    assert all(r["rounds"] >= 1 and r["stopped"] == "the fast circuit finished" for r in gen2), \
+        [(r["rounds"], r["stopped"]) for r in gen2]
     last = recs[-1]
     assert last["anchor_generation"] == 2 and last["anchor_joins"] == 2 and last["anchor_link"] == "up"
     assert last["anchor_prior_on"] and last["anchor_rejected"] == 0
