@@ -128,6 +128,7 @@ def test_1000_fuzzed_anchor_messages_never_crash_and_never_touch_a_weight(tmp_pa
     before = [p.detach().clone() for p in params]
     link = A.FastLink.__new__(A.FastLink)  # the decoder only: no thread, no store
     link.layout, link.events, link.wire_bytes, link.update_bytes = lay, hook.link.events, 0, 0
+    link.cv, link.update_version, link.round_s = threading.Condition(), -1, 0.0
     rng = random.Random(14)
     outcomes = {"protocol": 0, "rejected": 0, "update": 0}
     for i in range(1000):

@@ -86,6 +86,9 @@ class FastLink:
         self.snapshot_bytes = 0
         self.update_bytes = 0
         self.snapshots_sent = 0
+        # under ``cv``: the newest snapshot version served, the newest update's version
+        # received (-1: none yet) and that update's round time (close waits for an owed one)
+        self.served_version, self.update_version, self.round_s = -1, -1, 0.0
         # Delay mode, replica 0 (exact resume, FastHook.state_dict): the snapshot coder's
         # view after each version served (int8 codec), under ``cv``; and the view a resumed
         # run continues from (SnapshotCoder.resume), used by the first snapshot served.
@@ -129,7 +132,19 @@ class FastLink:
         if busy:
             print(f"[anchor] stage {self.stage}: the run ends; finishing the snapshot on its way to the anchor row "
                   f"({busy / 2**20:.2f} MiB)", flush=True)
-        self.thread.join(timeout=1.0 + (payload_timeout(busy, self.timeout_s).total_seconds() if busy else 0.0))
+        wait = 1.0 + (payload_timeout(busy, self.timeout_s).total_seconds() if busy else 0.0)
+        with self.cv:
+            owed = self.served_version > self.update_version and self.update_version >= 0
+            round_s = self.round_s
+        if self.serves and not self.relink and owed:
+            # A fixed mesh's server whose anchor row is in a round on a snapshot it served:
+            # the round's update still comes here, then its next request gets STOP and the
+            # row ends as finished. A process gone before that left the update with nobody to
+            # take it (a closed link: the row ended as broken; seen on a loaded machine). The
+            # row's rounds so far say how long: 3 of them, at least 5 s, at most --mesh.timeout-s
+            # (an anchor that never sent an update is not waited for).
+            wait += min(self.timeout_s, max(5.0, 3 * round_s))
+        self.thread.join(timeout=wait)
 
     # ------------------------------------------------------------ the link thread
     def _run(self) -> None:
@@ -231,6 +246,9 @@ class FastLink:
         nbytes = payload.numel() * payload.element_size()
         self.wire_bytes += nbytes
         self.update_bytes += nbytes + HEADER_BYTES
+        with self.cv:
+            self.update_version = max(self.update_version, int(h[F_VERSION]))
+            self.round_s = int(h[F_MS]) / 1000
         self.events.put(("update", Arrival(int(h[F_ROUND]), int(h[F_VERSION]), payload, int(h[F_MS]), nbytes)))
 
     def _serve(self, want: int) -> bool:
@@ -272,4 +290,6 @@ class FastLink:
         self.wire_bytes += n
         self.snapshot_bytes += n
         self.snapshots_sent += 1
+        with self.cv:
+            self.served_version = max(self.served_version, version)
         return not self.closing  # closing: the run is over once this snapshot is through (close waits for it)
