@@ -19,7 +19,6 @@ Anchor ranks run ``orchestration.anchor.run_anchor_rank(RankContext)`` instead.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import signal
@@ -43,6 +42,7 @@ from orchestration.distributed.dp_sync import ReplicaSync
 from orchestration.distributed.link_counter import LinkCounter
 from orchestration.distributed.pipeline import PipelineExecutor
 from orchestration.distributed.schedule import make_schedule
+from orchestration.distributed.tensor_broadcast import recv_json, send_json
 from orchestration.distributed.tied import TiedGradSync
 from orchestration.models.scoring import checkpoint_loss, checkpoint_losses
 
@@ -77,7 +77,10 @@ class Trainer:
                                 projector=self.subspace.projector if self.subspace else None)
         self.tied = TiedGradSync(stage, mesh, self.counter, untie=cfg.model.tied_embeddings == "untie")
         self.hook = NullAnchor()
-        if mesh.row in mesh.layout.anchor_rows():  # a replica of another split than the anchor's: none
+        served = mesh.layout.anchor_rows()
+        # the rank whose anchor counters the step records show: the lowest served replica's stage 0
+        self.anchor_reporter = mesh.layout.rank_of(served[0], 0) if served else 0
+        if mesh.row in served:  # a replica of another split than the anchor's: none
             from orchestration.anchor import FastHook
 
             self.hook = FastHook(RankContext(cfg, plan, mesh, stage, self.params, self.counter, self.optimizer))
@@ -307,25 +310,14 @@ class Trainer:
         this rank's, except on rank 0 of a heterogeneous mesh whose replica 0 is not of the
         anchor's split (it has no hook): there, those of the lowest replica of that split,
         stage 0, which sends them as JSON (never a pickle) after the step's reduction."""
-        lay, dev = self.mesh.layout, self.mesh.device
-        rows = lay.anchor_rows()
-        if not rows or rows[0] == 0:
-            return self._own_anchor_view()
-        reporter = lay.rank_of(rows[0], 0)
-        if self.rank == reporter:
-            hook, optim = self._own_anchor_view()
-            data = torch.tensor(list(json.dumps({"hook": hook, "optim": optim}).encode()), dtype=torch.uint8)
-            dist.send(torch.tensor([data.numel()], dtype=torch.int64, device=dev), 0)
-            dist.send(data.to(dev), 0)
-            return hook, optim
-        if self.rank == 0:
-            n = torch.zeros(1, dtype=torch.int64, device=dev)
-            dist.recv(n, reporter)
-            data = torch.empty(int(n.item()), dtype=torch.uint8, device=dev)
-            dist.recv(data, reporter)
-            got = json.loads(bytes(data.cpu().tolist()).decode())
+        reporter = self.anchor_reporter
+        if self.rank == 0 and reporter != 0:
+            got = recv_json(reporter, self.mesh.device)
             return got["hook"], got["optim"]
-        return self._own_anchor_view()
+        hook, optim = self._own_anchor_view()
+        if self.rank == reporter != 0:
+            send_json({"hook": hook, "optim": optim}, 0, self.mesh.device)
+        return hook, optim
 
     def _checkpoint(self, step: int) -> str | None:
         """Saves after ``step`` unless the run is in a bad stretch (its weights are never

@@ -22,7 +22,8 @@ from test_train import _args
 
 RUN_ARGV = {  # the flags of each feature on the tiny model (4 layers, H = 40)
     "heterogeneous": ["--mesh.replicas", "1,2,2"],
-    "anchor": ["--anchor.enabled", "true", "--train.optimizer", "spectral", "--anchor.microbatches", "2", "--train.spectral-rank", "2", "--anchor.snapshot-every", "1",
+    "anchor": ["--anchor.enabled", "true", "--train.optimizer", "spectral", "--anchor.microbatches", "2",
+               "--train.spectral-rank", "2", "--anchor.snapshot-every", "1",
                "--anchor.delay", "1"],  # delay mode: deterministic, so the resumed run can be compared bit for bit
     "lora": ["--adapter", "lora", "--adapter.rank", "2", "--adapter.alpha", "4", "--train.lr", "1e-2"],
     "bf16": ["--model.dtype", "bfloat16"],
@@ -46,8 +47,10 @@ STACK_ARGV = {  # more flags of one stack
 
 
 def _argv(tiny, tmp_path, feats, *extra, stack=""):
-    argv = ([] if "heterogeneous" in feats else ["--mesh.rows", "3", "--mesh.stages", "2"] if "anchor" in feats
-            else ["--mesh.rows", "2", "--mesh.stages", "2"])  # with --mesh.replicas, the anchor row is one more
+    if "heterogeneous" in feats:  # --mesh.replicas sets the rows (the anchor row one more)
+        argv = []
+    else:  # two fast replicas, and the anchor row after them
+        argv = ["--mesh.rows", "3" if "anchor" in feats else "2", "--mesh.stages", "2"]
     for f in feats:
         argv += RUN_ARGV.get(f, [])
     return _args(tiny, tmp_path, *argv, *STACK_ARGV.get(stack, []), "--train.steps", "4", "--checkpoint.every", "2",

@@ -228,9 +228,13 @@ class Config:
 
     @property
     def world_size(self) -> int:
-        if self.mesh.replicas:  # the fast replicas, plus the anchor row (the deepest replicas' split)
-            return sum(self.mesh.replicas) + (max(self.mesh.replicas) if self.anchor.enabled else 0)
-        return self.mesh.rows * self.mesh.stages
+        """Every process: the fast replicas' stages plus, with the anchor, its row of --mesh.stages."""
+        return sum(self.replica_stages) + (self.mesh.stages if self.anchor.enabled else 0)
+
+    @property
+    def replicas_rows(self) -> int:
+        """The rows --mesh.replicas makes: one per replica, the anchor row last."""
+        return len(self.mesh.replicas) + (1 if self.anchor.enabled else 0)
 
     @property
     def replica_stages(self) -> list[int]:

@@ -203,8 +203,7 @@ def _heterogeneous_defaults(cfg: Config, named: set) -> None:
     """A heterogeneous mesh's own defaults, for what no preset, file or flag set; each of
     --mesh.rows / --mesh.stages that was given must agree with --mesh.replicas."""
     reps = list(cfg.mesh.replicas)
-    rows = len(reps) + (1 if cfg.anchor.enabled else 0)
-    for k, v in (("rows", rows), ("stages", max(reps))):
+    for k, v in (("rows", cfg.replicas_rows), ("stages", max(reps))):
         if ("mesh", k) in named and getattr(cfg.mesh, k) != v:
             raise ValueError(f"--mesh.replicas {','.join(map(str, reps))} makes a mesh of {len(reps)} replicas of up "
                              f"to {max(reps)} stages{' and the anchor row' if cfg.anchor.enabled else ''}; it "
@@ -223,7 +222,7 @@ def normalize(cfg: Config) -> Config:
     Idempotent; returns ``cfg``."""
     m, b = cfg.mesh, cfg.boundary
     if m.replicas:  # with the anchor, its row comes last (of the deepest replicas' split)
-        m.rows, m.stages = len(m.replicas) + (1 if cfg.anchor.enabled else 0), max(m.replicas)
+        m.rows, m.stages = cfg.replicas_rows, max(m.replicas)
     if ":" in b.codec:
         from orchestration.codecs import parse_spec
 

@@ -98,8 +98,7 @@ def _check_mesh(cfg: Config) -> None:
     if m.replicas:
         _need(all(isinstance(y, int) and y >= 1 for y in m.replicas),
               f"--mesh.replicas entries are stage counts >= 1, got {m.replicas}")
-        rows = len(m.replicas) + (1 if a.enabled else 0)  # the anchor row last
-        _need((m.rows, m.stages) == (rows, max(m.replicas)),
+        _need((m.rows, m.stages) == (cfg.replicas_rows, max(m.replicas)),
               f"--mesh.replicas {','.join(map(str, m.replicas))} makes {len(m.replicas)} replicas of up to "
               f"{max(m.replicas)} stages{' and the anchor row' if a.enabled else ''}, not --mesh.rows {m.rows} x "
               f"--mesh.stages {m.stages}")

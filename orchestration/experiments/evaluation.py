@@ -80,6 +80,14 @@ def _train_state(cfg, plan) -> dict:
             "params": sum(r.params for r in rows), "optimizer_bytes": [r.optimizer for r in rows]}
 
 
+def _mesh_label(cfg) -> str:
+    """'3x2 (2 fast + anchor)', or 'replicas 1,2,2 + anchor' for a heterogeneous mesh."""
+    anchor = " + anchor" if cfg.anchor.enabled else ""
+    if cfg.mesh.replicas:
+        return f"replicas {','.join(map(str, cfg.replica_stages))}{anchor}"
+    return f"{cfg.mesh.rows}x{cfg.mesh.stages} ({cfg.fast_rows} fast{anchor})"
+
+
 def evaluate_run(row: Row, seed: int, s: Settings, argv: list[str], run_dir: str) -> dict:
     """Evaluates a finished trainer run; returns the row's result record."""
     from orchestration import evaluate
@@ -134,9 +142,7 @@ def evaluate_run(row: Row, seed: int, s: Settings, argv: list[str], run_dir: str
         "row": row.name, "group": row.group, "label": row.label, "seed": seed,
         "settings": s.key(), "trainer_argv": argv,
         "command": "python -m orchestration.train " + " ".join(shlex.quote(a) for a in argv),
-        "mesh": (f"replicas {','.join(map(str, cfg.replica_stages))}" if cfg.mesh.replicas else
-                 f"{cfg.mesh.rows}x{cfg.mesh.stages} ({cfg.fast_rows} fast") + (" + anchor" if cfg.anchor.enabled else "")
-                + ("" if cfg.mesh.replicas else ")"),
+        "mesh": _mesh_label(cfg),
         "hidden_size": plan.hidden_size,
         "eval_sequences": int(held.shape[0]), "eval_tokens": int(held.shape[0] * (held.shape[1] - 1)),
         "base_loss": curve[0]["loss"], "final_loss": curve[-1]["loss"],
