@@ -5,6 +5,9 @@
   int8 drop their whole state (it is all error feedback);
 - ``Compressor.reset_stream``: the next round of that stream equals a fresh compressor's
   first round, other streams are untouched;
+- ``Compressor.stream_state_dict`` / ``load_stream_state_dict``: one stream's state moves
+  to another compressor (a heal by sync segment), which then runs that stream as the
+  source does and keeps its own other streams;
 - ``StreamingDiLoCo.recover``: after a sync failed in flight, nothing is merged, the
   fragment's compressor stream restarts and the instance is usable again;
 - ``StreamingDiLoCo.adopt_peer_parameters``: a replica that took a peer's state and
@@ -62,6 +65,36 @@ def test_error_feedback_only_compressors_drop_their_state(world1, make):
     fresh = make()
     for a, b in zip(c.all_reduce_mean(_grads(1), key="k"), fresh.all_reduce_mean(_grads(1), key="k")):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("make", [lambda: PowerSGD(rank=2), lambda: SparseLoCo(), lambda: Int8()],
+                         ids=["powersgd", "sparseloco", "int8"])
+def test_one_streams_state_moves_to_another_compressor_alone(world1, make):
+    src, dst = make(), make()
+    for step in range(3):
+        src.all_reduce_mean(_grads(step), key="seg0")
+        dst.all_reduce_mean(_grads(20 + step), key="seg0")
+        dst.all_reduce_mean(_grads(40 + step), key="seg1")
+    keep = dst.stream_state_dict("seg1")
+    assert src.stream_state_dict("seg1") is None  # a stream never run has no state
+    dst.load_stream_state_dict("seg0", src.stream_state_dict("seg0"))
+    later = _grads(9)
+    for a, b in zip(dst.all_reduce_mean(later, key="seg0"), src.all_reduce_mean(later, key="seg0")):
+        assert torch.equal(a, b)  # seg0 now runs as the source's does
+    assert _same_state(dst.stream_state_dict("seg0"), src.stream_state_dict("seg0"))
+    # seg1 was not touched: it runs on as a compressor that only ever had dst's seg1 history
+    ref = make()
+    ref.load_stream_state_dict("seg1", keep)
+    for a, b in zip(dst.all_reduce_mean(_grads(3), key="seg1"), ref.all_reduce_mean(_grads(3), key="seg1")):
+        assert torch.equal(a, b)
+    dst.load_stream_state_dict("seg1", None)
+    assert dst.stream_state_dict("seg1") is None and dst.stream_state_dict("seg0") is not None
+
+
+def _same_state(a, b) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
+    return torch.equal(a, b)
 
 
 def test_reset_stream_restarts_one_stream_only(world1):

@@ -43,6 +43,7 @@ from typing import Sequence
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import AllgatherOptions as _AllgatherOptions
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -180,6 +181,21 @@ class Compressor:
         may have left the state half-updated."""
         getattr(self, "_state", {}).pop(key, None)
 
+    def stream_state_dict(self, key: str):
+        """Stream ``key``'s state alone (a copy; None while it has none): what a peer in
+        only that stream's group needs (an elastic heal by sync segment)."""
+        return self._state_dict().get(key)
+
+    def load_stream_state_dict(self, key: str, state) -> None:
+        """Sets stream ``key``'s state (``stream_state_dict`` of a peer; None: no state
+        yet) and keeps every other stream's."""
+        sd = self._state_dict()
+        if state is None:
+            sd.pop(key, None)
+        else:
+            sd[key] = state
+        self._load_state_dict(sd)
+
     def clear_error_feedback(self) -> None:
         """Zero every stream's error feedback and keep what all ranks share (PowerSGD's
         warm-start Q). A replica that copies a peer's state (elastic healing) must not copy
@@ -239,21 +255,42 @@ class Compressor:
         s, r = ring_all_gather_bytes(nbytes, world)
         self.bytes_sent += s
         self.bytes_received += r
-        via_cpu = world > 1 and needs_cpu_staging(block.device, dist.get_backend(group))
+        via_cpu = world > 1 and needs_cpu_staging(block.device, _backend_name(group))
         src = block.cpu() if via_cpu else block
         out = torch.empty(world * block.numel(), dtype=block.dtype, device=src.device)
         if world > 1:
-            self._wait(lambda: _all_gather_single(out, src, group=group, async_op=True), what)
+            self._wait(lambda: _start_all_gather(out, src, group, world), what)
         else:
             out.copy_(block)
         return (out.to(block.device) if via_cpu else out).view(world, block.numel())
 
 
+def _start_all_gather(out: torch.Tensor, src: torch.Tensor, group, world: int):
+    """Starts the all-gather of ``src`` into ``out`` ([world * numel]); its work. A group
+    torch.distributed does not register (torchft's, reconfigured per quorum) is asked
+    itself: torch's all-gather looks the group up and refuses it."""
+    try:
+        dist.get_backend(group)
+    except ValueError:
+        return group.allgather([list(out.view(world, -1).unbind(0))], [src], _AllgatherOptions())
+    return _all_gather_single(out, src, group=group, async_op=True)
+
+
 def needs_cpu_staging(device, backend: str) -> bool:
     """True when tensors on ``device`` must cross ``backend``'s point-to-point and all-gather
     calls as CPU copies: gloo all-reduces and broadcasts CUDA tensors but moves them no other
-    way (ranks that share a GPU talk over gloo: orchestration.distributed.devices)."""
-    return torch.device(device).type == "cuda" and backend == "gloo"
+    way (ranks that share a GPU talk over gloo: orchestration.distributed.devices; torchft's
+    reconfigurable gloo group is "torchft-gloo")."""
+    return torch.device(device).type == "cuda" and backend in ("gloo", "torchft-gloo")
+
+
+def _backend_name(group) -> str:
+    """``group``'s backend: torch.distributed's name for a group it made, the group's own
+    for one it does not register (torchft's, which ``dist.get_backend`` refuses)."""
+    try:
+        return dist.get_backend(group)
+    except ValueError:
+        return group.getBackendName()
 
 
 # torch 2.13 deprecates all_gather_into_tensor (a FutureWarning per call) for

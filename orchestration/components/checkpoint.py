@@ -298,7 +298,8 @@ class Checkpointer:
         tmp = step_dir(root, step) + ".tmp"
         os.makedirs(tmp, exist_ok=True)
         dist.barrier(group=mesh.fast)  # the directory exists before anyone writes (rank 0 may have removed an old one)
-        y0 = cfg.replica_stages[0]  # replica 0's stages write the HF checkpoint
+        # replica 0's stages write the HF checkpoint (elastic: the leader's, of whatever split)
+        y0 = mesh.layout.stages_of(mesh.row) if mesh.elastic else cfg.replica_stages[0]
         adapters = self._adapters
         shard = mesh.row == 0 or mesh.elastic  # elastic: only the leader replica saves, all of it
         view = hosts.disk_view(tmp, mesh.fast, mesh.device, self.stage.index if shard else -1)

@@ -70,13 +70,12 @@ RULES: dict[frozenset, Rule] = {frozenset(k): v for k, v in {
     ("elastic", "anchor"): Rule(WORKS, "the anchor row meets the replicas in a store the lighthouse hosts and pulls "
                                        "snapshots from the lowest replica linked; asynchronous mode only "
                                        "(--anchor.delay 0; docs/anchor.md)"),
-    ("elastic", "heterogeneous"): Rule(NOT_BUILT, "an elastic run needs replicas alike (--mesh.rows x --mesh.stages): "
-                                                  "torchft gives each stage index one DP group across the replicas, "
-                                                  "while replicas of different depths hold different layers at the "
-                                                  "same index; their sync by parameter name needs a group per layer "
-                                                  "segment that follows every quorum (one torchft Manager per segment, "
-                                                  "a process holding several segments running several), and heals "
-                                                  "between splits by parameter name"),
+    ("elastic", "heterogeneous"): Rule(WORKS, "a replica's torchft group ranks are the sync segments, not its stages: "
+                                              "one Manager and DP group per segment a rank holds (a full replica's "
+                                              "rank holds all), so each group follows every quorum; a replica heals "
+                                              "segment by segment, by parameter name, from peers of any split. With "
+                                              "the anchor as well: refused, not built (the elastic anchor row links "
+                                              "to every replica's stages by index)"),
     ("elastic", "codec:subspace"): Rule(WORKS, "each replica computes the basis from the base model; the replicas "
                                                "compare it at step 0 (a replica whose basis differs stops) and a "
                                                "heal carries it with the weights"),
@@ -153,6 +152,10 @@ COVERAGE: dict[str, tuple[str, ...]] = {
         ("local", "elastic", "anchor", "codec:pca", "dp:diloco", "compressor:powersgd"),
     "tests/test_elastic_hosts.py::test_elastic_replicas_on_hosts_with_the_anchor_row_on_its_own_host":
         ("torchrun", "elastic", "anchor", "codec:pca", "dp:diloco", "compressor:powersgd"),
+    **{f"tests/test_elastic_heterogeneous.py::test_a_killed_replica_heals_each_segment_from_peers_of_another_split[{k}]":
+       ("local", "elastic", "heterogeneous", "codec:pca", *v) for k, v in {
+           "full-replica-killed-allreduce": ("dp:allreduce", "compressor:sparseloco"),
+           "pipeline-stage-killed-diloco": ("dp:diloco", "compressor:powersgd")}.items()},
     "tests/test_elastic.py::test_subspace_codec_replicas_hold_one_basis_and_a_healed_one_takes_its_peers":
         ("local", "elastic", "codec:subspace", "dp:allreduce"),
     "tests/test_train.py::test_other_codecs_optimizers_and_compressors_train":

@@ -115,6 +115,24 @@ class ReplicaSync:
         for d in self.diloco:
             d.adopt_peer_parameters()
 
+    def segment_heal_state(self, j: int) -> dict:
+        """A heterogeneous mesh's heal, per sync segment: group ``j``'s DiLoCo state, or its
+        all-reduce compressor stream (keyed alike on every member of the group)."""
+        _, _, key = self.groups[j]
+        return {"diloco": self.diloco[j].state_dict() if self.diloco else None,
+                "stream": self.allreduce.stream_state_dict(key) if self.allreduce is not None else None}
+
+    def load_segment_heal_state(self, j: int, sd: dict) -> None:
+        """Applies a peer's ``segment_heal_state(j)`` as ``load_heal_state`` applies a whole
+        rank's (error feedback zeroed, the peer's unsynced progress left out)."""
+        _, _, key = self.groups[j]
+        if self.allreduce is not None:
+            self.allreduce.load_stream_state_dict(key, sd["stream"])
+            self.allreduce.clear_error_feedback()  # (every segment of this rank heals in the same quorum)
+        if self.diloco:
+            self.diloco[j].load_state_dict(sd["diloco"])
+            self.diloco[j].adopt_peer_parameters()
+
     # ---- checkpoint parts ----------------------------------------------------------------
     def parts(self) -> dict:
         """{"diloco": ..., "compressor": ...} for the Checkpointer (None when unused)."""

@@ -3,7 +3,10 @@ quorum before a step, the heal of a replica that is behind, the commit after it,
 retry of a step whose update a dead peer broke, all on this rank's ElasticReplica.
 
 What a healing replica's rank receives from a live peer of its stage (``_heal_state``):
-the trainable parameters, the inner optimizer's state and the DP sync's state.
+the trainable parameters, the inner optimizer's state and the DP sync's state. On a
+heterogeneous mesh the peer may be split otherwise: it receives per sync segment (one
+torchft group rank each) that segment's parameters and their optimizer state by parameter
+name, and the segment group's DP sync state.
 """
 from __future__ import annotations
 
@@ -23,7 +26,10 @@ class ElasticGate(StepGate):
     def __init__(self, replica, mesh, run_dir: str = ""):
         self.replica, self.mesh = replica, mesh
         self.codec = CodecState(replica.cfg, run_dir, mesh.stage, mesh.describe())
-        mesh.dp = replica.group
+        if replica.segments:  # a heterogeneous mesh: the DP sync runs over the segment groups (dp_sync)
+            mesh.segments = replica.segment_groups()
+        else:
+            mesh.dp = replica.group
         self.incarnation = replica.incarnation
         self.committed = True  # whether the last step's update was committed
         self.retried = 0  # allreduce mode: steps run again because a peer died inside them
@@ -42,13 +48,47 @@ class ElasticGate(StepGate):
                             codec_digest_fn=lambda: self.codec.digest, facts_fn=facts, stop_fn=stop)
 
     # ------------------------------------------------------------------ heal state
-    def _heal_state(self) -> dict:
-        """What a healing replica's rank of this stage takes from this one (torchft serializes
-        it at once: no copies needed)."""
+    def _heal_state(self, group_rank: int) -> dict:
+        """What a healing replica's rank takes from this one for torchft group rank
+        ``group_rank`` (torchft serializes it at once: no copies needed)."""
+        if self.replica.segments:
+            return self._segment_state(self._segment_at(group_rank))
         return {"params": [p.detach() for p in self.params], "optimizer": self.optimizer.state_dict(),
                 "sync": self._sync.heal_state(), "codec": self.codec.state()}
 
-    def _load_heal(self, sd: dict) -> None:
+    def _segment_at(self, group_rank: int) -> int:
+        """The position in ``mesh.segments`` (and in the DP sync's groups) of sync segment ``group_rank``."""
+        return [s.index for s in self.replica.managers.slots].index(group_rank)
+
+    def _segment_state(self, j: int) -> dict:
+        """Segment ``j``'s heal state, by parameter name: what a peer of any split can apply."""
+        named = self._sync.groups[j][1]
+        state = self.optimizer.state
+        return {"params": {n: p.detach() for n, p in named},
+                "optimizer": {n: dict(state[p]) for n, p in named if p in state},
+                "sync": self._sync.segment_heal_state(j), "codec": self.codec.state()}
+
+    def _load_segment(self, j: int, sd: dict) -> None:
+        named = self._sync.groups[j][1]
+        got = sd["params"]
+        bad = [n for n, p in named if n not in got or got[n].shape != p.shape]
+        if bad or len(got) != len(named):
+            raise ValueError(f"{self.mesh.describe()}: the heal state of sync segment {j} does not hold this "
+                             f"segment's parameters (first mismatch: {(bad or sorted(set(got) - {n for n, _ in named}))[0]})")
+        state = self.optimizer.state
+        with torch.no_grad():
+            for n, p in named:
+                p.copy_(got[n])
+                if n in sd["optimizer"]:
+                    state[p] = {k: v.clone() if torch.is_tensor(v) else v for k, v in sd["optimizer"][n].items()}
+                else:
+                    state.pop(p, None)
+        self._sync.load_segment_heal_state(j, sd["sync"])
+        self.codec.load(sd.get("codec", {}), "a live peer's heal")
+
+    def _load_heal(self, group_rank: int, sd: dict) -> None:
+        if self.replica.segments:
+            return self._load_segment(self._segment_at(group_rank), sd)
         if len(sd["params"]) != len(self.params) or any(a.shape != p.shape for a, p in zip(sd["params"], self.params)):
             raise ValueError(f"{self.mesh.describe()}: the heal state's parameters do not match this stage's")
         with torch.no_grad():
@@ -58,14 +98,18 @@ class ElasticGate(StepGate):
         self._sync.load_heal_state(sd["sync"])
         self.codec.load(sd.get("codec", {}), "a live peer's heal")
 
-    def _synced_digest(self) -> str:
+    def _synced_digest(self) -> str | dict:
         """A hash of what every replica holds alike after a commit: the parameters
-        (allreduce mode) or DiLoCo's global copies."""
-        h = hashlib.sha1()
+        (allreduce mode) or DiLoCo's global copies; on a heterogeneous mesh one per sync
+        segment this rank holds ({"seg<i>": hash}: what the segment's holders share)."""
         sync = self._sync
-        for t in ([g for d in sync.diloco for g in d.global_copies] if sync.diloco else self.params):
-            h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-        return h.hexdigest()[:16]
+        if self.replica.segments:
+            out = {}
+            for j, s in enumerate(self.replica.managers.slots):
+                out[f"seg{s.index}"] = _digest(sync.diloco[j].global_copies if sync.diloco
+                                               else [p for _, p in sync.groups[j][1]])
+            return out
+        return _digest([g for d in sync.diloco for g in d.global_copies] if sync.diloco else self.params)
 
     # ------------------------------------------------------------------ the step protocol
     def start(self, step: int) -> int | None:
@@ -85,7 +129,8 @@ class ElasticGate(StepGate):
         r = self.replica
         if r.healed_to is None and r.manager.current_step() == 0 and r.manager.num_participants() > 1:
             try:  # nobody has committed, so nobody heals: the members agree on the codec's bases here
-                self.codec.agree(r.group, r.leader)
+                for slot in r.managers.slots:  # every DP group this rank is in (a segment's holders wait in it)
+                    self.codec.agree(slot.group, r.leader)
             except CodecMismatch:
                 raise  # this replica cannot train with the others (calibrated.py): it stops, saying why
             except Exception as e:  # a peer died in it: this step does not commit, the next quorum agrees again
@@ -130,3 +175,10 @@ class ElasticGate(StepGate):
 
     def close(self) -> None:
         self.replica.close()
+
+
+def _digest(tensors) -> str:
+    h = hashlib.sha1()
+    for t in tensors:
+        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]

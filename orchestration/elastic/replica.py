@@ -1,10 +1,12 @@
 """One rank's side of torchft: the Manager of its fast replica, the quorum per step, the heal.
 
 Every stage of a fast replica holds one ``ElasticReplica``; together they are ONE torchft
-replica group (``Manager(rank=stage, world_size=stages)``, the stage-0 rank hosts its
-ManagerServer), so the replica joins, leaves and commits as a whole, and each stage gets
-its own reconfigurable Gloo group across the replicas of that stage (``group``: the
-stage's data-parallel group, what the compressors and Streaming DiLoCo sync over).
+replica group (the stage-0 rank hosts its ManagerServer), so the replica joins, leaves and
+commits as a whole. Replicas alike: group rank = stage (``Manager(rank=stage,
+world_size=stages)``), and each stage gets its own reconfigurable Gloo group across the
+replicas of that stage (``group``: the stage's data-parallel group, what the compressors
+and Streaming DiLoCo sync over). A heterogeneous mesh: group rank = sync segment, one
+Manager and group per segment a rank holds (``segment_groups``; orchestration.elastic.managers).
 
 The step protocol the trainer follows (orchestration.trainer):
 
@@ -32,6 +34,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -48,6 +51,7 @@ from torchft import Manager, ProcessGroupGloo  # noqa: E402
 from torchft._torchft import ManagerServer as _ManagerServer  # noqa: E402
 
 from orchestration.distributed.replica_world import replica_store  # noqa: E402
+from orchestration.elastic.managers import ManagerSet, Slot  # noqa: E402
 from orchestration.elastic.errors import HealRefused, QuorumLost  # noqa: E402
 from orchestration.elastic.lighthouse import heartbeat_ages  # noqa: E402
 from orchestration.elastic.transport import SecretHTTPTransport  # noqa: E402
@@ -72,37 +76,53 @@ class ElasticReplica:
     ``replica_id``: the fast replica's number (its data shard and seed follow from it, not
     from its rank in the quorum, which changes with membership). ``lighthouse``: the
     lighthouse URL. ``secret``: the run's secret (orchestration.anchor.auth).
-    ``state_fn() -> dict`` / ``load_fn(dict)``: this rank's heal state (tensors and plain
-    values); set with ``attach`` before the first ``begin``. ``events``: a path this rank
-    appends one JSON line per step to (quorum, participants, heal)."""
+    ``segments``: a heterogeneous mesh's ``MeshLayout.sync_segments`` (the torchft group
+    ranks), None for replicas alike. ``state_fn(group_rank) -> dict`` /
+    ``load_fn(group_rank, dict)``: this rank's heal state of one group rank (tensors and
+    plain values); set with ``attach`` before the first ``begin``. ``events``: a path this
+    rank appends one JSON line per step to (quorum, participants, heal)."""
 
-    def __init__(self, cfg, mesh, replica_id: int, lighthouse: str, secret: bytes, events: str | None = None):
+    def __init__(self, cfg, mesh, replica_id: int, lighthouse: str, secret: bytes, events: str | None = None,
+                 segments: list | None = None):
         self.cfg, self.mesh, self.replica_id = cfg, mesh, replica_id
         m = cfg.mesh
         _BIND["host"] = m.bind
         tmo = timedelta(seconds=m.timeout_s)
         self.lighthouse = lighthouse
-        self.transport = SecretHTTPTransport(secret, m.bind, tmo, rate_bps=cfg.run.bandwidth_bps,
-                                             describe=mesh.describe())
+        self.segments = segments
+        if segments:  # one group rank per sync segment, hosted by the rank of this replica that holds it
+            mine, world = [i for i, seg in enumerate(segments) if mesh.rank in seg.ranks], len(segments)
+        else:
+            mine, world = [mesh.stage], mesh.layout.stages_of(mesh.row)
+        slots = [Slot(i, ProcessGroupGloo(timeout=tmo), SecretHTTPTransport(
+            secret, m.bind, tmo, rate_bps=cfg.run.bandwidth_bps, describe=mesh.describe())) for i in mine]
         # the store torchft advertises for the replicas' DP groups: on --mesh.bind, not the
         # replica's own (loopback) rendezvous store at MASTER_ADDR
         store_addr, store_port = replica_store(m.bind, m.timeout_s)
-        self.group = ProcessGroupGloo(timeout=tmo)
         self._state_fn = self._load_fn = self._digest_fn = self._save_fn = self._codec_digest_fn = self._facts_fn = None
         self._began = False  # a quorum was had: a step was committed or healed to
         self.leader = mesh.row == 0  # the replica with the lowest number in the last quorum: it writes checkpoints
-        self._manager_kw = dict(
-            pg=self.group, load_state_dict=self._load, state_dict=self._state, min_replica_size=m.min_replicas,
+        common = dict(
+            min_replica_size=m.min_replicas,
             use_async_quorum=False,  # the heal is applied inside start_quorum: the step then runs on healed weights
             timeout=tmo, quorum_timeout=timedelta(seconds=m.quorum_timeout_s), connect_timeout=tmo,
-            rank=mesh.stage, world_size=mesh.layout.stages_of(mesh.row),
-            store_addr=store_addr, store_port=store_port,
+            world_size=world, store_addr=store_addr, store_port=store_port,
             lighthouse_addr=lighthouse, replica_id=f"replica{replica_id}", hostname=m.bind,
-            checkpoint_transport=self.transport, init_sync=False)  # replicas start alike; a late one heals
-        self.manager: Manager | None = Manager(**self._manager_kw)
-        # The compressors' ring byte counts need this rank's place in the group, which
-        # dist.get_rank cannot tell for a torchft group (meshkern.compress.base).
-        self.group.meshkern_rank = lambda: self.manager.participating_rank() or 0
+            init_sync=False)  # replicas start alike; a late one heals
+
+        def make_kw(slot: Slot) -> dict:
+            return dict(common, pg=slot.group, rank=slot.index, checkpoint_transport=slot.transport,
+                        state_dict=lambda: self._state(slot.index),
+                        load_state_dict=lambda sd: self._load(slot.index, sd))
+
+        self.managers = ManagerSet(slots, make_kw)
+        self.managers.make(first_only=True)  # group rank 0 first: the others read its ManagerServer's address
+        self.managers.make()
+        for s in slots:
+            # The compressors' ring byte counts need this rank's place in the group, which
+            # dist.get_rank cannot tell for a torchft group (meshkern.compress.base).
+            s.group.meshkern_rank = lambda: (self.manager.participating_rank() if self.manager else 0) or 0
+        self._heal_lock = threading.Lock()  # several group ranks' heals land at once (their quorum threads)
         self.incarnation = 0  # restarts of this replica before this process (the launcher's count)
         self.step = 0  # the step about to run (what a healing peer receives)
         self.healed_to: int | None = None
@@ -130,13 +150,29 @@ class ElasticReplica:
         self._digest_fn = digest_fn if os.environ.get(DIGESTS_ENV) == "1" else None
         self._codec_digest_fn = codec_digest_fn if self._digest_fn is not None else None
 
-    # ---- torchft callbacks -----------------------------------------------------------------
-    def _state(self) -> dict:
-        return {"step": self.step, **self._state_fn()}
+    @property
+    def manager(self) -> Manager | None:
+        """This rank's first Manager: what every Manager of the replica shares (the quorum,
+        the step) is read from it. None between a retire and the next Manager."""
+        return self.managers.primary
 
-    def _load(self, sd: dict) -> None:
-        self._load_fn(sd)
-        self.healed_to = int(sd["step"])
+    @property
+    def group(self):
+        """The DP group of replicas alike (this stage's), reconfigured per quorum."""
+        return self.managers.slots[0].group
+
+    def segment_groups(self) -> list:
+        """A heterogeneous mesh: [(SyncSegment, its DP group)] for the segments this rank holds."""
+        return [(self.segments[s.index], s.group) for s in self.managers.slots]
+
+    # ---- torchft callbacks -----------------------------------------------------------------
+    def _state(self, index: int) -> dict:
+        return {"step": self.step, **self._state_fn(index)}
+
+    def _load(self, index: int, sd: dict) -> None:
+        with self._heal_lock:
+            self._load_fn(index, sd)
+            self.healed_to = int(sd["step"])
 
     # ---- the step protocol -----------------------------------------------------------------
     @staticmethod
@@ -153,16 +189,16 @@ class ElasticReplica:
         secret is not ours), QuorumLost (too few live replicas for --mesh.quorum-timeout-s)
         or the heal's own error."""
         self.step, self.healed_to = step, None
-        n0 = len(self.transport.recv_log)
+        n0 = self.managers.recv_counts()
         t0 = time.perf_counter()
         if not self._quorum_or_wait(step):
             return None
-        err = self.manager.errored()
+        err = self.managers.errored()
         if err is not None:
             cause = err.original_exception
             if isinstance(cause, HealRefused):
                 raise cause
-            if self.transport.recv_attempts > self._attempts_at_try:  # the heal itself failed: this replica's state is behind
+            if self.managers.recv_attempts > self._attempts_at_try:  # the heal itself failed: this replica's state is behind
                 raise RuntimeError(f"{self.mesh.describe()}: healing from a peer failed: {cause}") from cause
             self._error = cause  # the group's reconfigure failed: this step will not commit
         rank = self.manager.participating_rank()
@@ -171,7 +207,7 @@ class ElasticReplica:
         self._quorum = {"quorum_s": time.perf_counter() - t0, "quorum_wall": time.time(),  # when the quorum (and heal) ended
                         "participants": self.manager.num_participants(),
                         "quorum_id": self.manager._quorum_id, "replica_rank": rank}
-        heals = self.transport.recv_log[n0:]
+        heals = self.managers.heals_since(n0)
         if heals:
             heal = {"heal_bytes": sum(h["heal_bytes"] for h in heals), "heal_s": sum(h["heal_s"] for h in heals)}
             self.stats["heals"] += 1
@@ -197,16 +233,16 @@ class ElasticReplica:
         # what a new Manager starts from: the counts before this quorum, alike on every stage
         # (a stage may have healed in a try that failed on another: the replica stays at the
         # step it had, behind, so the try that succeeds heals every stage again)
-        self._carry = {k: getattr(self.manager, k) for k in ("_step", "_batches_committed", "_commit_failures")}
+        self._carry = self.managers.counts()
         while True:
             if tries and self._stopping(step):  # after the backoff: before a new try
                 return False
             t_try = time.monotonic()
-            self._attempts_at_try = self.transport.recv_attempts
-            err = self._new_manager() if self.manager is None else None
+            self._attempts_at_try = self.managers.recv_attempts
+            err = self._new_manager() if not self.managers.complete else None
             if err is None:
                 try:
-                    self.manager.start_quorum()
+                    self.managers.start_quorum()
                 except Exception as e:  # the quorum RPC failed: torchft handles heal and reconfigure errors itself
                     err = e
             # every stage of the replica ran this try's quorum, or none did: one that got a
@@ -276,15 +312,9 @@ class ElasticReplica:
         lighthouse answers later, to whoever asks next. The heal server (``transport``) and
         the DP group stay; the new Manager has a new replica id (torchft adds a uuid), which
         the lighthouse sees as a replica that restarted."""
-        old, self.manager = self.manager, None
-        if old is None:  # no Manager was made in this try
-            return
-        if old._manager is not None:
-            # the id torchft gave it (with the uuid), the one the lighthouse knows it by
-            # (a private attribute of torchft 0.2.0: without it, no wait for the lighthouse)
-            self._retired_id = getattr(getattr(old, "_logger", None), "_replica_id", None)
-            old._manager.shutdown()  # the ManagerServer (stage 0): its heartbeats and requests end
-        old._executor.shutdown(wait=False)
+        rid = self.managers.retire()  # (ends group rank 0's ManagerServer: its heartbeats and requests)
+        if rid is not None:
+            self._retired_id = rid
 
     def _new_manager(self) -> BaseException | None:
         """A new torchft Manager on every stage of this replica, or on none (the error, the
@@ -294,24 +324,23 @@ class ElasticReplica:
         first waits until the lighthouse counts the Manager it retired dead
         (``_retired_forgotten``); when it does not, no stage makes one."""
         err: BaseException | None = None
-        if self.mesh.stage == 0:
+        if self.managers.hosts_server:
             try:
                 err = self._retired_forgotten()
                 if err is None:
-                    self.manager = Manager(**self._manager_kw)
+                    self.managers.make(first_only=True)
             except Exception as e:
                 err = e
         if self._replica_max(err is not None):  # stage 0 could not: none tries
             return err or RuntimeError("stage 0 of this replica could not reach the lighthouse")
-        if self.mesh.stage != 0:
-            try:
-                self.manager = Manager(**self._manager_kw)
-            except Exception as e:
-                err = e
+        try:
+            self.managers.make()
+        except Exception as e:
+            err = e
         if self._replica_max(err is not None):
             self._retire()
             return err or RuntimeError("a stage of this replica could not start its torchft Manager")
-        self._carry_into(self.manager)
+        self.managers.carry_into(self._carry)
         self.stats["new_managers"] += 1
         return None
 
@@ -351,11 +380,6 @@ class ElasticReplica:
                                     f"--mesh.timeout-s); a quorum with it would wait for it")
             time.sleep(0.1)
 
-    def _carry_into(self, manager) -> None:
-        # the step and commit counts go on: a replica behind its peers heals at the next quorum
-        for k, v in self._carry.items():
-            setattr(manager, k, v)
-
     def failed(self, err: BaseException) -> None:
         """A DP collective of this step failed (a peer died inside it): no commit, and this
         rank's group is torn down at once. A live peer whose part of the same collective
@@ -370,15 +394,17 @@ class ElasticReplica:
             if e.__traceback__ is not None:
                 traceback.clear_frames(e.__traceback__)
             e = e.__cause__ or e.__context__
-        self.group.abort()  # drops torchft's reference to the gloo group
+        for s in self.managers.slots:
+            s.group.abort()  # drops torchft's reference to the gloo group
 
     def commit(self) -> bool:
         """torchft's should_commit (every stage of the replica must agree): False when any
         stage saw a failure or the quorum is below --mesh.min-replicas."""
         if self._error is not None:
-            self.manager.report_error(self._error if isinstance(self._error, Exception) else RuntimeError(str(self._error)))
+            self.managers.report_error(self._error if isinstance(self._error, Exception)
+                                       else RuntimeError(str(self._error)))
             self._error = None
-        ok = self.manager.should_commit()
+        ok = self.managers.should_commit()
         if not ok:
             self.stats["failed_commits"] += 1
         return ok
@@ -404,24 +430,9 @@ class ElasticReplica:
         if self._events is not None:
             self._events.close()
         try:
-            if self.manager is not None:  # None: QuorumLost after the last Manager was retired
-                self.manager.shutdown(wait=False)
+            self.managers.shutdown()  # (none left after QuorumLost retired the last ones)
         finally:
-            self.transport.shutdown()
-
-
-def hard_exit_on_error() -> None:
-    """An uncaught exception must end this process at once: a normal interpreter exit joins
-    torchft's quorum thread while its Rust ManagerServer keeps heartbeating, so a half-dead
-    replica would look alive to the lighthouse until the join timeout."""
-    def hook(kind, value, tb):
-        # to the real stderr: torch.distributed wraps this hook and buffers sys.stderr around it,
-        # to prefix the rank, and would print the buffer only after the hook returned
-        traceback.print_exception(kind, value, tb, file=sys.__stderr__)
-        sys.__stderr__.flush()
-        os._exit(1)
-
-    sys.excepthook = hook
+            self.managers.close_transports()
 
 
 def _short(e: BaseException) -> str:

@@ -135,9 +135,10 @@ def torchrun_replica(cfg, plan, layout: MeshLayout, rank: int, world: int) -> in
               "then one torchrun per replica (--nproc-per-node = its stages) with --mesh.join URL --mesh.replica-id K",
               file=sys.stderr)
         return 2
-    if world != layout.stages:
-        print(f"error: torchrun started {world} processes, one elastic replica needs {layout.stages} (its stages)",
-              file=sys.stderr)
+    want = layout.stages_of(cfg.mesh.replica_id)
+    if world != want:
+        print(f"error: torchrun started {world} processes, elastic replica {cfg.mesh.replica_id} needs {want} "
+              "(its stages)", file=sys.stderr)
         return 2
     out = run_rank(rank, world, cfg, plan, ElasticRole(cfg.mesh.replica_id, cfg.mesh.join))
     return exit_code([out], speak=rank == 0, clean_stop=0)

@@ -77,7 +77,8 @@ def _join_replica(layout: MeshLayout, stage: int, cfg, plan, role: ElasticRole):
     from orchestration.distributed.replica_world import init_replica_world
     from orchestration.elastic.events import announce_up, events_dir, wait_for_launch
     from orchestration.elastic.gate import ElasticGate
-    from orchestration.elastic.replica import ElasticReplica, hard_exit_on_error
+    from orchestration.elastic.errors import hard_exit_on_error
+    from orchestration.elastic.replica import ElasticReplica
 
     hard_exit_on_error()
     from orchestration.distributed.addresses import local_problem
@@ -86,7 +87,9 @@ def _join_replica(layout: MeshLayout, stage: int, cfg, plan, role: ElasticRole):
         raise ValueError(problem)
     mesh = init_replica_world(layout, role.replica, timeout_s=cfg.mesh.timeout_s, device=cfg.mesh.device)
     os.makedirs(events_dir(plan.run_dir), exist_ok=True)
-    replica = ElasticReplica(cfg, mesh, role.replica, role.lighthouse, plan.secret,
+    # a heterogeneous mesh's replicas sync by parameter name: one torchft group rank per sync segment
+    segments = layout.sync_segments(plan.num_layers, cfg.mesh.layers_per_stage) if layout.heterogeneous else None
+    replica = ElasticReplica(cfg, mesh, role.replica, role.lighthouse, plan.secret, segments=segments,
                              events=os.path.join(events_dir(plan.run_dir), f"replica{role.replica}_stage{stage}.jsonl"))
     replica.incarnation = role.incarnation
     gate = ElasticGate(replica, mesh, plan.run_dir)
