@@ -169,6 +169,7 @@ class Trainer:
         start = 0
         if plan.resume_from:
             start = self.checkpointer.load(plan.resume_from)
+            self.gate.resumed(start, self.checkpointer.loaded_state)
             if rank == 0:
                 print(f"resumed from {plan.resume_from} at step {start}", file=sys.stderr, flush=True)
 

@@ -441,7 +441,6 @@ def test_ctrl_c_while_the_survivor_waits_saves_where_it_stands(tmp_path):
     (["--mesh.elastic", "--mesh.join", "http://10.0.0.1:29510", "--mesh.replica-id", "1"], "--mesh.bind 127.0.0.1 is loopback"),
     (["--mesh.elastic", "--mesh.bind", "0.0.0.0"], "is a wildcard"),
     (["--mesh.elastic", "--mesh.rejoin-timeout-s", "-1"], "--mesh.rejoin-timeout-s"),
-    (["--mesh.elastic", "--mesh.replicas", "1,2", "--checkpoint.resume", "latest"], "holds the rank state of one"),
     (["--mesh.elastic", "--mesh.replicas", "1,2,2", "--anchor.enabled", "true", "--train.optimizer", "spectral"],
      "links to every replica's stages by stage index"),
 ])

@@ -9,6 +9,7 @@ healed full replica included (bit for bit: every member applies the same average
 survivor never stops; the final checkpoint verifies and scores.
 """
 import json
+import os
 
 import pytest
 
@@ -75,3 +76,28 @@ def test_a_killed_replica_heals_each_segment_from_peers_of_another_split(tmp_pat
     ckpt.verify(final)
     assert ckpt.read_meta(final)["step"] == steps
     assert _eval_loss(log) < 6.2  # trained: the default model's held-out loss starts at 6.27
+
+
+def test_a_resumed_run_heals_the_replicas_of_another_split_than_the_checkpoints(tmp_path):
+    """The checkpoint holds the leader's rank state (replica 0: one stage); on resume replica
+    1 (two stages) loads none of it and heals, segment by segment, at its first quorum."""
+    flags = ["--mesh.replicas", "1,2", "--dp.mode", "diloco", "--dp.sync-every", "4", "--dp.compressor", "powersgd"]
+    rc, log = _run(_cmd(tmp_path, "res", *flags, "--train.steps", "6"), tmp_path / "first.log")
+    assert rc == 0, log[-3000:]
+    first = ckpt.resolve("latest", str(tmp_path / "res" / "checkpoints"))
+    assert ckpt.read_meta(first)["step"] == 6 and ckpt.read_meta(first)["state_stages"] == 1
+    os.rename(tmp_path / "res" / "elastic", tmp_path / "first_elastic")  # this run's records apart
+    rc, log = _run(_cmd(tmp_path, "res", *flags, "--train.steps", "10", "--checkpoint.resume", "latest"),
+                   tmp_path / "resumed.log")
+    assert rc == 0, log[-3000:]
+    recs = _records(tmp_path / "res")
+    assert [x["step"] for x in recs[(0, 0)]] == [7, 8, 9, 10]  # the checkpoint's own split: no heal
+    assert all(x.get("healed_to") is None for x in recs[(0, 0)])
+    for s in (0, 1):
+        first_quorum = recs[(1, s)][0]
+        assert first_quorum["step"] == 7 and first_quorum["healed_to"] == 6 and first_quorum["heal_bytes"] > 0
+        assert [x["step"] for x in recs[(1, s)]] == [7, 8, 9, 10]
+    assert _segment_digests_agree(recs) == 2 * 4  # both segments at every step of the resumed run
+    final = ckpt.resolve("latest", str(tmp_path / "res" / "checkpoints"))
+    ckpt.verify(final)
+    assert ckpt.read_meta(final)["step"] == 10

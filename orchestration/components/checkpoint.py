@@ -249,6 +249,7 @@ class Checkpointer:
         self.untied_embeddings = cfg.model.tied_embeddings == "untie" and cfg.adapter.kind == "none" and bool(
             getattr(stage, "tied_lm_head", False) or getattr(stage, "tied_embed", False))
         self.export = None  # the model's shards that cross disks travel in the background (checkpoint_export)
+        self.loaded_state = False  # load() found this rank's state (elastic replicas of another split do not)
         if not mesh.elastic and dist.get_world_size(mesh.fast) > 1:
             shard = mesh.row == 0
             tensors = (self._adapters.tensors() if self._adapters is not None else stage.hf_state_dict()) if shard else {}
@@ -335,6 +336,8 @@ class Checkpointer:
             meta = {"step": step, "rows": cfg.mesh.rows, "stages": cfg.mesh.stages, "anchor": cfg.anchor.enabled,
                     "replicas": cfg.replica_stages, "model_path": plan.model_path, "config": cfg.to_dict(),
                     "untied_embeddings": self.untied_embeddings}
+            if mesh.elastic:  # the split of the replica whose rank state this is (the leader's)
+                meta["state_stages"] = y0
             if adapters is not None:
                 meta["peft_config"] = adapters.peft_config
             model = view.on_leader_disk and exp is None
@@ -385,6 +388,8 @@ class Checkpointer:
         each reads its own disk: hosts whose ``latest`` differ (one died between the disks'
         publications, or a divergence rolled back only the leader's) all load the oldest
         of their steps, which every disk must still hold."""
+        if self._of_another_split(path):  # an elastic replica of another split: it heals from a peer instead
+            return int(read_meta(path)["step"])
         st = None if is_no_local(path) else load_rank_state(path, self.state_rank)
         if not self.mesh.elastic:  # a host with an empty disk gets its state from the leader's copy
             st = hosts.resume_state(st, path, self.mesh, self.plan.ckpt_dir, self.state_rank, self.cfg.mesh.timeout_s)
@@ -393,4 +398,14 @@ class Checkpointer:
                 part.load_state_dict(st[name])
         if st.get("export_copy"):  # that save's copy of this rank file went to the leader (save)
             self._count_export(st["_file_bytes"] + hosts.HEAD_BYTES)
+        self.loaded_state = True
         return int(st["step"])
+
+    def _of_another_split(self, path: str) -> bool:
+        """Whether ``path``'s rank state is of another split than this elastic replica's (a
+        heterogeneous elastic run saves the leader's replica only): this rank then loads
+        nothing and its replica heals by parameter name from a peer that loaded it."""
+        mesh = self.mesh
+        if not (mesh.elastic and mesh.layout.heterogeneous) or is_no_local(path):
+            return False
+        return int(read_meta(path).get("state_stages", -1)) != mesh.layout.stages_of(mesh.row)

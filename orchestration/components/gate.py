@@ -11,6 +11,8 @@ did not commit.
 
 The protocol, per step (orchestration.trainer.Trainer):
 
+    gate.resumed(step, with_state)            after a checkpoint was loaded (with_state: this
+                                              rank's own state was in it)
     step = gate.start(step)                   once, before the loop (first quorum / heal);
                                               None: stopped (Ctrl-C) while it waited
     step = gate.before_step(step, sync)       a quorum when one is due; a heal may move the step;
@@ -36,6 +38,10 @@ class StepGate:
         ``facts() -> dict``: what else each step's record carries (the anchor hook's);
         ``subspace``: the rank's SubspaceRun (its basis is calibrated state); ``stop() ->
         bool``: whether Ctrl-C / SIGTERM asked the rank to stop (a gate that waits checks it)."""
+
+    def resumed(self, step: int, with_state: bool) -> None:
+        """The run resumed at ``step`` from a checkpoint that held this rank's state, or
+        (an elastic replica of another split than the checkpoint's) did not."""
 
     def start(self, step: int) -> int | None:
         """The step the run starts at; None: a stop request came while the gate waited

@@ -73,9 +73,10 @@ RULES: dict[frozenset, Rule] = {frozenset(k): v for k, v in {
     ("elastic", "heterogeneous"): Rule(WORKS, "a replica's torchft group ranks are the sync segments, not its stages: "
                                               "one Manager and DP group per segment a rank holds (a full replica's "
                                               "rank holds all), so each group follows every quorum; a replica heals "
-                                              "segment by segment, by parameter name, from peers of any split. With "
-                                              "the anchor as well: refused, not built (the elastic anchor row links "
-                                              "to every replica's stages by index)"),
+                                              "segment by segment, by parameter name, from peers of any split (on a "
+                                              "resume too: the checkpoint holds the leader's split). With the anchor "
+                                              "as well: refused, not built (the elastic anchor row links to every "
+                                              "replica's stages by index)"),
     ("elastic", "codec:subspace"): Rule(WORKS, "each replica computes the basis from the base model; the replicas "
                                                "compare it at step 0 (a replica whose basis differs stops) and a "
                                                "heal carries it with the weights"),
@@ -156,6 +157,8 @@ COVERAGE: dict[str, tuple[str, ...]] = {
        ("local", "elastic", "heterogeneous", "codec:pca", *v) for k, v in {
            "full-replica-killed-allreduce": ("dp:allreduce", "compressor:sparseloco"),
            "pipeline-stage-killed-diloco": ("dp:diloco", "compressor:powersgd")}.items()},
+    "tests/test_elastic_heterogeneous.py::test_a_resumed_run_heals_the_replicas_of_another_split_than_the_checkpoints":
+        ("local", "elastic", "heterogeneous", "resume", "codec:pca", "dp:diloco", "compressor:powersgd"),
     "tests/test_elastic.py::test_subspace_codec_replicas_hold_one_basis_and_a_healed_one_takes_its_peers":
         ("local", "elastic", "codec:subspace", "dp:allreduce"),
     "tests/test_train.py::test_other_codecs_optimizers_and_compressors_train":

@@ -84,11 +84,6 @@ def _check_elastic(cfg: Config) -> None:
         _need(m.join.startswith("http://"), f"--mesh.join {m.join!r}: the lighthouse URL, http://HOST:PORT")
         _need(0 <= m.replica_id < m.rows, f"--mesh.join needs --mesh.replica-id in 0..{m.rows - 1} (the replica it "
                                           f"stands for: its data shard), got {m.replica_id}")
-    _need(not (cfg.checkpoint.resume and len(set(m.replicas)) > 1),
-          f"--checkpoint.resume with --mesh.elastic and --mesh.replicas {','.join(map(str, m.replicas))} is not "
-          "supported yet: an elastic run's checkpoint holds the rank state of one replica (the leader's split), which "
-          "replicas of another split cannot load; a heterogeneous elastic run recovers by healing replicas from live "
-          "peers, and its checkpoints' models deploy as any other")
     if dp.mode == "diloco":
         # A quorum is taken only at a step with no fragment sync in flight (orchestration.elastic.replica).
         offs = sorted({((f + 1) * dp.sync_every // dp.fragments) % dp.sync_every for f in range(dp.fragments)})

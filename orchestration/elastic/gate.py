@@ -34,6 +34,7 @@ class ElasticGate(StepGate):
         self.committed = True  # whether the last step's update was committed
         self.retried = 0  # allreduce mode: steps run again because a peer died inside them
         self._quorum = False  # the step about to run (or running) began with a quorum
+        self._must_heal_to: int | None = None  # resumed without this rank's state: the step its first quorum heals to
         self.params = self.optimizer = self._sync = None
 
     @property
@@ -112,6 +113,16 @@ class ElasticGate(StepGate):
         return _digest([g for d in sync.diloco for g in d.global_copies] if sync.diloco else self.params)
 
     # ------------------------------------------------------------------ the step protocol
+    def resumed(self, step: int, with_state: bool) -> None:
+        """A heterogeneous mesh: a replica that loaded the checkpoint's state counts its steps
+        from there (torchft heals a replica whose count is behind the quorum's); one of
+        another split than the checkpoint's (it loaded nothing) stays at 0, so its first
+        quorum heals it from one that did. (Replicas alike all load it: nobody heals.)"""
+        if with_state and self.replica.segments:
+            self.replica.count_steps_from(step)
+        elif not with_state:
+            self._must_heal_to = step
+
     def start(self, step: int) -> int | None:
         """The first quorum: a replica that joins late heals here."""
         return self._begin(step)
@@ -127,6 +138,14 @@ class ElasticGate(StepGate):
             return None
         self._quorum = True
         r = self.replica
+        if self._must_heal_to is not None:
+            if r.healed_to is None or r.healed_to < self._must_heal_to:
+                raise RuntimeError(
+                    f"{self.mesh.describe()}: resumed from a checkpoint whose rank state is of a replica of "
+                    f"another split, so this replica heals from a live peer that loaded it, and its first quorum "
+                    f"had none ({r.manager.num_participants()} replica(s), none at step {self._must_heal_to}): "
+                    "start a replica of the checkpoint's split with it")
+            self._must_heal_to = None
         if r.healed_to is None and r.manager.current_step() == 0 and r.manager.num_participants() > 1:
             try:  # nobody has committed, so nobody heals: the members agree on the codec's bases here
                 for slot in r.managers.slots:  # every DP group this rank is in (a segment's holders wait in it)

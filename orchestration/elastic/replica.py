@@ -165,6 +165,12 @@ class ElasticReplica:
         """A heterogeneous mesh: [(SyncSegment, its DP group)] for the segments this rank holds."""
         return [(self.segments[s.index], s.group) for s in self.managers.slots]
 
+    def count_steps_from(self, step: int) -> None:
+        """Before the first quorum of a resumed run: torchft's step count starts at ``step``."""
+        for s in self.managers.slots:
+            if s.manager is not None:
+                s.manager._step = step
+
     # ---- torchft callbacks -----------------------------------------------------------------
     def _state(self, index: int) -> dict:
         return {"step": self.step, **self._state_fn(index)}
