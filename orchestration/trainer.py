@@ -79,7 +79,8 @@ class Trainer:
         self.hook = NullAnchor()
         served = mesh.layout.anchor_rows()
         # the rank whose anchor counters the step records show: the lowest served replica's stage 0
-        self.anchor_reporter = mesh.layout.rank_of(served[0], 0) if served else 0
+        # (elastic: every replica records its own steps, served or not)
+        self.anchor_reporter = mesh.layout.rank_of(served[0], 0) if served and not mesh.elastic else 0
         if mesh.row in served:  # a replica of another split than the anchor's: none
             from orchestration.anchor import FastHook
 
@@ -102,8 +103,11 @@ class Trainer:
 
     def _anchor_facts(self) -> dict:
         """The anchor's part of an elastic replica's step record: the generation linked and
-        the updates applied so far (by this incarnation)."""
+        the updates applied so far (by this incarnation); on a heterogeneous mesh a replica of
+        another split than the anchor's says it is not served."""
         s = self.hook.stats()
+        if not s:  # NullAnchor
+            return {"anchor_served": False}
         return {"anchor_generation": s["generation"], "anchor_applied": s["applied"], "anchor_joins": s["joins"],
                 "anchor_snapshots_sent": s["snapshots_sent"]}
 

@@ -314,10 +314,10 @@ cfg, _ = parse_args(["--mesh.elastic", "--mesh.rows", "2", "--mesh.min-replicas"
                      "--mesh.timeout-s", "10", "--mesh.quorum-timeout-s", "2", "--mesh.rejoin-timeout-s", "8"])
 m = cfg.mesh
 lh, url, _ = start_lighthouse(f"{m.bind}:0", m.min_replicas, m.heartbeat_s, 2 * m.heartbeat_s)
-mesh = types.SimpleNamespace(row=0, stage=0, fast=None, describe=lambda: "replica 0",
+mesh = types.SimpleNamespace(rank=0, row=0, stage=0, fast=None, device="cpu", describe=lambda: "replica 0",
                              layout=types.SimpleNamespace(stages_of=lambda row: 1))
 rep = ElasticReplica(cfg, mesh, 0, url, b"s" * 32)
-rep.attach(lambda: {}, lambda sd: None)
+rep.attach(lambda group_rank: {}, lambda group_rank, sd: None)
 retire, backoff, stalled = rep._retire, rep._backoff, []
 
 def stalled_retire():
@@ -441,8 +441,6 @@ def test_ctrl_c_while_the_survivor_waits_saves_where_it_stands(tmp_path):
     (["--mesh.elastic", "--mesh.join", "http://10.0.0.1:29510", "--mesh.replica-id", "1"], "--mesh.bind 127.0.0.1 is loopback"),
     (["--mesh.elastic", "--mesh.bind", "0.0.0.0"], "is a wildcard"),
     (["--mesh.elastic", "--mesh.rejoin-timeout-s", "-1"], "--mesh.rejoin-timeout-s"),
-    (["--mesh.elastic", "--mesh.replicas", "1,2,2", "--anchor.enabled", "true", "--train.optimizer", "spectral"],
-     "links to every replica's stages by stage index"),
 ])
 def test_bad_elastic_settings_name_the_flag(flags, needle):
     with pytest.raises(ValueError, match=needle.replace(".", r"\.").replace("+", r"\+")):

@@ -101,3 +101,28 @@ def test_a_resumed_run_heals_the_replicas_of_another_split_than_the_checkpoints(
     final = ckpt.resolve("latest", str(tmp_path / "res" / "checkpoints"))
     ckpt.verify(final)
     assert ckpt.read_meta(final)["step"] == 10
+
+
+def test_the_anchor_serves_its_split_while_a_served_replica_dies_and_heals(tmp_path):
+    """With the anchor (--anchor.enabled, split like the deepest replicas): replica 1 (two
+    stages, the anchor's split) is served, the full replica 0 trains without the prior.
+    Replica 1's stage 1 is killed; under --mesh.min-replicas 2 replica 0 waits for it, the
+    restarted replica heals by segment (its anchor state by name: here from replica 0, which
+    has none) and the anchor row links to it again and its updates reach it."""
+    steps = 24
+    flags = ["--preset", "m95-ap", "--boundary.codec", "pca", "--mesh.replicas", "1,2", "--mesh.min-replicas", "2",
+             "--mesh.replica-restarts", "1", "--anchor.snapshot-every", "2", "--train.steps", str(steps),
+             "--checkpoint.every", "0", "--run.fail-rank", "2", "--run.fail-step", "8"]
+    rc, log = _run(_cmd(tmp_path, "anchor", *flags), tmp_path / "anchor.log")
+    assert rc == 0, log[-3000:]
+    assert "fast replica 1 stopped" in log and "restarting it" in log
+    recs = _records(tmp_path / "anchor")
+    assert all(x.get("anchor_served") is False and "anchor_applied" not in x for x in recs[(0, 0)])
+    for s in (0, 1):
+        rs = recs[(1, s)]
+        assert max(x["anchor_applied"] for x in rs if x["incarnation"] == 0) >= 1  # served before its death
+        after = [x for x in rs if x["incarnation"] == 1]
+        healed = [x for x in after if x.get("healed_to") is not None]
+        assert healed and healed[0]["healed_to"] >= 8
+        assert after[-1]["step"] == steps and after[-1]["anchor_applied"] >= 1  # and again after its restart
+    assert _segment_digests_agree(recs) >= 2 * (steps - 8)

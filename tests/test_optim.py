@@ -485,3 +485,40 @@ def test_anchor_svd_default_stays_randomized_krylov_is_an_option():
     assert SpectralAdamW(_params(), svd_method="krylov")._anchor.svd_kw["method"] == "krylov"
     with pytest.raises(ValueError, match="svd_method"):
         AnchorMomentum([(4, 4)], svd_method="lanczos")
+
+
+def test_one_parameters_anchor_state_moves_to_another_optimizer_by_object():
+    """param_anchor_state / load_param_anchor_state (an elastic heal by parameter name): the
+    momentum and prior of one parameter land on the other optimizer's copy of it, wherever it
+    sits in that optimizer's order; {} clears them; a wrong shape or a foreign parameter is
+    refused."""
+    pa = _params(0)
+    oa = SpectralAdamW(pa, lr=1e-3, rank=4)
+    oa.observe_anchor(_grads(pa, 1), 0)
+    factors = oa._anchor.factors()
+    oa.observe_factored_prior([factors[i] if i == 1 else None for i in range(len(pa))], 0)
+    pb = list(reversed(_params(5)))  # the same shapes in another order: other indices
+    ob = SpectralAdamW(pb, lr=1e-3, rank=4)
+    assert ob.param_anchor_state(pb[-1]) == {}  # never observed anything
+    for j in (0, 1):
+        src, dst = pa[j], pb[len(pb) - 1 - j]
+        st = oa.param_anchor_state(src)
+        assert "m" in st and torch.equal(st["m"], oa._anchor.m[_index(oa, src)])
+        ob.load_param_anchor_state(dst, st)
+        got = ob.param_anchor_state(dst)
+        assert torch.equal(got["m"], st["m"])
+        assert ("prior" in got) == (j == 1) and (j != 1 or all(torch.equal(a, b) for a, b in zip(got["prior"], st["prior"])))
+        st["m"].add_(1.0)  # copies: the source's state is not shared
+        assert not torch.equal(ob.param_anchor_state(dst)["m"], st["m"])
+    k = _index(ob, pb[-1])
+    assert k in ob._anchor._stale and ob._anchor.factors()[k] is not None  # its factors follow the new momentum
+    ob.load_param_anchor_state(pb[-1], {})
+    assert ob.param_anchor_state(pb[-1]) == {} and ob._anchor.factors()[k] is None
+    with pytest.raises(ValueError, match="shape"):
+        ob.load_param_anchor_state(pb[-1], {"m": torch.zeros(3, 3)})
+    with pytest.raises(ValueError, match="not one this optimizer updates"):
+        ob.param_anchor_state(torch.nn.Parameter(torch.zeros(2, 2)))
+
+
+def _index(opt, p) -> int:
+    return next(i for i, q in enumerate(opt.param_order()) if q is p)

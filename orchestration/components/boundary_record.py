@@ -19,14 +19,14 @@ def codec_has_sink(boundary, name: str | None = None) -> bool:
     return isinstance(codec, PCABaseCodec) and bool(codec.sink)
 
 
-def record_for(cfg, num_layers: int) -> dict | None:
-    """The record of run ``cfg`` for a model of ``num_layers`` decoder layers: replica 0's
-    codec and split (the exported model is replica 0's weights); None when that codec has no
-    sink row (dense and every other codec), replica 0 has one stage, or
-    --checkpoint.boundary-transform is off."""
+def record_for(cfg, num_layers: int, row: int = 0) -> dict | None:
+    """The record of run ``cfg`` for a model of ``num_layers`` decoder layers: the codec and
+    split of replica ``row``, whose weights the exported model is (replica 0's; an elastic
+    run's leader's); None when that codec has no sink row (dense and every other codec), the
+    replica has one stage, or --checkpoint.boundary-transform is off."""
     if not getattr(cfg.checkpoint, "boundary_transform", True):
         return None
-    name, stages = cfg.replica_codec(0), cfg.replica_stages[0]
+    name, stages = cfg.replica_codec(row), cfg.replica_stages[row]
     if stages < 2 or not codec_has_sink(cfg.boundary, name):
         return None
     after = boundary_layers(int(num_layers), stages, cfg.mesh.layers_per_stage)

@@ -369,7 +369,8 @@ class Checkpointer:
         from orchestration.components import boundary_record
 
         num_layers = getattr(self.plan, "num_layers", 0)
-        rec = boundary_record.record_for(self.cfg, num_layers) if num_layers else None
+        writer = self.mesh.row if self.mesh.elastic else 0  # whose weights the model is
+        rec = boundary_record.record_for(self.cfg, num_layers, writer) if num_layers else None
         if rec is not None:
             boundary_record.write(tmp, rec)
 

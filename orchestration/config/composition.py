@@ -74,9 +74,9 @@ RULES: dict[frozenset, Rule] = {frozenset(k): v for k, v in {
                                               "one Manager and DP group per segment a rank holds (a full replica's "
                                               "rank holds all), so each group follows every quorum; a replica heals "
                                               "segment by segment, by parameter name, from peers of any split (on a "
-                                              "resume too: the checkpoint holds the leader's split). With the anchor "
-                                              "as well: refused, not built (the elastic anchor row links to every "
-                                              "replica's stages by index)"),
+                                              "resume too: the checkpoint holds the leader's split); with the anchor, "
+                                              "which serves the replicas of its split, the anchor momentum and prior "
+                                              "heal by name too"),
     ("elastic", "codec:subspace"): Rule(WORKS, "each replica computes the basis from the base model; the replicas "
                                                "compare it at step 0 (a replica whose basis differs stops) and a "
                                                "heal carries it with the weights"),
@@ -157,6 +157,8 @@ COVERAGE: dict[str, tuple[str, ...]] = {
        ("local", "elastic", "heterogeneous", "codec:pca", *v) for k, v in {
            "full-replica-killed-allreduce": ("dp:allreduce", "compressor:sparseloco"),
            "pipeline-stage-killed-diloco": ("dp:diloco", "compressor:powersgd")}.items()},
+    "tests/test_elastic_heterogeneous.py::test_the_anchor_serves_its_split_while_a_served_replica_dies_and_heals":
+        ("local", "elastic", "heterogeneous", "anchor", "codec:pca", "dp:diloco", "compressor:powersgd"),
     "tests/test_elastic_heterogeneous.py::test_a_resumed_run_heals_the_replicas_of_another_split_than_the_checkpoints":
         ("local", "elastic", "heterogeneous", "resume", "codec:pca", "dp:diloco", "compressor:powersgd"),
     "tests/test_elastic.py::test_subspace_codec_replicas_hold_one_basis_and_a_healed_one_takes_its_peers":

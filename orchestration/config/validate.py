@@ -219,10 +219,6 @@ def _check_anchor(cfg: Config) -> None:
           "--anchor.store is for --anchor.join and elastic replicas (a local run's anchor row uses its own launcher's "
           "store)")
     if a.enabled and cfg.mesh.elastic:
-        _need(not cfg.mesh.replicas or len(set(cfg.mesh.replicas)) == 1,
-              f"--anchor.enabled with --mesh.elastic and --mesh.replicas {','.join(map(str, reps))} is not supported "
-              "yet: the elastic anchor row links to every replica's stages by stage index, which a replica of "
-              "another split does not share (each pair works; docs/composition.md)")
         _need(not cfg.mesh.join or bool(a.store),
               "--mesh.join with --anchor.enabled needs --anchor.store host:port (the anchor store the lighthouse "
               "hosts: its launcher prints it; by hand, python -m orchestration.elastic.lighthouse --anchor-store PORT)")

@@ -64,10 +64,13 @@ class ElasticGate(StepGate):
     def _segment_state(self, j: int) -> dict:
         """Segment ``j``'s heal state, by parameter name: what a peer of any split can apply."""
         named = self._sync.groups[j][1]
-        state = self.optimizer.state
-        return {"params": {n: p.detach() for n, p in named},
-                "optimizer": {n: dict(state[p]) for n, p in named if p in state},
-                "sync": self._sync.segment_heal_state(j), "codec": self.codec.state()}
+        state, opt = self.optimizer.state, self.optimizer
+        out = {"params": {n: p.detach() for n, p in named},
+               "optimizer": {n: dict(state[p]) for n, p in named if p in state},
+               "sync": self._sync.segment_heal_state(j), "codec": self.codec.state()}
+        if hasattr(opt, "param_anchor_state"):  # SpectralAdamW: the anchor momentum and prior, by name
+            out["anchor"] = {n: opt.param_anchor_state(p) for n, p in named}
+        return out
 
     def _load_segment(self, j: int, sd: dict) -> None:
         named = self._sync.groups[j][1]
@@ -81,9 +84,14 @@ class ElasticGate(StepGate):
             for n, p in named:
                 p.copy_(got[n])
                 if n in sd["optimizer"]:
-                    state[p] = {k: v.clone() if torch.is_tensor(v) else v for k, v in sd["optimizer"][n].items()}
+                    state[p] = {k: (v.clone() if k == "step" else v.to(p.device, copy=True)) if torch.is_tensor(v) else v
+                                for k, v in sd["optimizer"][n].items()}  # (torch keeps AdamW's step on the CPU)
                 else:
                     state.pop(p, None)
+                if hasattr(self.optimizer, "load_param_anchor_state"):
+                    # a peer of another split than the anchor's has none: this replica's prior
+                    # for the segment then waits for the anchor's next update
+                    self.optimizer.load_param_anchor_state(p, sd.get("anchor", {}).get(n, {}))
         self._sync.load_segment_heal_state(j, sd["sync"])
         self.codec.load(sd.get("codec", {}), "a live peer's heal")
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import torch
 from torchft import Manager
 
 
@@ -38,12 +39,16 @@ class ManagerSet:
     """This rank's Managers, made, asked and retired together. ``make_kw(slot)``: the
     keywords of a slot's Manager (its group, transport, group rank, callbacks)."""
 
-    def __init__(self, slots: list[Slot], make_kw):
+    def __init__(self, slots: list[Slot], make_kw, device=None):
         if not slots:
             raise ValueError("an elastic rank hosts at least one torchft group rank")
         self.slots = sorted(slots, key=lambda s: s.index)
         self._make_kw = make_kw
-        self._pool = ThreadPoolExecutor(max_workers=len(self.slots), thread_name_prefix="meshkern_quorum") \
+        # torchft reads the calling thread's current device (its quorum thread takes it, and
+        # should_commit synchronizes it): the pool's threads use this rank's GPU, not GPU 0
+        on_gpu = device is not None and torch.device(device).type == "cuda"
+        self._pool = ThreadPoolExecutor(max_workers=len(self.slots), thread_name_prefix="meshkern_quorum",
+                                        initializer=(lambda: torch.cuda.set_device(device)) if on_gpu else None) \
             if len(self.slots) > 1 else None
 
     # ---- what every Manager of a replica shares (the quorum): read from the first ----
@@ -114,9 +119,13 @@ class ManagerSet:
     def should_commit(self) -> bool:
         return all(self._each(lambda m: m.should_commit()))
 
-    def errored(self):
-        """The first Manager's error of this quorum, or None."""
-        return next((e for s in self.slots if (e := s.manager.errored()) is not None), None)
+    def errors(self) -> list:
+        """Every Manager's error of this quorum (torchft's ExceptionWithTraceback), in slot order."""
+        return [e for s in self.slots if (e := s.manager.errored()) is not None]
+
+    def steps(self) -> list[int]:
+        """Every Manager's step count (alike after a quorum, unless a heal went through for some only)."""
+        return [s.manager.current_step() for s in self.slots]
 
     def report_error(self, err: Exception) -> None:
         for s in self.slots:

@@ -95,7 +95,8 @@ class ElasticReplica:
         else:
             mine, world = [mesh.stage], mesh.layout.stages_of(mesh.row)
         slots = [Slot(i, ProcessGroupGloo(timeout=tmo), SecretHTTPTransport(
-            secret, m.bind, tmo, rate_bps=cfg.run.bandwidth_bps, describe=mesh.describe())) for i in mine]
+            secret, m.bind, tmo, rate_bps=cfg.run.bandwidth_bps, describe=mesh.describe(), device=mesh.device))
+            for i in mine]
         # the store torchft advertises for the replicas' DP groups: on --mesh.bind, not the
         # replica's own (loopback) rendezvous store at MASTER_ADDR
         store_addr, store_port = replica_store(m.bind, m.timeout_s)
@@ -115,7 +116,7 @@ class ElasticReplica:
                         state_dict=lambda: self._state(slot.index),
                         load_state_dict=lambda sd: self._load(slot.index, sd))
 
-        self.managers = ManagerSet(slots, make_kw)
+        self.managers = ManagerSet(slots, make_kw, device=mesh.device)
         self.managers.make(first_only=True)  # group rank 0 first: the others read its ManagerServer's address
         self.managers.make()
         for s in slots:
@@ -152,8 +153,7 @@ class ElasticReplica:
 
     @property
     def manager(self) -> Manager | None:
-        """This rank's first Manager: what every Manager of the replica shares (the quorum,
-        the step) is read from it. None between a retire and the next Manager."""
+        """This rank's first Manager (what all share, the quorum, is read from it); None after a retire."""
         return self.managers.primary
 
     @property
@@ -167,9 +167,7 @@ class ElasticReplica:
 
     def count_steps_from(self, step: int) -> None:
         """Before the first quorum of a resumed run: torchft's step count starts at ``step``."""
-        for s in self.managers.slots:
-            if s.manager is not None:
-                s.manager._step = step
+        self.managers.carry_into({"_step": step})
 
     # ---- torchft callbacks -----------------------------------------------------------------
     def _state(self, index: int) -> dict:
@@ -181,13 +179,14 @@ class ElasticReplica:
             self.healed_to = int(sd["step"])
 
     # ---- the step protocol -----------------------------------------------------------------
-    @staticmethod
-    def quorum_due(sync) -> bool:
-        """Whether the step about to run starts with a quorum: whenever no DP sync is in
-        flight (DiLoCo's overlap carries a fragment's sync across a step boundary; a quorum
-        there could reconfigure the group under it). The same on every rank of every replica
-        (the schedule is a function of the step alone)."""
-        return not any(d.in_flight for d in sync.diloco)
+    def quorum_due(self, sync) -> bool:
+        """Whether the step about to run starts with a quorum: when no DP sync is in flight on
+        any stage of this replica (DiLoCo's overlap carries a sync across a step boundary; a
+        quorum there could reconfigure the group under it). The stages agree on it: their
+        fragment counts, so their schedules, may differ (a heterogeneous mesh's segments)."""
+        if self.mesh.layout.stages_of(self.mesh.row) == 1 and not self.segments:
+            return not any(d.in_flight for d in sync.diloco)
+        return not self._replica_max(any(d.in_flight for d in sync.diloco))
 
     def begin(self, step: int) -> int | None:
         """Quorum for ``step``; returns the step to run (another one after a heal), or None
@@ -199,14 +198,20 @@ class ElasticReplica:
         t0 = time.perf_counter()
         if not self._quorum_or_wait(step):
             return None
-        err = self.managers.errored()
+        errors = self.managers.errors()
+        refused = next((e.original_exception for e in errors if isinstance(e.original_exception, HealRefused)), None)
+        if refused is not None:  # whichever Manager met it
+            raise refused
+        err = errors[0] if errors else None
         if err is not None:
             cause = err.original_exception
-            if isinstance(cause, HealRefused):
-                raise cause
             if self.managers.recv_attempts > self._attempts_at_try:  # the heal itself failed: this replica's state is behind
                 raise RuntimeError(f"{self.mesh.describe()}: healing from a peer failed: {cause}") from cause
             self._error = cause  # the group's reconfigure failed: this step will not commit
+        steps = self.managers.steps()
+        if len(set(steps)) > 1:  # one segment healed and another not: that one would stay behind for good
+            raise RuntimeError(f"{self.mesh.describe()}: this rank's torchft Managers disagree on the step after a "
+                               f"quorum ({steps}): a heal went through for some of its segments only")
         rank = self.manager.participating_rank()
         self.leader, self._began = rank == 0, True
         self.stats["quorums"] += 1
@@ -318,9 +323,7 @@ class ElasticReplica:
         lighthouse answers later, to whoever asks next. The heal server (``transport``) and
         the DP group stay; the new Manager has a new replica id (torchft adds a uuid), which
         the lighthouse sees as a replica that restarted."""
-        rid = self.managers.retire()  # (ends group rank 0's ManagerServer: its heartbeats and requests)
-        if rid is not None:
-            self._retired_id = rid
+        self._retired_id = self.managers.retire() or self._retired_id  # (ends group rank 0's ManagerServer)
 
     def _new_manager(self) -> BaseException | None:
         """A new torchft Manager on every stage of this replica, or on none (the error, the

@@ -52,8 +52,10 @@ def _body_mac(secret: bytes, step: int, nonce: str, body: bytes) -> str:
 class SecretHTTPTransport(CheckpointTransport):
     """See the module docstring. ``host``: the address to listen on and advertise."""
 
-    def __init__(self, secret: bytes, host: str, timeout: timedelta, *, rate_bps: float = 200e6, describe: str = ""):
+    def __init__(self, secret: bytes, host: str, timeout: timedelta, *, rate_bps: float = 200e6, describe: str = "",
+                 device=None):
         self.secret, self.host, self.timeout = secret, host, timeout
+        self.device = device  # where received tensors land (this rank's; the peer's may be another GPU index)
         self.rate_bps, self.describe = rate_bps, describe or "elastic replica"
         self._served_cv = threading.Condition()
         self._served: tuple[int, bytes] | None = None  # (step, serialized state) while a heal is open
@@ -131,7 +133,7 @@ class SecretHTTPTransport(CheckpointTransport):
             raise
         if not hmac.compare_digest(tag, _body_mac(self.secret, int(step), nonce, body)):
             raise HealRefused(f"the heal state from {metadata} does not carry the run's secret: refused unread")
-        state = torch.load(io.BytesIO(body), weights_only=True)
+        state = torch.load(io.BytesIO(body), weights_only=True, map_location=self.device)
         self.recv_log.append({"heal_s": time.perf_counter() - t0, "heal_bytes": len(body), "step": int(step)})
         return state
 

@@ -21,7 +21,8 @@ def launch_torchrun(cfg, plan, layout: MeshLayout) -> int:
     """This process's rank, run to the end; the exit code."""
     join = cfg.anchor.join
     world = int(os.environ["WORLD_SIZE"])
-    want = layout.stages if join else (layout.stages_of(max(cfg.mesh.replica_id, 0)) if cfg.mesh.elastic
+    rid = cfg.mesh.replica_id
+    want = layout.stages if join else (layout.stages_of(rid if 0 <= rid < layout.fast_rows else 0) if cfg.mesh.elastic
                                        else layout.fast_world_size)
     if world != want:
         what = "anchor row (one process per stage)" if join else f"{layout.name} mesh"
