@@ -36,6 +36,7 @@ RUN_ARGV = {  # the flags of each feature on the tiny model (4 layers, H = 40)
     "codec:tahquant": ["--boundary.codec", "tahquant:tile=8"],
     "codec:subspace": ["--boundary.codec", "subspace", "--boundary.options", '{"k": 8}'],
     "codec:bottleneck": ["--boundary.codec", "bottleneck"],
+    **{f"codec:{c}": ["--boundary.codec", c] for c in ("dense", "mask", "topk", "int8", "int4")},
 }
 
 

@@ -126,3 +126,21 @@ def test_the_anchor_serves_its_split_while_a_served_replica_dies_and_heals(tmp_p
         assert healed and healed[0]["healed_to"] >= 8
         assert after[-1]["step"] == steps and after[-1]["anchor_applied"] >= 1  # and again after its restart
     assert _segment_digests_agree(recs) >= 2 * (steps - 8)
+
+
+def test_lora_adapters_in_bf16_sync_by_segment_on_elastic_replicas(tmp_path):
+    """LoRA on a bf16 base, int4 boundaries, the int8 all-reduce compressor, elastic
+    replicas of two depths: what syncs and heals by segment is the adapters (the only
+    trainable parameters); every segment's adapters hash alike on its holders at every step,
+    and the run exports a PEFT adapter folder."""
+    steps = 4
+    flags = ["--mesh.replicas", "1,2", "--adapter", "lora", "--adapter.rank", "2", "--model.dtype", "bfloat16",
+             "--boundary.codec", "int4", "--dp.mode", "allreduce", "--dp.compressor", "int8",
+             "--train.steps", str(steps)]
+    rc, log = _run(_cmd(tmp_path, "lora", *flags), tmp_path / "lora.log")
+    assert rc == 0, log[-3000:]
+    recs = _records(tmp_path / "lora")
+    for key, rs in recs.items():
+        assert [x["step"] for x in rs if x["committed"]] == list(range(1, steps + 1)), key
+    assert _segment_digests_agree(recs) == 2 * steps
+    assert os.path.isfile(tmp_path / "lora" / "adapter" / "adapter_config.json")

@@ -134,6 +134,36 @@ STACKS: dict[str, tuple[str, ...]] = {
                                           "compressor:powersgd", "resume"),
     "anchor-subspace-diloco-powersgd": ("local", "anchor", "codec:subspace", "dp:diloco", "compressor:powersgd"),
     "bottleneck-lora-none": ("local", "codec:bottleneck", "lora", "dp:none", "bf16", "resume"),
+    # every other pair the matrix says works, a codec at a time (a run has one codec and one DP mode)
+    "dense-hetero-anchor-lora-bf16-diloco-sparseloco-resume": (
+        "local", "codec:dense", "heterogeneous", "anchor", "lora", "bf16", "dp:diloco", "compressor:sparseloco", "resume"),
+    "dense-allreduce-powersgd": ("local", "codec:dense", "dp:allreduce", "compressor:powersgd"),
+    "dense-none-int8": ("local", "codec:dense", "dp:none", "compressor:int8"),
+    "int8-hetero-anchor-lora-bf16-allreduce-int8-resume": (
+        "local", "codec:int8", "heterogeneous", "anchor", "lora", "bf16", "dp:allreduce", "compressor:int8", "resume"),
+    "int8-diloco-powersgd": ("local", "codec:int8", "dp:diloco", "compressor:powersgd"),
+    "int8-none-sparseloco": ("local", "codec:int8", "dp:none", "compressor:sparseloco"),
+    "topk-hetero-anchor-bf16-diloco-sparseloco-resume": (
+        "local", "codec:topk", "heterogeneous", "anchor", "bf16", "dp:diloco", "compressor:sparseloco", "resume"),
+    "topk-none-powersgd": ("local", "codec:topk", "dp:none", "compressor:powersgd"),
+    "int4-anchor-bf16-allreduce-int8-resume": ("local", "codec:int4", "anchor", "bf16", "dp:allreduce", "compressor:int8",
+                                               "resume"),
+    "int4-none-powersgd": ("local", "codec:int4", "dp:none", "compressor:powersgd"),
+    "mask-hetero-bf16-allreduce-sparseloco": ("local", "codec:mask", "heterogeneous", "bf16", "dp:allreduce",
+                                              "compressor:sparseloco"),
+    "mask-diloco-int8": ("local", "codec:mask", "dp:diloco", "compressor:int8"),
+    "bottleneck-hetero-anchor-allreduce-int8": ("local", "codec:bottleneck", "heterogeneous", "anchor", "dp:allreduce",
+                                                "compressor:int8"),
+    "bottleneck-diloco-powersgd": ("local", "codec:bottleneck", "dp:diloco", "compressor:powersgd"),
+    "bottleneck-none-sparseloco": ("local", "codec:bottleneck", "dp:none", "compressor:sparseloco"),
+    "aqsgd-anchor-diloco-powersgd": ("local", "codec:aqsgd", "anchor", "dp:diloco", "compressor:powersgd"),
+    "aqsgd-none-sparseloco": ("local", "codec:aqsgd", "dp:none", "compressor:sparseloco"),
+    "tahquant-hetero-allreduce-sparseloco": ("local", "codec:tahquant", "heterogeneous", "dp:allreduce",
+                                             "compressor:sparseloco"),
+    "tahquant-none-int8": ("local", "codec:tahquant", "dp:none", "compressor:int8"),
+    "subspace-allreduce-int8": ("local", "codec:subspace", "dp:allreduce", "compressor:int8"),
+    "subspace-diloco-sparseloco": ("local", "codec:subspace", "dp:diloco", "compressor:sparseloco"),
+    "pca-none-sparseloco": ("local", "codec:pca", "dp:none", "compressor:sparseloco"),
 }
 COVERAGE: dict[str, tuple[str, ...]] = {
     **{f"tests/test_composition_runs.py::test_stack[{k}]": v for k, v in STACKS.items()},
@@ -159,6 +189,8 @@ COVERAGE: dict[str, tuple[str, ...]] = {
            "pipeline-stage-killed-diloco": ("dp:diloco", "compressor:powersgd")}.items()},
     "tests/test_elastic_heterogeneous.py::test_the_anchor_serves_its_split_while_a_served_replica_dies_and_heals":
         ("local", "elastic", "heterogeneous", "anchor", "codec:pca", "dp:diloco", "compressor:powersgd"),
+    "tests/test_elastic_heterogeneous.py::test_lora_adapters_in_bf16_sync_by_segment_on_elastic_replicas":
+        ("local", "elastic", "heterogeneous", "lora", "bf16", "codec:int4", "dp:allreduce", "compressor:int8"),
     "tests/test_elastic_heterogeneous.py::test_a_resumed_run_heals_the_replicas_of_another_split_than_the_checkpoints":
         ("local", "elastic", "heterogeneous", "resume", "codec:pca", "dp:diloco", "compressor:powersgd"),
     "tests/test_elastic.py::test_subspace_codec_replicas_hold_one_basis_and_a_healed_one_takes_its_peers":
