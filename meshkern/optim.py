@@ -713,29 +713,34 @@ class SpectralAdamW(torch.optim.AdamW):
 
     # ------------------------------------------------------------------ checkpoints
     def param_anchor_state(self, p: Tensor) -> dict:
-        """Parameter ``p``'s own anchor state, copies: its anchor momentum ``m`` and its prior
-        (the factors its updates are filtered by), each only where it has one. What a copy
-        of one parameter needs beside ``self.state[p]`` (an elastic heal by parameter name,
-        from a peer whose other parameters differ); the counters stay this optimizer's."""
+        """Parameter ``p``'s own anchor state, copies: its anchor momentum ``m``, that
+        momentum's current SVD ``factors`` and its prior (the factors its updates are
+        filtered by), each only where it has one. What a copy of one parameter needs beside
+        ``self.state[p]`` (an elastic heal by parameter name, from a peer whose other
+        parameters differ); the counters stay this optimizer's."""
         i = self._index_of(p)
+        a = self._anchor
         out = {}
-        if self._anchor.m[i] is not None:
-            out["m"] = self._anchor.m[i].clone()
+        if a.m[i] is not None:
+            out["m"] = a.m[i].clone()
+        if a._factors[i] is not None and i not in a._stale:
+            out["factors"] = [t.clone() for t in a._factors[i]]
         if self._prior[i] is not None:
             out["prior"] = [t.clone() for t in self._prior[i]]
         return out
 
     def load_param_anchor_state(self, p: Tensor, st: dict) -> None:
         """Sets ``p``'s anchor state from ``param_anchor_state`` of a peer's copy of it ({}:
-        none). Its momentum's factors are recomputed at the next refresh."""
+        none). Without the peer's factors, its momentum's are recomputed at the next refresh."""
         i = self._index_of(p)
         a = self._anchor
         m = st.get("m")
         if m is not None and tuple(m.shape) != a.shapes[i]:
             raise ValueError(f"anchor momentum of shape {tuple(m.shape)} for a parameter of shape {a.shapes[i]}")
         a.m[i] = None if m is None else m.detach().to(a.devices[i], torch.float32).clone()
-        a._factors[i] = None
-        (a._stale.add if m is not None else a._stale.discard)(i)
+        f = st.get("factors") if m is not None else None
+        a._factors[i] = None if f is None else tuple(t.detach().to(a.devices[i]).clone() for t in f)
+        (a._stale.add if m is not None and f is None else a._stale.discard)(i)
         prior = st.get("prior")
         self._prior[i] = None if prior is None else tuple(t.detach().to(p.device).clone() for t in prior)
 

@@ -10,6 +10,7 @@ survivor never stops; the final checkpoint verifies and scores.
 """
 import json
 import os
+import sys
 
 import pytest
 
@@ -18,7 +19,7 @@ pytest.importorskip("torchft", reason="torchft (pip install meshkern[elastic]) r
 from orchestration.components import checkpoint as ckpt  # noqa: E402
 from orchestration.config import parse_args  # noqa: E402
 from orchestration.distributed.mesh import MeshLayout  # noqa: E402
-from tests.test_elastic import _cmd, _eval_loss, _records, _run  # noqa: E402
+from tests.test_elastic import BUDGET_S, _cmd, _eval_loss, _records, _run, _start, _wait_for  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -144,3 +145,40 @@ def test_lora_adapters_in_bf16_sync_by_segment_on_elastic_replicas(tmp_path):
         assert [x["step"] for x in rs if x["committed"]] == list(range(1, steps + 1)), key
     assert _segment_digests_agree(recs) == 2 * steps
     assert os.path.isfile(tmp_path / "lora" / "adapter" / "adapter_config.json")
+
+
+def test_a_resumed_replica_of_another_split_waits_for_one_that_loaded_the_checkpoint(tmp_path):
+    """On a resume, replica 1 (of another split than the checkpoint's) starts alone: its
+    quorums have nobody to heal from, so it leaves each and asks again (it does not train on
+    weights it never loaded); when replica 0, of the checkpoint's split, joins with the same
+    checkpoint, replica 1 heals from it and both train on."""
+    flags = ["--mesh.replicas", "1,2", "--dp.mode", "diloco", "--dp.sync-every", "4", "--dp.compressor", "powersgd"]
+    rc, log = _run(_cmd(tmp_path, "wait", *flags, "--train.steps", "6"), tmp_path / "first.log")
+    assert rc == 0, log[-3000:]
+    run = tmp_path / "wait"
+    os.rename(run / "elastic", tmp_path / "first_elastic")
+    main = _start(_cmd(tmp_path, "wait", *flags, "--train.steps", "10", "--checkpoint.resume", "latest",
+                       "--mesh.local-replicas", "1"), tmp_path / "resumed.log")
+    joiner = None
+    try:
+        _wait_for(lambda: open(tmp_path / "resumed.log").read().count("waits for a replica of the checkpoint's") >= 2,
+                  [main], "replica 1 leaves its quorums without a peer to heal from")
+        lighthouse = open(run / "elastic" / "lighthouse").read().strip()
+        joiner = _start([sys.executable, "-m", "orchestration.train", "--config", str(run / "config.yaml"),
+                         "--mesh.join", lighthouse, "--mesh.replica-id", "0", "--checkpoint.resume", "latest",
+                         "--run.progress", "false"], tmp_path / "join.log")
+        joiner.wait(BUDGET_S)
+        main.wait(BUDGET_S)
+    finally:
+        for p in (main, joiner):
+            if p is not None and p.poll() is None:
+                p.kill()
+    assert joiner.returncode == 0, open(tmp_path / "join.log").read()[-3000:]
+    assert main.returncode == 0, open(tmp_path / "resumed.log").read()[-3000:]
+    recs = _records(run)
+    assert [x["step"] for x in recs[(0, 0)]] == [7, 8, 9, 10]
+    for s in (0, 1):  # replica 1 ran no step before its heal (replica 0 may have run one alone first)
+        first = recs[(1, s)][0]
+        assert first["healed_to"] is not None and first["healed_to"] >= 6 and first["step"] == first["healed_to"] + 1
+        assert [x["step"] for x in recs[(1, s)]] == list(range(first["step"], 11))
+    assert _segment_digests_agree(recs) >= 2  # both segments, at least at the last step

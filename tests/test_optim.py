@@ -511,7 +511,10 @@ def test_one_parameters_anchor_state_moves_to_another_optimizer_by_object():
         st["m"].add_(1.0)  # copies: the source's state is not shared
         assert not torch.equal(ob.param_anchor_state(dst)["m"], st["m"])
     k = _index(ob, pb[-1])
-    assert k in ob._anchor._stale and ob._anchor.factors()[k] is not None  # its factors follow the new momentum
+    assert k not in ob._anchor._stale  # the source's factors came with it, exactly
+    assert all(torch.equal(x, y) for x, y in zip(ob._anchor.factors()[k], factors[0]))
+    ob.load_param_anchor_state(pb[-1], {"m": oa.param_anchor_state(pa[0])["m"]})  # momentum alone: refactored
+    assert k in ob._anchor._stale and ob._anchor.factors()[k] is not None
     ob.load_param_anchor_state(pb[-1], {})
     assert ob.param_anchor_state(pb[-1]) == {} and ob._anchor.factors()[k] is None
     with pytest.raises(ValueError, match="shape"):

@@ -409,4 +409,8 @@ class Checkpointer:
         mesh = self.mesh
         if not (mesh.elastic and mesh.layout.heterogeneous) or is_no_local(path):
             return False
-        return int(read_meta(path).get("state_stages", -1)) != mesh.layout.stages_of(mesh.row)
+        meta = read_meta(path)
+        if "state_stages" not in meta:
+            raise CheckpointError(f"{path} does not say which split its rank state is of (written before "
+                                  "meta.json named it): a heterogeneous elastic run cannot resume from it")
+        return int(meta["state_stages"]) != mesh.layout.stages_of(mesh.row)

@@ -11,6 +11,7 @@ name, and the segment group's DP sync state.
 from __future__ import annotations
 
 import hashlib
+import time
 
 import torch
 
@@ -80,12 +81,14 @@ class ElasticGate(StepGate):
             raise ValueError(f"{self.mesh.describe()}: the heal state of sync segment {j} does not hold this "
                              f"segment's parameters (first mismatch: {(bad or sorted(set(got) - {n for n, _ in named}))[0]})")
         state = self.optimizer.state
+        d = self.optimizer.defaults
+        cpu_step = not (d.get("fused") or d.get("capturable"))  # where torch's load_state_dict puts AdamW's step
         with torch.no_grad():
             for n, p in named:
                 p.copy_(got[n])
                 if n in sd["optimizer"]:
-                    state[p] = {k: (v.clone() if k == "step" else v.to(p.device, copy=True)) if torch.is_tensor(v) else v
-                                for k, v in sd["optimizer"][n].items()}  # (torch keeps AdamW's step on the CPU)
+                    state[p] = {k: v.to("cpu" if k == "step" and cpu_step else p.device, copy=True)
+                                if torch.is_tensor(v) else v for k, v in sd["optimizer"][n].items()}
                 else:
                     state.pop(p, None)
                 if hasattr(self.optimizer, "load_param_anchor_state"):
@@ -122,12 +125,13 @@ class ElasticGate(StepGate):
 
     # ------------------------------------------------------------------ the step protocol
     def resumed(self, step: int, with_state: bool) -> None:
-        """A heterogeneous mesh: a replica that loaded the checkpoint's state counts its steps
-        from there (torchft heals a replica whose count is behind the quorum's); one of
-        another split than the checkpoint's (it loaded nothing) stays at 0, so its first
-        quorum heals it from one that did. (Replicas alike all load it: nobody heals.)"""
+        """A heterogeneous mesh: a replica that loaded the checkpoint's state starts torchft's
+        commit count at 1, one of another split than the checkpoint's (it loaded nothing)
+        at 0, so torchft heals it from one that did (it heals a replica whose count is not
+        the quorum's highest). 1, not the step: live peers count commits since their start,
+        and a restarted replica must never look ahead of them. (Replicas alike all load it.)"""
         if with_state and self.replica.segments:
-            self.replica.count_steps_from(step)
+            self.replica.count_steps_from(1)
         elif not with_state:
             self._must_heal_to = step
 
@@ -144,16 +148,10 @@ class ElasticGate(StepGate):
         step = self.replica.begin(step)
         if step is None:  # stopped while waiting for a quorum
             return None
+        if self._must_heal_to is not None and (step := self._heal_after_resume(step)) is None:
+            return None
         self._quorum = True
         r = self.replica
-        if self._must_heal_to is not None:
-            if r.healed_to is None or r.healed_to < self._must_heal_to:
-                raise RuntimeError(
-                    f"{self.mesh.describe()}: resumed from a checkpoint whose rank state is of a replica of "
-                    f"another split, so this replica heals from a live peer that loaded it, and its first quorum "
-                    f"had none ({r.manager.num_participants()} replica(s), none at step {self._must_heal_to}): "
-                    "start a replica of the checkpoint's split with it")
-            self._must_heal_to = None
         if r.healed_to is None and r.manager.current_step() == 0 and r.manager.num_participants() > 1:
             try:  # nobody has committed, so nobody heals: the members agree on the codec's bases here
                 for slot in r.managers.slots:  # every DP group this rank is in (a segment's holders wait in it)
@@ -162,6 +160,27 @@ class ElasticGate(StepGate):
                 raise  # this replica cannot train with the others (calibrated.py): it stops, saying why
             except Exception as e:  # a peer died in it: this step does not commit, the next quorum agrees again
                 r.failed(e)
+        return step
+
+    def _heal_after_resume(self, step: int) -> int | None:
+        """Resumed without this replica's state (another split than the checkpoint's): until
+        a quorum heals it from a replica that loaded it, it leaves each quorum and asks again,
+        for --mesh.rejoin-timeout-s (the replicas of the checkpoint's split may start later);
+        then RuntimeError. Every stage decides alike (the replica's own world)."""
+        r, target = self.replica, self._must_heal_to
+        m, t0 = r.cfg.mesh, time.monotonic()
+        while r.replica_max(r.healed_to is None or r.healed_to < target):
+            if r.replica_max(time.monotonic() - t0 if self.mesh.stage == 0 else 0.0) > m.rejoin_timeout_s:
+                raise RuntimeError(
+                    f"{self.mesh.describe()}: resumed from a checkpoint whose rank state is of another split than "
+                    f"this replica's, so it heals from a live replica that loaded it, and no quorum in "
+                    f"{m.rejoin_timeout_s:g} s (--mesh.rejoin-timeout-s) had one at step {target}: start a replica "
+                    "of the checkpoint's split with it")
+            step = r.requorum(step, f"resumed without its state, it waits for a replica of the checkpoint's split "
+                                    f"({r.manager.num_participants()} replica(s) in the quorum, none at step {target})")
+            if step is None:
+                return None
+        self._must_heal_to = None
         return step
 
     def sync(self, fn, sync) -> None:

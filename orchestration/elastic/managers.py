@@ -17,11 +17,37 @@ thread each): one after the other, the first would wait for the second forever.
 """
 from __future__ import annotations
 
+import logging
+import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import torch
-from torchft import Manager
+# torchft's Rust side logs every quorum and commit at INFO to stderr (read at import);
+# its Python side warns on every reconfigure that CPU has no NCCL flight recorder.
+os.environ.setdefault("RUST_LOG", "warn")
+logging.getLogger("torchft").setLevel(logging.ERROR)
+
+import torch  # noqa: E402
+import torchft.manager as _tfm  # noqa: E402
+from torchft import Manager  # noqa: E402
+from torchft._torchft import ManagerServer as _ManagerServer  # noqa: E402
+
+_BIND = {"host": "127.0.0.1"}
+
+
+def bind_managers_to(host: str) -> None:
+    """The address every torchft ManagerServer of this process listens on (--mesh.bind)."""
+    _BIND["host"] = host
+
+
+def _bound_manager_server(**kw):
+    # torchft's Manager builds ManagerServer(bind=f"[::]:{port}", ...) with keywords only:
+    # keep its port, listen on the run's host instead of every interface.
+    kw["bind"] = f"{_BIND['host']}:{kw['bind'].rsplit(':', 1)[1]}"
+    return _ManagerServer(**kw)
+
+
+_tfm.ManagerServer = _bound_manager_server
 
 
 @dataclass

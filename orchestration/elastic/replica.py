@@ -25,13 +25,11 @@ there: the step, the trainable parameters, the inner optimizer and the DP sync s
 the current weights (never stale) and carries only its own work (error feedback is
 zeroed, DiLoCo restarts from the global copy: nothing of the peer is sent twice).
 
-Bindings: torchft's ManagerServer binds every interface by default; here it binds the
-host the run names (``--mesh.bind``), as do the heal server and the lighthouse.
-"""
+Bindings: torchft's ManagerServer binds every interface by default; here it binds
+``--mesh.bind``, as do the heal server and the lighthouse."""
 from __future__ import annotations
 
 import json
-import logging
 import os
 import sys
 import threading
@@ -39,35 +37,19 @@ import time
 import traceback
 from datetime import timedelta
 
-# torchft's Rust side logs every quorum and commit at INFO to stderr (read at import);
-# its Python side warns on every reconfigure that CPU has no NCCL flight recorder.
-os.environ.setdefault("RUST_LOG", "warn")
-logging.getLogger("torchft").setLevel(logging.ERROR)
+# first: it quiets torchft's logs before torchft is imported, and binds its ManagerServer
+from orchestration.elastic.managers import ManagerSet, Slot, bind_managers_to  # noqa: I001
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torchft.manager as _tfm  # noqa: E402
-from torchft import Manager, ProcessGroupGloo  # noqa: E402
-from torchft._torchft import ManagerServer as _ManagerServer  # noqa: E402
+import torch
+import torch.distributed as dist
+from torchft import Manager, ProcessGroupGloo
 
-from orchestration.distributed.replica_world import replica_store  # noqa: E402
-from orchestration.elastic.managers import ManagerSet, Slot  # noqa: E402
-from orchestration.elastic.errors import HealRefused, QuorumLost  # noqa: E402
-from orchestration.elastic.lighthouse import heartbeat_ages  # noqa: E402
-from orchestration.elastic.transport import SecretHTTPTransport  # noqa: E402
+from orchestration.distributed.replica_world import replica_store
+from orchestration.elastic.errors import HealRefused, QuorumLost
+from orchestration.elastic.lighthouse import heartbeat_ages
+from orchestration.elastic.transport import SecretHTTPTransport
 
-_BIND = {"host": "127.0.0.1"}
 DIGESTS_ENV = "MESHKERN_ELASTIC_DIGESTS"  # "1": every step record carries a hash of the synced state
-
-
-def _bound_manager_server(**kw):
-    # torchft's Manager builds ManagerServer(bind=f"[::]:{port}", ...) with keywords only:
-    # keep its port, listen on the run's host instead of every interface.
-    kw["bind"] = f"{_BIND['host']}:{kw['bind'].rsplit(':', 1)[1]}"
-    return _ManagerServer(**kw)
-
-
-_tfm.ManagerServer = _bound_manager_server
 
 
 class ElasticReplica:
@@ -86,7 +68,7 @@ class ElasticReplica:
                  segments: list | None = None):
         self.cfg, self.mesh, self.replica_id = cfg, mesh, replica_id
         m = cfg.mesh
-        _BIND["host"] = m.bind
+        bind_managers_to(m.bind)
         tmo = timedelta(seconds=m.timeout_s)
         self.lighthouse = lighthouse
         self.segments = segments
@@ -165,9 +147,18 @@ class ElasticReplica:
         """A heterogeneous mesh: [(SyncSegment, its DP group)] for the segments this rank holds."""
         return [(self.segments[s.index], s.group) for s in self.managers.slots]
 
-    def count_steps_from(self, step: int) -> None:
-        """Before the first quorum of a resumed run: torchft's step count starts at ``step``."""
-        self.managers.carry_into({"_step": step})
+    def count_steps_from(self, count: int) -> None:
+        """Before the first quorum: torchft's commit count starts at ``count`` (ahead of a replica at 0)."""
+        self.managers.carry_into({"_step": count})
+
+    def requorum(self, step: int, why: str) -> int | None:
+        """Leaves the quorum it had (its Managers retired, as after a failed try) and asks
+        again after the backoff: ``begin(step)``'s answer. Every stage calls it together."""
+        self._carry = self.managers.counts()
+        self._retire()
+        print(f"[elastic] {self.mesh.describe()}: {why}; asking the lighthouse again", file=sys.stderr, flush=True)
+        self._backoff(self.cfg.mesh.heartbeat_s + 0.5)
+        return self.begin(step)
 
     # ---- torchft callbacks -----------------------------------------------------------------
     def _state(self, index: int) -> dict:
@@ -186,7 +177,7 @@ class ElasticReplica:
         fragment counts, so their schedules, may differ (a heterogeneous mesh's segments)."""
         if self.mesh.layout.stages_of(self.mesh.row) == 1 and not self.segments:
             return not any(d.in_flight for d in sync.diloco)
-        return not self._replica_max(any(d.in_flight for d in sync.diloco))
+        return not self.replica_max(any(d.in_flight for d in sync.diloco))
 
     def begin(self, step: int) -> int | None:
         """Quorum for ``step``; returns the step to run (another one after a heal), or None
@@ -208,10 +199,11 @@ class ElasticReplica:
             if self.managers.recv_attempts > self._attempts_at_try:  # the heal itself failed: this replica's state is behind
                 raise RuntimeError(f"{self.mesh.describe()}: healing from a peer failed: {cause}") from cause
             self._error = cause  # the group's reconfigure failed: this step will not commit
-        steps = self.managers.steps()
-        if len(set(steps)) > 1:  # one segment healed and another not: that one would stay behind for good
-            raise RuntimeError(f"{self.mesh.describe()}: this rank's torchft Managers disagree on the step after a "
-                               f"quorum ({steps}): a heal went through for some of its segments only")
+        steps, healed = self.managers.steps(), -1 if self.healed_to is None else self.healed_to
+        if len(set(steps)) > 1 or self.replica_max(healed) != -self.replica_max(-healed):
+            # one segment (or stage) healed and another not: that one would stay behind for good
+            raise RuntimeError(f"{self.mesh.describe()}: a heal went through for some of this replica's segments "
+                               f"or stages only (torchft steps {steps}, healed to {healed})")
         rank = self.manager.participating_rank()
         self.leader, self._began = rank == 0, True
         self.stats["quorums"] += 1
@@ -244,7 +236,8 @@ class ElasticReplica:
         # what a new Manager starts from: the counts before this quorum, alike on every stage
         # (a stage may have healed in a try that failed on another: the replica stays at the
         # step it had, behind, so the try that succeeds heals every stage again)
-        self._carry = self.managers.counts()
+        if self.managers.complete:  # (after a requorum: the counts its retire kept)
+            self._carry = self.managers.counts()
         while True:
             if tries and self._stopping(step):  # after the backoff: before a new try
                 return False
@@ -258,7 +251,7 @@ class ElasticReplica:
                     err = e
             # every stage of the replica ran this try's quorum, or none did: one that got a
             # quorum while another's request timed out would otherwise run a step alone
-            failed = self._replica_max(err is not None)
+            failed = self.replica_max(err is not None)
             if not failed:
                 if tries:
                     print(f"[elastic] {self.mesh.describe()}: back in a quorum after {time.monotonic() - t0:.1f} s "
@@ -272,7 +265,7 @@ class ElasticReplica:
             if self._stopping(step):
                 return False
             # the same decision on every stage: stage 0's clock
-            left = self._replica_max((m.rejoin_timeout_s - (time.monotonic() - t0)) if self.mesh.stage == 0 else -1e30)
+            left = self.replica_max((m.rejoin_timeout_s - (time.monotonic() - t0)) if self.mesh.stage == 0 else -1e30)
             if left <= 0:
                 if self.leader and self._began and self._save_fn is not None:
                     self._save_fn(step)  # where it stopped, valid: every step before it was committed
@@ -295,7 +288,7 @@ class ElasticReplica:
     def _stopping(self, step: int) -> bool:
         """Whether Ctrl-C / SIGTERM reached any stage of this replica (every stage gets the
         same answer: they stop waiting together)."""
-        if not self._replica_max(self._stop_fn()):
+        if not self.replica_max(self._stop_fn()):
             return False
         print(f"[elastic] {self.mesh.describe()}: stopped while waiting for a quorum at step {step}",
               file=sys.stderr, flush=True)
@@ -308,7 +301,7 @@ class ElasticReplica:
         while not self._stop_fn() and (left := end - time.monotonic()) > 0:
             time.sleep(min(left, 0.25))
 
-    def _replica_max(self, x: float) -> float:
+    def replica_max(self, x: float) -> float:
         """The largest ``x`` over this replica's stages (its own world, on loopback, with a
         bound longer than any stage's wait: replica_world.SIBLING_TIMEOUT_S)."""
         t = torch.tensor([float(x)], dtype=torch.float64)
@@ -340,13 +333,13 @@ class ElasticReplica:
                     self.managers.make(first_only=True)
             except Exception as e:
                 err = e
-        if self._replica_max(err is not None):  # stage 0 could not: none tries
+        if self.replica_max(err is not None):  # stage 0 could not: none tries
             return err or RuntimeError("stage 0 of this replica could not reach the lighthouse")
         try:
             self.managers.make()
         except Exception as e:
             err = e
-        if self._replica_max(err is not None):
+        if self.replica_max(err is not None):
             self._retire()
             return err or RuntimeError("a stage of this replica could not start its torchft Manager")
         self.managers.carry_into(self._carry)
