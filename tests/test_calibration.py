@@ -172,3 +172,45 @@ def test_boundary_gradients_of_a_frozen_model_are_the_trainable_models():
     assert len(gs_f) == 1 and gs_f[0] is not None and gs_f[0].abs().sum() > 0
     torch.testing.assert_close(hs_f[0], hs[0], rtol=0, atol=0)
     torch.testing.assert_close(gs_f[0], gs[0], rtol=0, atol=0)
+
+
+def test_loss_allocation_spends_the_same_bits_where_the_gradient_is():
+    """quant=nf, alloc=loss: the forward's widths minimise sum_i w_i var_i D(b_i), w_i the
+    calibration gradient's mean square along coordinate i (the first-order change of the
+    loss), where alloc=var minimises sum_i var_i D(b_i); each is the optimum of its own
+    objective at the same bit count (the greedy allocation is exact: D is convex)."""
+    from meshkern.pca_nf import distortion
+
+    g = torch.Generator().manual_seed(2)
+    H, N, nf_bits = 24, 4000, 8 * 6
+    h = torch.randn(4, N // 4, H, generator=g) * torch.logspace(0.5, -1.5, H)  # PCA axes = coordinate axes
+    grads = torch.randn(4, N // 4, H, generator=g) * 0.05
+    grads[..., -1] *= 400  # the loss is sensitive along the smallest-variance direction
+    bv = calibration.fit_basis(h, H, sink=False, grads=grads, nf_bits=nf_bits)
+    bl = calibration.fit_basis(h, H, sink=False, grads=grads, nf_bits=nf_bits, alloc="loss")
+    assert int(bv.bits.sum()) == int(bl.bits.sum()) == nf_bits  # the same bytes
+
+    def objectives(b):
+        """(squared error, first-order loss change) of basis b's widths over all H axes."""
+        var = (h.reshape(-1, H).double() - h.reshape(-1, H).double().mean(0)) @ b.U.double()
+        var = var.pow(2).mean(0)
+        w = (grads.reshape(-1, H).double() @ b.U.double()).pow(2).mean(0)
+        d = torch.tensor([distortion(int(x)) if int(x) else 1.0 for x in b.bits], dtype=torch.float64)
+        full = h.reshape(-1, H).double().var(0, unbiased=False).sum()  # dropped axes cost their whole variance
+        wfull = ((h.reshape(-1, H).double() - h.reshape(-1, H).double().mean(0)).pow(2).mean(0)
+                 * grads.reshape(-1, H).double().pow(2).mean(0)).sum()
+        return float(full - var.sum() + (var * d).sum()), float(wfull - (w * var).sum() + (w * var * d).sum())
+
+    (mse_v, loss_v), (mse_l, loss_l) = objectives(bv), objectives(bl)
+    assert loss_l < 0.5 * loss_v and mse_v < mse_l  # each wins its own objective, by a clear margin here
+    last = lambda b: int(torch.argmax(b.U.abs()[-1]))  # noqa: E731 (the column on the last axis, if kept)
+    assert bv.U.abs()[-1].max() < 0.5 and bl.U.abs()[-1].max() > 0.99 and int(bl.bits[last(bl)]) >= 2
+    # the backward's widths are allocated over the kept coordinates by gsd^2, as with alloc=var
+    assert int(bl.gbits.sum()) == nf_bits and bl.gsd.shape == (bl.k,)
+    with pytest.raises(ValueError, match="alloc=loss"):
+        calibration.fit_basis(h, H, sink=False, nf_bits=nf_bits, alloc="loss")
+    with pytest.raises(ValueError, match="alloc must be"):
+        calibration.fit_basis(h, H, sink=False, grads=grads, nf_bits=nf_bits, alloc="entropy")
+    with pytest.raises(ValueError, match="grad_rows"):
+        codecs.make_codec("pca:alloc=loss,grad_rows=0")
+    assert codecs.make_codec("pca:alloc=loss").fit_options(H)["alloc"] == "loss"

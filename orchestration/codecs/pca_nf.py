@@ -34,6 +34,9 @@ class PCANFCodec(PCABaseCodec):
     Wire per direction, for a boundary tensor [..., T, H] (T' = T - 1 with sink, else T):
         codes [..., T', nbytes] uint8 and scales [..., T', 1] fp16, nbytes = nf_code_bytes;
         with sink first position 0: [..., H] int8 + [..., 1] fp32 scale.
+    ``alloc``: how the forward's widths are allocated at calibration: ``var`` (default) by
+    each coordinate's variance, ``loss`` by its variance times the calibration gradient's
+    mean square along it (orchestration.components.calibration.fit_basis); the same bytes.
     ``k``, ``bits``, ``adapt`` (and bwd=gbasis) belong to quant=absmax: this class takes
     them only to refuse any value but their defaults with the fix in the message (a spec
     such as pca:adapt=true means the int4 layout, and says so).
@@ -44,7 +47,8 @@ class PCANFCodec(PCABaseCodec):
 
     def __init__(self, budget: float | None = None, sink: bool = True, seq_len: int = 128, bases: dict | None = None,
                  calib_rows: int | None = None, grad_rows: int = 8, bwd: str = "span", quant: str = "nf",
-                 basis_dtype: str = "float32", k: int | None = None, bits: int = 4, adapt: bool = False):
+                 basis_dtype: str = "float32", k: int | None = None, bits: int = 4, adapt: bool = False,
+                 alloc: str = "var"):
         if k is not None or bits != 4 or adapt or bwd == "gbasis":
             given = ", ".join(n for n, v in (("k", k is not None), (f"bits={bits}", bits != 4), ("adapt", adapt),
                                              ("bwd=gbasis", bwd == "gbasis")) if v)
@@ -52,10 +56,15 @@ class PCANFCodec(PCABaseCodec):
                              "the default quant=nf chooses every coordinate's width from budget: add quant=absmax "
                              "(e.g. --boundary.codec pca:quant=absmax,adapt=true)")
         super().__init__(budget, sink, seq_len, bases, calib_rows, grad_rows, bwd, basis_dtype, quant)
+        if alloc not in ("var", "loss"):
+            raise ValueError(f"pca: alloc must be var or loss, got {alloc!r}")
+        if alloc == "loss" and self.grad_rows < 1:
+            raise ValueError("pca: alloc=loss weighs the code widths by calibration gradients: grad_rows must be >= 1")
+        self.alloc = alloc
 
     def __repr__(self) -> str:
         return (f"PCANFCodec(budget={self.budget}, sink={self.sink}, seq_len={self.seq_len}, bwd={self.bwd}, "
-                f"basis_dtype={self.basis_dtype}, boundaries={sorted(self.bases)})")
+                f"basis_dtype={self.basis_dtype}, alloc={self.alloc}, boundaries={sorted(self.bases)})")
 
     def width(self, H: int) -> int:
         """The coordinates calibration starts from: all H (the allocation then keeps those
@@ -67,7 +76,7 @@ class PCANFCodec(PCABaseCodec):
         return nf_code_bytes(H, self.budget, self.sink, self.seq_len)
 
     def fit_options(self, H: int) -> dict:
-        return {**super().fit_options(H), "nf_bits": 8 * self.code_bytes(H)}
+        return {**super().fit_options(H), "nf_bits": 8 * self.code_bytes(H), "alloc": self.alloc}
 
     def _check_basis(self, boundary, b, H):
         if b.hidden_size != H or b.bits is None or int(b.bits.sum()) > 8 * self.code_bytes(H) \

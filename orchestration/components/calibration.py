@@ -98,33 +98,50 @@ def inlier_tokens(h: torch.Tensor, sink: bool) -> torch.Tensor:
     return x if bool(keep.all()) else x[keep]
 
 
+ALLOCS = ("var", "loss")  # how quant=nf allocates the forward's code widths (fit_basis)
+
+
 def fit_basis(h: torch.Tensor, k: int, sink: bool = True, grads: torch.Tensor | None = None,
-              gbasis: bool = False, nf_bits: int | None = None, half: bool = False) -> PCABasis:
+              gbasis: bool = False, nf_bits: int | None = None, half: bool = False, alloc: str = "var") -> PCABasis:
     """The basis of one boundary from its calibration hidden states h [..., T, H] (and the
     dense boundary gradients ``grads`` [..., T, H] of some of those rows, for gsd; with
     ``gbasis`` also the gradient basis Ug: the top-k eigenvectors of their second moment).
     ``nf_bits`` (quant=nf): code bits per token per direction; the forward's widths are
     allocated over the top k coordinates by their variance (meshkern.pca_nf.allocate_bits),
     the basis keeps those that get a bit, and the backward's widths are allocated over them
-    by gsd^2. ``half``: mean, U, sd and gsd rounded to fp16 values (counted at 2 bytes)."""
+    by gsd^2. ``half``: mean, U, sd and gsd rounded to fp16 values (counted at 2 bytes).
+    ``alloc`` (quant=nf): "var" allocates the forward's widths by each coordinate's variance
+    (least squared error); "loss" by its variance times the mean square of the loss
+    gradient along it (least first-order change of the loss, E[(g . e)^2] over the
+    calibration gradients: needs ``grads``), keeping the coordinates that get a bit
+    whatever their rank."""
+    if alloc not in ALLOCS:
+        raise ValueError(f"pca calibration: alloc must be one of {', '.join(ALLOCS)}, got {alloc!r}")
+    if alloc == "loss" and (grads is None or nf_bits is None):
+        raise ValueError("pca calibration: alloc=loss weighs the widths by the calibration gradients "
+                         "(quant=nf, grad_rows >= 1)")
     x = inlier_tokens(h, sink)
     if x.shape[0] < 2:
         raise ValueError(f"pca calibration: {x.shape[0]} calibration tokens, need more rows")
     pca = fit_pca(x)
-    bits = None
-    if nf_bits is not None:
-        bits = allocate_bits(pca.eigvals[:k].clamp_min(0), nf_bits)
-        # descending variances get non-increasing widths: the coordinates with a bit are a prefix
-        k = max(1, int((bits > 0).sum()))
-        bits = bits[:k]
-    U = pca.basis(k).contiguous()
-    sd = pca.eigvals[:k].clamp_min(1e-30).sqrt().float()
-    gsd, Ug = torch.ones(k), None
-    if gbasis and grads is None:
-        raise ValueError("pca calibration: a gradient basis needs calibration gradients (grad_rows >= 1)")
+    g = None
     if grads is not None:
         g = grads[..., 1:, :] if sink else grads
         g = g.reshape(-1, g.shape[-1]).double()
+    bits, U, var = None, pca.basis(k), pca.eigvals[:k].clamp_min(0)
+    if nf_bits is not None:
+        weight = var if alloc == "var" else var * (g @ U.double()).pow(2).mean(0).float()
+        bits = allocate_bits(weight, nf_bits)
+        # "var": descending variances get non-increasing widths, the coordinates with a bit are a
+        # prefix; "loss": any subset (the columns of U keep their order)
+        keep = (bits > 0).nonzero().flatten() if bool((bits > 0).any()) else torch.zeros(1, dtype=torch.long)
+        k, bits, U, var = len(keep), bits[keep], U[:, keep], var[keep]
+    U = U.contiguous()
+    sd = var.clamp_min(1e-30).sqrt().float()
+    gsd, Ug = torch.ones(k), None
+    if gbasis and grads is None:
+        raise ValueError("pca calibration: a gradient basis needs calibration gradients (grad_rows >= 1)")
+    if g is not None:
         if gbasis:  # uncentered: the backward sends Ug^T g with no mean
             w, V = torch.linalg.eigh(g.T @ g / max(1, g.shape[0]))
             Ug = V.flip(1)[:, :k].float().contiguous()

@@ -89,6 +89,11 @@ ROWS: tuple[Row, ...] = (
     *(Row(f"pcanf-tail{n}", "baseline", "pca4", ("--boundary.options", _nf_options(15), "--boundary.dense-tail", str(n)),
           label=f"PCA-NF + sink, 1/15 of dense, the last {n} steps dense", paper="(not in the paper)")
       for n in (10, 25)),
+    # pcanf's bytes with the forward's widths allocated by each coordinate's variance times the
+    # calibration gradient's mean square along it (alloc=loss: least first-order change of the
+    # loss instead of least squared error; issue #43 item 3, the gap at the default's bytes)
+    Row("pcanf-loss", "baseline", "pca4", ("--boundary.options", _nf_options(15, alloc="loss")),
+        label="PCA-NF + sink, 1/15 of dense, widths by loss sensitivity", paper="(not in the paper)"),
     # 1/12 of dense fp32 (190 B/token at H = 576): about pca4-b8's forward error (every
     # coordinate but a few gets a bit) at two thirds of its bytes.
     Row("pcanf-b12", "baseline", "pca4", ("--boundary.options", _nf_options(12)),
