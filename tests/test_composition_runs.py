@@ -112,3 +112,45 @@ def test_stack(tiny, tmp_path_factory, stack):
             assert len(res2[0]["losses"]) == 2 and res2[0]["losses"][0] == losses[2]
         else:
             assert res2[0]["losses"] == losses[2:]
+
+
+TORCHRUN_STACK = ("torchrun", "heterogeneous", "lora", "bf16", "dp:allreduce", "compressor:int8", "codec:int4", "resume")
+
+
+def _torchrun(argv, log):
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg, _ = parse_args(argv)
+    cmd = [sys.executable, "-m", "orchestration.torchrun", "--nnodes", "1", "--node-rank", "0", "--nproc-per-node",
+           str(cfg.world_size), "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "orchestration.train",
+           *argv]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(log, "w") as f:
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=400, cwd=root,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}).returncode
+    assert rc == 0, open(log).read()[-3000:]
+    return cfg
+
+
+@pytest.mark.slow
+def test_a_stack_under_torchrun_resumes_bit_for_bit(tiny, tmp_path):
+    """The torchrun launch (one process per rank, torch's rendezvous) of a stack: a
+    heterogeneous mesh, LoRA on a bf16 base, int4 boundaries, the int8 all-reduce; the run
+    resumed from its step-2 checkpoint logs the uninterrupted run's losses bit for bit."""
+    feats = [f for f in TORCHRUN_STACK if f not in ("torchrun", "resume")]
+    argv = _argv(tiny, tmp_path, feats)
+    cfg = _torchrun(argv, tmp_path / "run.log")
+    assert set(feats) <= set(comp.active(cfg))
+    run_dir = os.path.join(str(tmp_path), "t")
+    losses = [r["loss"] for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl"))]
+    assert len(losses) == 4 and all(x == x and 0 < x < 100 for x in losses)
+    assert os.path.isfile(os.path.join(run_dir, "adapter", ckpt.ADAPTER_WEIGHTS))
+    os.rename(os.path.join(run_dir, "metrics.jsonl"), os.path.join(str(tmp_path), "first.jsonl"))
+    _torchrun(argv + ["--checkpoint.resume", ckpt.step_dir(os.path.join(run_dir, "checkpoints"), 2)],
+              tmp_path / "resumed.log")
+    assert [r["loss"] for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl"))] == losses[2:]

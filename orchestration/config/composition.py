@@ -189,9 +189,11 @@ COVERAGE: dict[str, tuple[str, ...]] = {
            "pipeline-stage-killed-diloco": ("dp:diloco", "compressor:powersgd")}.items()},
     "tests/test_elastic_heterogeneous.py::test_the_anchor_serves_its_split_while_a_served_replica_dies_and_heals":
         ("local", "elastic", "heterogeneous", "anchor", "codec:pca", "dp:diloco", "compressor:powersgd"),
+    "tests/test_composition_runs.py::test_a_stack_under_torchrun_resumes_bit_for_bit": (
+        "torchrun", "heterogeneous", "lora", "bf16", "dp:allreduce", "compressor:int8", "codec:int4", "resume"),
     "tests/test_elastic_heterogeneous.py::test_lora_adapters_in_bf16_sync_by_segment_on_elastic_replicas":
         ("local", "elastic", "heterogeneous", "lora", "bf16", "codec:int4", "dp:allreduce", "compressor:int8"),
-    "tests/test_elastic_heterogeneous.py::test_a_resumed_run_heals_the_replicas_of_another_split_than_the_checkpoints":
+    "tests/test_elastic_heterogeneous.py::test_a_resumed_replica_of_another_split_waits_for_one_that_loaded_the_checkpoint":
         ("local", "elastic", "heterogeneous", "resume", "codec:pca", "dp:diloco", "compressor:powersgd"),
     "tests/test_elastic.py::test_subspace_codec_replicas_hold_one_basis_and_a_healed_one_takes_its_peers":
         ("local", "elastic", "codec:subspace", "dp:allreduce"),
