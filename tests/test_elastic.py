@@ -58,6 +58,14 @@ def _run(cmd, log):
     return p.returncode, open(log).read()
 
 
+def _join_cmd(run, replica_id: int, *flags):
+    """A replica joining run ``run`` (its folder) as another process would: its config.yaml
+    and the lighthouse the run wrote there."""
+    lighthouse = open(run / "elastic" / "lighthouse").read().strip()
+    return [sys.executable, "-m", "orchestration.train", "--config", str(run / "config.yaml"), "--mesh.join",
+            lighthouse, "--mesh.replica-id", str(replica_id), "--run.progress", "false", *flags]
+
+
 def _records(run_dir):
     """{(replica, stage): [records in file order]}."""
     return read_events(str(run_dir))
@@ -177,9 +185,7 @@ def test_late_join_heals_from_a_peer_and_a_wrong_secret_is_refused(tmp_path):
     joiners = []
     try:
         _wait_for(lambda: _last_step(_records(run), 0) >= 3, [main], "the first two replicas train")
-        lighthouse = open(run / "elastic" / "lighthouse").read().strip()
-        join = [sys.executable, "-m", "orchestration.train", "--config", str(run / "config.yaml"),
-                "--mesh.join", lighthouse, "--mesh.replica-id", "2", "--run.progress", "false"]
+        join = _join_cmd(run, 2)
         bad = _start(join, tmp_path / "bad.log", _env(MESHKERN_ANCHOR_SECRET="ff" * 32))
         joiners.append(bad)
         bad.wait(BUDGET_S)
@@ -245,9 +251,7 @@ def test_a_replica_whose_quorums_timed_out_gets_in_when_a_peer_comes(tmp_path):
         def timed_out():  # a timed-out request, said in the log: the joiner's quorum is a later try's
             return open(tmp_path / "wait.log").read().count("no quorum at step 0") >= 2  # 1 try x 2 stages
         _wait_for(timed_out, [main], "replica 0 says it waits for a quorum")
-        lighthouse = open(run / "elastic" / "lighthouse").read().strip()
-        joiner = _start([sys.executable, "-m", "orchestration.train", "--config", str(run / "config.yaml"),
-                         "--mesh.join", lighthouse, "--mesh.replica-id", "1", "--run.progress", "false"],
+        joiner = _start(_join_cmd(run, 1),
                         tmp_path / "join.log")
         _wait_for(lambda: [x for x in _records(run).get((0, 0), []) if x["committed"] and x["step"] >= 8
                            and x.get("participants") == 2], [main, joiner], "the two train together")

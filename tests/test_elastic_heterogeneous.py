@@ -11,7 +11,6 @@ survivor never stops; the final checkpoint verifies and scores.
 import json
 import os
 import signal
-import sys
 
 import pytest
 
@@ -20,7 +19,8 @@ pytest.importorskip("torchft", reason="torchft (pip install meshkern[elastic]) r
 from orchestration.components import checkpoint as ckpt  # noqa: E402
 from orchestration.config import parse_args  # noqa: E402
 from orchestration.distributed.mesh import MeshLayout  # noqa: E402
-from tests.test_elastic import BUDGET_S, _cmd, _eval_loss, _records, _run, _start, _wait_for  # noqa: E402
+from tests.test_elastic import (BUDGET_S, _cmd, _eval_loss, _join_cmd, _records, _run, _start,  # noqa: E402
+                                _wait_for)
 
 pytestmark = pytest.mark.slow
 
@@ -153,10 +153,7 @@ def test_a_resumed_replica_of_another_split_waits_for_one_that_loaded_the_checkp
     try:
         _wait_for(lambda: open(tmp_path / "resumed.log").read().count("waits for a replica of the checkpoint's") >= 2,
                   [main], "replica 1 leaves its quorums without a peer to heal from")
-        lighthouse = open(run / "elastic" / "lighthouse").read().strip()
-        joiner = _start([sys.executable, "-m", "orchestration.train", "--config", str(run / "config.yaml"),
-                         "--mesh.join", lighthouse, "--mesh.replica-id", "0", "--checkpoint.resume", "latest",
-                         "--run.progress", "false"], tmp_path / "join.log")
+        joiner = _start(_join_cmd(run, 0, "--checkpoint.resume", "latest"), tmp_path / "join.log")
         joiner.wait(BUDGET_S)
         main.wait(BUDGET_S)
     finally:

@@ -255,23 +255,23 @@ class Compressor:
         s, r = ring_all_gather_bytes(nbytes, world)
         self.bytes_sent += s
         self.bytes_received += r
-        via_cpu = world > 1 and needs_cpu_staging(block.device, _backend_name(group))
+        registered = _registered(group)
+        backend = dist.get_backend(group) if registered else group.getBackendName()
+        via_cpu = world > 1 and needs_cpu_staging(block.device, backend)
         src = block.cpu() if via_cpu else block
         out = torch.empty(world * block.numel(), dtype=block.dtype, device=src.device)
         if world > 1:
-            self._wait(lambda: _start_all_gather(out, src, group, world), what)
+            self._wait(lambda: _start_all_gather(out, src, group, world, registered), what)
         else:
             out.copy_(block)
         return (out.to(block.device) if via_cpu else out).view(world, block.numel())
 
 
-def _start_all_gather(out: torch.Tensor, src: torch.Tensor, group, world: int):
+def _start_all_gather(out: torch.Tensor, src: torch.Tensor, group, world: int, registered: bool):
     """Starts the all-gather of ``src`` into ``out`` ([world * numel]); its work. A group
     torch.distributed does not register (torchft's, reconfigured per quorum) is asked
     itself: torch's all-gather looks the group up and refuses it."""
-    try:
-        dist.get_backend(group)
-    except ValueError:
+    if not registered:
         return group.allgather([list(out.view(world, -1).unbind(0))], [src], _AllgatherOptions())
     return _all_gather_single(out, src, group=group, async_op=True)
 
@@ -284,13 +284,14 @@ def needs_cpu_staging(device, backend: str) -> bool:
     return torch.device(device).type == "cuda" and backend in ("gloo", "torchft-gloo")
 
 
-def _backend_name(group) -> str:
-    """``group``'s backend: torch.distributed's name for a group it made, the group's own
-    for one it does not register (torchft's, which ``dist.get_backend`` refuses)."""
+def _registered(group) -> bool:
+    """Whether torch.distributed made ``group`` (None: the default group); torchft's
+    reconfigurable groups are not, and ``dist.get_backend`` refuses them."""
     try:
-        return dist.get_backend(group)
+        dist.get_backend(group)
     except ValueError:
-        return group.getBackendName()
+        return False
+    return True
 
 
 # torch 2.13 deprecates all_gather_into_tensor (a FutureWarning per call) for

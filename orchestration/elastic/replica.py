@@ -175,8 +175,6 @@ class ElasticReplica:
         any stage of this replica (DiLoCo's overlap carries a sync across a step boundary; a
         quorum there could reconfigure the group under it). The stages agree on it: their
         fragment counts, so their schedules, may differ (a heterogeneous mesh's segments)."""
-        if self.mesh.layout.stages_of(self.mesh.row) == 1 and not self.segments:
-            return not any(d.in_flight for d in sync.diloco)
         return not self.replica_max(any(d.in_flight for d in sync.diloco))
 
     def begin(self, step: int) -> int | None:
@@ -303,7 +301,10 @@ class ElasticReplica:
 
     def replica_max(self, x: float) -> float:
         """The largest ``x`` over this replica's stages (its own world, on loopback, with a
-        bound longer than any stage's wait: replica_world.SIBLING_TIMEOUT_S)."""
+        bound longer than any stage's wait: replica_world.SIBLING_TIMEOUT_S); ``x`` itself on
+        a replica of one stage."""
+        if self.mesh.layout.stages_of(self.mesh.row) == 1:
+            return float(x)
         t = torch.tensor([float(x)], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.mesh.fast)
         return float(t[0])

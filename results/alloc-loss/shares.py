@@ -8,8 +8,16 @@ the pipeline bytes per token.
 
     python results/alloc-loss/shares.py      # from the repository root; a markdown table per seed
 """
+import importlib.util
 import json
 import os
+
+# the dense-tail table's record readers (sink_loss, pp_bytes): one definition of each
+_spec = importlib.util.spec_from_file_location(
+    "dense_tail_shares", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "dense-tail", "shares.py"))
+_tail = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_tail)
+sink_loss, pp_bytes = _tail.sink_loss, _tail.pp_bytes
 
 R = "results/"
 SEEDS = {  # seed: dense record, pcanf record, pcanf's step-200 loss with the sink round trip, the pcanf-loss record
@@ -22,19 +30,6 @@ SEEDS = {  # seed: dense record, pcanf record, pcanf's step-200 loss with the si
 
 def curve(rec):
     return {c["step"]: c["loss"] for c in rec["curve"]}
-
-
-def sink_loss(path, step=200):
-    for line in open(path):
-        r = json.loads(line)
-        if r.get("step") == step:
-            return r["loss"]["sink"]
-    return None
-
-
-def pp_bytes(rec):
-    b = rec["bytes_per_token"]
-    return b["pp_fwd"] + b["pp_bwd"]
 
 
 def table(seed):
