@@ -351,8 +351,8 @@ class ElasticReplica:
         """Stage 0, before its new Manager asks for a quorum: waits until the lighthouse no
         longer counts the Manager last retired (``_retire``) as live, i.e. has not heard
         from it for --mesh.heartbeat-s on its own clock, for --mesh.timeout-s at most.
-        None once it does (or the lighthouse never heard of it, or its status cannot be
-        read: the new Manager's own connect then says why); otherwise the error (this try
+        None once two reads half --mesh.heartbeat-s apart say so (or the lighthouse never
+        heard of it, or its status cannot be read: the new Manager's own connect then says why); otherwise the error (this try
         fails, and the next one waits again), also on a stop request.
 
         Why: the lighthouse keeps a quorum request that timed out as a participant until a
@@ -367,17 +367,24 @@ class ElasticReplica:
             return None
         m = self.cfg.mesh
         end = time.monotonic() + m.timeout_s
+        dead_since = None  # this side's clock at the first read that found it dead, since none found it live
         while True:
             try:
                 age = heartbeat_ages(self.lighthouse, min(5.0, m.timeout_s)).get(rid)
             except (OSError, ValueError):
                 return None
             if age is None or age >= m.heartbeat_s:
-                self._retired_id = None
-                return None
+                # two reads: a lighthouse just resumed may serve the first before the retired
+                # Manager's queued heartbeats, and one stamped between makes the second live
+                dead_since = time.monotonic() if dead_since is None else dead_since
+                if time.monotonic() - dead_since >= m.heartbeat_s / 2:
+                    self._retired_id = None
+                    return None
+            else:
+                dead_since = None
             if self._stop_fn():
                 return RuntimeError("stopped while the lighthouse still counted the retired torchft Manager live")
-            if time.monotonic() >= end:
+            if dead_since is None and time.monotonic() >= end:
                 return RuntimeError(f"the lighthouse {self.lighthouse} still counts this replica's retired torchft "
                                     f"Manager {rid} live (heard from {age:.1f} s ago, after {m.timeout_s:g} s: "
                                     f"--mesh.timeout-s); a quorum with it would wait for it")
