@@ -146,6 +146,42 @@ def test_codec_round_trip_equals_the_nearest_level_reference(sink):
     torch.testing.assert_close(gout, gref, rtol=1e-4, atol=1e-4)
 
 
+def test_bwd_budget_splits_the_bytes_between_the_directions():
+    """pca:bwd_budget: the forward's codes fill 1/budget of dense fp32 and the backward's
+    1/bwd_budget (sink row and fp16 scale each way as before); calibration allocates each
+    direction's widths within its own bits, the wire is that many bytes each way, and the
+    backward decodes to the nearest-level reference with its own widths."""
+    H, T = 24, 9
+    codec = PCANFCodec(budget=96 / 24, bwd_budget=96 / 12, seq_len=T)  # B = 24 forward, 12 back
+    fb, bb = codec.code_bytes(H), codec.code_bytes(H, "bwd")
+    assert (fb, bb) == (24 - 4 - 2, 12 - 4 - 2)  # the sink row: (24 + 4) / 9 -> 4 bytes per token
+    assert PCANFCodec(budget=96 / 24, seq_len=T).code_bytes(H, "bwd") == fb  # default: the same each way
+    g = torch.Generator().manual_seed(6)
+    h = torch.randn(4, T, H, generator=g) * torch.linspace(3, 0.1, H)
+    grads = torch.randn(4, T, H, generator=g)
+    opts = codec.fit_options(H)
+    assert (opts["nf_bits"], opts["gnf_bits"]) == (8 * fb, 8 * bb)
+    b = calibration.fit_basis(h, codec.width(H), codec.sink, grads, **opts)
+    assert int(b.bits.sum()) == 8 * fb and int(b.gbits.sum()) == 8 * bb
+    assert b.gbits.tolist() == pca_nf.allocate_bits(b.gsd.double() ** 2, 8 * bb).tolist()
+    codec.bases = {1: b}
+    key = MaskKey(0, 1, 0, 0)
+    x = torch.randn(2, T, H, generator=g)
+    wire, ctx = codec.encode_fwd(x, key)
+    assert codec.wire_bytes(x.shape, x.dtype, "fwd") == 2 * (H + 4 + (T - 1) * (fb + 2))
+    assert codec.wire_bytes(x.shape, x.dtype, "bwd") == 2 * (H + 4 + (T - 1) * (bb + 2))
+    gr = torch.randn(2, T, H, generator=g)
+    wire_b = codec.encode_bwd(gr, key, wire)
+    assert [(tuple(t.shape), t.dtype) for t in wire_b] == codec.wire_specs(x.shape, x.dtype, "bwd")
+    torch.testing.assert_close(codec.decode_bwd(wire_b, key, ctx),
+                               _nearest_level_reference(gr, b.U, b.gsd, b.gbits, None, True), rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="not a quant=nf basis"):  # a basis whose backward overspends
+        PCANFCodec(budget=96 / 24, bwd_budget=96 / 8, seq_len=T, bases={1: b}).encode_fwd(x, key)
+    for bad in ("pca:bwd_budget=0", "pca:bwd_budget=30,bwd=dense"):
+        with pytest.raises(ValueError, match="bwd_budget"):
+            codecs.make_codec(bad)
+
+
 def test_codec_rejects_bad_options_bases_and_wires():
     for bad in ({"k": 8}, {"bits": 8}, {"adapt": True}, {"bwd": "gbasis", "grad_rows": 4}):
         with pytest.raises(ValueError, match="quant=nf"):
@@ -203,24 +239,26 @@ def test_fit_basis_allocates_the_budget_and_keeps_the_coordinates_with_bits(tmp_
 
 @pytest.mark.slow
 def test_nf_codec_trains_through_the_mesh(tiny, tmp_path):
-    """1x2 mesh, pca:quant=nf: finite losses, the saved basis spends exactly the budget's
-    code bits each way, and the PP bytes are the wire's per micro-batch plus the basis once."""
+    """1x2 mesh, pca:quant=nf with bwd_budget: finite losses, the saved basis spends exactly
+    each direction's code bits, and the PP bytes are the wire's per micro-batch each way (its
+    own bytes back) plus the basis once."""
     from test_calibration import run_pca_mesh
 
-    cfg, plan, res = run_pca_mesh(tiny, tmp_path, {"seq_len": 32, "calib_rows": 8, "quant": "nf", "budget": 4},
-                                  rows=1)
+    cfg, plan, res = run_pca_mesh(tiny, tmp_path, {"seq_len": 32, "calib_rows": 8, "quant": "nf", "budget": 4,
+                                                   "bwd_budget": 8}, rows=1)
     assert all(l == l and l > 0 for l in res[1]["losses"])
     codec = calibration.codec_of(cfg)
     H = 40
-    nb = codec.code_bytes(H)
-    assert nb == 160 // 4 - 2 - 2  # B = 40 bytes per token: 2 for position 0, 2 for the fp16 scale
+    nb, gnb = codec.code_bytes(H), codec.code_bytes(H, "bwd")
+    # B = 40 bytes per token forward, 20 back: 2 for position 0, 2 for the fp16 scale
+    assert (nb, gnb) == (160 // 4 - 2 - 2, 160 // 8 - 2 - 2)
     saved = calibration.load(plan.run_dir)[1]  # (4 layers in 2 stages: the boundary after layer 1)
-    assert int(saved.bits.sum()) == int(saved.gbits.sum()) == 8 * nb and saved.k <= H
+    assert int(saved.bits.sum()) == 8 * nb and int(saved.gbits.sum()) == 8 * gnb and saved.k <= H
     per_mb = codec.wire_bytes((2, 32, H), torch.float32, "fwd")
     assert per_mb == 2 * (44 + 31 * (nb + 2))
     links = json.load(open(os.path.join(plan.run_dir, "link_bytes.json")))["links"]
     assert links["pp_fwd:0->1"] == 3 * 2 * per_mb + saved.nbytes()
-    assert links["pp_bwd:1->0"] == 3 * 2 * per_mb
+    assert links["pp_bwd:1->0"] == 3 * 2 * 2 * (44 + 31 * (gnb + 2))
 
 
 KERNELS = [b for b in __import__("backend_params").op_backends("pca") if b.values[0] != "reference"]

@@ -37,6 +37,10 @@ class PCANFCodec(PCABaseCodec):
     ``alloc``: how the forward's widths are allocated at calibration: ``var`` (default) by
     each coordinate's variance, ``loss`` by its variance times the calibration gradient's
     mean square along it (orchestration.components.calibration.fit_basis); the same bytes.
+    ``bwd_budget``: the backward's bytes per token as 1/bwd_budget of dense fp32 (default
+    ``budget``: the same each way), for splitting the default's bytes unevenly between the
+    directions (e.g. budget=10,bwd_budget=30 sends 230 B forward and 76 B back at H = 576,
+    the 153 + 153 of budget=15 in all); with bwd=span only.
     ``k``, ``bits``, ``adapt`` (and bwd=gbasis) belong to quant=absmax: this class takes
     them only to refuse any value but their defaults with the fix in the message (a spec
     such as pca:adapt=true means the int4 layout, and says so).
@@ -48,7 +52,7 @@ class PCANFCodec(PCABaseCodec):
     def __init__(self, budget: float | None = None, sink: bool = True, seq_len: int = 128, bases: dict | None = None,
                  calib_rows: int | None = None, grad_rows: int = 8, bwd: str = "span", quant: str = "nf",
                  basis_dtype: str = "float32", k: int | None = None, bits: int = 4, adapt: bool = False,
-                 alloc: str = "var"):
+                 alloc: str = "var", bwd_budget: float | None = None):
         if k is not None or bits != 4 or adapt or bwd == "gbasis":
             given = ", ".join(n for n, v in (("k", k is not None), (f"bits={bits}", bits != 4), ("adapt", adapt),
                                              ("bwd=gbasis", bwd == "gbasis")) if v)
@@ -61,36 +65,43 @@ class PCANFCodec(PCABaseCodec):
         if alloc == "loss" and self.grad_rows < 1:
             raise ValueError("pca: alloc=loss weighs the code widths by calibration gradients: grad_rows must be >= 1")
         self.alloc = alloc
+        if bwd_budget is not None and (bwd != "span" or float(bwd_budget) <= 0):
+            raise ValueError(f"pca: bwd_budget must be > 0 and comes with bwd=span (the backward's coordinates), "
+                             f"got bwd_budget={bwd_budget}, bwd={bwd}")
+        self.bwd_budget = self.budget if bwd_budget is None else float(bwd_budget)
 
     def __repr__(self) -> str:
         return (f"PCANFCodec(budget={self.budget}, sink={self.sink}, seq_len={self.seq_len}, bwd={self.bwd}, "
-                f"basis_dtype={self.basis_dtype}, alloc={self.alloc}, boundaries={sorted(self.bases)})")
+                f"basis_dtype={self.basis_dtype}, alloc={self.alloc}, bwd_budget={self.bwd_budget}, boundaries={sorted(self.bases)})")
 
     def width(self, H: int) -> int:
         """The coordinates calibration starts from: all H (the allocation then keeps those
         that get a bit, ``basis(b).k``)."""
         return H
 
-    def code_bytes(self, H: int) -> int:
-        """Bytes of one token's code stream (nf_code_bytes)."""
-        return nf_code_bytes(H, self.budget, self.sink, self.seq_len)
+    def code_bytes(self, H: int, direction: str = "fwd") -> int:
+        """Bytes of one token's code stream in ``direction`` (nf_code_bytes at ``budget``
+        forward, ``bwd_budget`` backward)."""
+        return nf_code_bytes(H, self.budget if direction == "fwd" else self.bwd_budget, self.sink, self.seq_len)
 
     def fit_options(self, H: int) -> dict:
-        return {**super().fit_options(H), "nf_bits": 8 * self.code_bytes(H), "alloc": self.alloc}
+        return {**super().fit_options(H), "nf_bits": 8 * self.code_bytes(H), "gnf_bits": 8 * self.code_bytes(H, "bwd"),
+                "alloc": self.alloc}
 
     def _check_basis(self, boundary, b, H):
         if b.hidden_size != H or b.bits is None or int(b.bits.sum()) > 8 * self.code_bytes(H) \
-                or int(b.gbits.sum()) > 8 * self.code_bytes(H):
+                or int(b.gbits.sum()) > 8 * self.code_bytes(H, "bwd"):
             raise ValueError(f"pca: boundary {boundary}'s basis is not a quant=nf basis for H={H} within "
-                             f"{self.code_bytes(H)} code bytes per token (calibrate with this codec)")
+                             f"{self.code_bytes(H)} / {self.code_bytes(H, 'bwd')} code bytes per token forward / "
+                             "backward (calibrate with this codec)")
 
     def _wire_specs(self, shape, direction):
-        return meshkern_pca_nf.wire_shapes(shape, self.code_bytes(shape[-1]), self.sink)
+        return meshkern_pca_nf.wire_shapes(shape, self.code_bytes(shape[-1], direction), self.sink)
 
     def _encode(self, x, basis, norm, center):
         return meshkern_pca_nf.encode(x, basis.U, norm, basis.bits if center else basis.gbits,
-                                      self.code_bytes(x.shape[-1]), mean=basis.mean if center else None,
-                                      sink=self.sink)
+                                      self.code_bytes(x.shape[-1], "fwd" if center else "bwd"),
+                                      mean=basis.mean if center else None, sink=self.sink)
 
     def _decode(self, wire, basis, norm, center, shape, dtype):
         if any(bool((t <= 0).any()) for t in wire if t.dtype.is_floating_point):  # (finite: validate_wire)

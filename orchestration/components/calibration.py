@@ -102,14 +102,15 @@ ALLOCS = ("var", "loss")  # how quant=nf allocates the forward's code widths (fi
 
 
 def fit_basis(h: torch.Tensor, k: int, sink: bool = True, grads: torch.Tensor | None = None,
-              gbasis: bool = False, nf_bits: int | None = None, half: bool = False, alloc: str = "var") -> PCABasis:
+              gbasis: bool = False, nf_bits: int | None = None, half: bool = False, alloc: str = "var",
+              gnf_bits: int | None = None) -> PCABasis:
     """The basis of one boundary from its calibration hidden states h [..., T, H] (and the
     dense boundary gradients ``grads`` [..., T, H] of some of those rows, for gsd; with
     ``gbasis`` also the gradient basis Ug: the top-k eigenvectors of their second moment).
     ``nf_bits`` (quant=nf): code bits per token per direction; the forward's widths are
     allocated over the top k coordinates by their variance (meshkern.pca_nf.allocate_bits),
     the basis keeps those that get a bit, and the backward's widths are allocated over them
-    by gsd^2. ``half``: mean, U, sd and gsd rounded to fp16 values (counted at 2 bytes).
+    by gsd^2, within ``gnf_bits`` (default ``nf_bits``). ``half``: mean, U, sd and gsd rounded to fp16 values (counted at 2 bytes).
     ``alloc`` (quant=nf): "var" allocates the forward's widths by each coordinate's variance
     (least squared error); "loss" by its variance times the mean square of the loss
     gradient along it (least first-order change of the loss, E[(g . e)^2] over the
@@ -152,7 +153,7 @@ def fit_basis(h: torch.Tensor, k: int, sink: bool = True, grads: torch.Tensor | 
     if half:
         mean, U, sd, gsd = (t.half().float() for t in (mean, U, sd, gsd))
         Ug = None if Ug is None else Ug.half().float()
-    gbits = None if bits is None else allocate_bits(gsd.double() ** 2, nf_bits)
+    gbits = None if bits is None else allocate_bits(gsd.double() ** 2, nf_bits if gnf_bits is None else gnf_bits)
     return PCABasis(mean, U, sd, gsd, Ug, bits, gbits, 2 if half else 4)
 
 
