@@ -8,16 +8,12 @@ the pipeline bytes per token.
 
     python results/alloc-loss/shares.py      # from the repository root; a markdown table per seed
 """
-import importlib.util
 import json
 import os
+import sys
 
-# the dense-tail table's record readers (sink_loss, pp_bytes): one definition of each
-_spec = importlib.util.spec_from_file_location(
-    "dense_tail_shares", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "dense-tail", "shares.py"))
-_tail = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_tail)
-sink_loss, pp_bytes = _tail.sink_loss, _tail.pp_bytes
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from share_records import curve, pp_bytes, sink_loss  # noqa: E402 (results/share_records.py)
 
 R = "results/"
 SEEDS = {  # seed: dense record, pcanf record, pcanf's step-200 loss with the sink round trip, the pcanf-loss record
@@ -27,9 +23,6 @@ SEEDS = {  # seed: dense record, pcanf record, pcanf's step-200 loss with the si
         R + "sink-check/mismatch-pcanf-s1-python-step200.jsonl", R + "alloc-loss/python-s1/records/pcanf-loss-s1.json"),
 }
 
-
-def curve(rec):
-    return {c["step"]: c["loss"] for c in rec["curve"]}
 
 
 def table(seed):

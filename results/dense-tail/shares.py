@@ -9,6 +9,10 @@ trip: the default deployment) and with the codec on; and the pipeline bytes per 
 """
 import json
 import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from share_records import curve, pp_bytes, sink_loss  # noqa: E402 (results/share_records.py)
 
 R = "results/"
 SEEDS = {  # seed: tracked dense record, tracked pcanf record, pcanf's step 200 with the sink round trip, tail rows
@@ -22,20 +26,7 @@ SEEDS = {  # seed: tracked dense record, tracked pcanf record, pcanf's step 200 
 
 
 def at(rec, step):
-    return next(c["loss"] for c in rec["curve"] if c["step"] == step)
-
-
-def sink_loss(path, step=200):
-    for line in open(path):
-        r = json.loads(line)
-        if r.get("step") == step:
-            return r["loss"]["sink"]
-    return None
-
-
-def pp_bytes(rec):
-    b = rec["bytes_per_token"]
-    return b["pp_fwd"] + b["pp_bwd"]
+    return curve(rec)[step]
 
 
 def table(seed):
