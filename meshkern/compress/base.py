@@ -255,9 +255,9 @@ class Compressor:
         s, r = ring_all_gather_bytes(nbytes, world)
         self.bytes_sent += s
         self.bytes_received += r
-        registered = _registered(group)
-        backend = dist.get_backend(group) if registered else group.getBackendName()
-        via_cpu = world > 1 and needs_cpu_staging(block.device, backend)
+        backend = _registered_backend(group)  # None: a group torch.distributed does not register
+        registered = backend is not None
+        via_cpu = world > 1 and needs_cpu_staging(block.device, backend or group.getBackendName())
         src = block.cpu() if via_cpu else block
         out = torch.empty(world * block.numel(), dtype=block.dtype, device=src.device)
         if world > 1:
@@ -284,14 +284,13 @@ def needs_cpu_staging(device, backend: str) -> bool:
     return torch.device(device).type == "cuda" and backend in ("gloo", "torchft-gloo")
 
 
-def _registered(group) -> bool:
-    """Whether torch.distributed made ``group`` (None: the default group); torchft's
-    reconfigurable groups are not, and ``dist.get_backend`` refuses them."""
+def _registered_backend(group) -> str | None:
+    """``group``'s backend name if torch.distributed made it (None: the default group),
+    else None: torchft's reconfigurable groups, which ``dist.get_backend`` refuses."""
     try:
-        dist.get_backend(group)
+        return dist.get_backend(group)
     except ValueError:
-        return False
-    return True
+        return None
 
 
 # torch 2.13 deprecates all_gather_into_tensor (a FutureWarning per call) for

@@ -72,7 +72,8 @@ class PCANFCodec(PCABaseCodec):
 
     def __repr__(self) -> str:
         return (f"PCANFCodec(budget={self.budget}, sink={self.sink}, seq_len={self.seq_len}, bwd={self.bwd}, "
-                f"basis_dtype={self.basis_dtype}, alloc={self.alloc}, bwd_budget={self.bwd_budget}, boundaries={sorted(self.bases)})")
+                f"basis_dtype={self.basis_dtype}, alloc={self.alloc}, bwd_budget={self.bwd_budget}, "
+                f"boundaries={sorted(self.bases)})")
 
     def width(self, H: int) -> int:
         """The coordinates calibration starts from: all H (the allocation then keeps those

@@ -110,7 +110,8 @@ def fit_basis(h: torch.Tensor, k: int, sink: bool = True, grads: torch.Tensor | 
     ``nf_bits`` (quant=nf): code bits per token per direction; the forward's widths are
     allocated over the top k coordinates by their variance (meshkern.pca_nf.allocate_bits),
     the basis keeps those that get a bit, and the backward's widths are allocated over them
-    by gsd^2, within ``gnf_bits`` (default ``nf_bits``). ``half``: mean, U, sd and gsd rounded to fp16 values (counted at 2 bytes).
+    by gsd^2, within ``gnf_bits`` (default ``nf_bits``). ``half``: mean, U, sd and gsd
+    rounded to fp16 values (counted at 2 bytes).
     ``alloc`` (quant=nf): "var" allocates the forward's widths by each coordinate's variance
     (least squared error); "loss" by its variance times the mean square of the loss
     gradient along it (least first-order change of the loss, E[(g . e)^2] over the

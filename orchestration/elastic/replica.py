@@ -351,9 +351,9 @@ class ElasticReplica:
         """Stage 0, before its new Manager asks for a quorum: waits until the lighthouse no
         longer counts the Manager last retired (``_retire``) as live, i.e. has not heard
         from it for --mesh.heartbeat-s on its own clock, for --mesh.timeout-s at most.
-        None once two reads half --mesh.heartbeat-s apart say so (or the lighthouse never
-        heard of it, or its status cannot be read: the new Manager's own connect then says why); otherwise the error (this try
-        fails, and the next one waits again), also on a stop request.
+        None once two reads half --mesh.heartbeat-s apart say so (or it is unknown there, or
+        the status cannot be read: the new Manager's connect then says why); otherwise the
+        error (this try fails, and the next one waits again), also on a stop request.
 
         Why: the lighthouse keeps a quorum request that timed out as a participant until a
         quorum forms, and counts its replica live while its heartbeats are recent, stamped

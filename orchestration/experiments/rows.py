@@ -94,9 +94,9 @@ ROWS: tuple[Row, ...] = (
     # loss instead of least squared error; issue #43 item 3, the gap at the default's bytes)
     Row("pcanf-loss", "baseline", "pca4", ("--boundary.options", _nf_options(15, alloc="loss")),
         label="PCA-NF + sink, 1/15 of dense, widths by loss sensitivity", paper="(not in the paper)"),
-    # pcanf's bytes split unevenly (issue #43 item 3): the backward was never where pca lost
-    # (results/NOTEBOOK.md, "What pca loses": a dense backward bought nothing), the forward's
-    # bytes are what buy quality; 230 B forward and 76 B back at H = 576, 306 in all as pcanf
+    # pcanf's bytes split unevenly (issue #43 item 3), asked because a dense backward bought
+    # nothing over 20 steps (results/NOTEBOOK.md, "What pca loses"): 230 B forward and 76 B
+    # back at H = 576, 306 in all as pcanf (measured: docs/far-domain.md, "split unevenly")
     Row("pcanf-fwd", "baseline", "pca4", ("--boundary.options", _nf_options(10, bwd_budget=30)),
         label="PCA-NF + sink, 1/10 of dense forward, 1/30 backward", paper="(not in the paper)"),
     # ... and the other way (pcanf-fwd bought 6 points of the codec-on model's share of dense's

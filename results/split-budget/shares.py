@@ -41,12 +41,11 @@ NEW_ROWS = {  # row: its record, by domain and seed; (forward, backward) code by
 }
 
 
-
 def table(domain, seed):
     """The markdown table of one run: pcanf and every split row recorded there (none: nothing)."""
     dense_path, pcanf_path, sink_path = RUNS[(domain, seed)]
-    rows = {name: json.load(open(path.format(domain=domain, seed=seed)))
-            for name, (path, _) in NEW_ROWS.items() if os.path.isfile(path.format(domain=domain, seed=seed))}
+    paths = {name: path.format(domain=domain, seed=seed) for name, (path, _) in NEW_ROWS.items()}
+    rows = {name: json.load(open(p)) for name, p in paths.items() if os.path.isfile(p)}
     if not rows:
         return
     dense, pcanf = json.load(open(dense_path)), json.load(open(pcanf_path))
