@@ -151,13 +151,12 @@ class ElasticReplica:
         """Before the first quorum: torchft's commit count starts at ``count`` (ahead of a replica at 0)."""
         self.managers.carry_into({"_step": count})
 
-    def requorum(self, step: int, why: str) -> int | None:
-        """Leaves the quorum it had (its Managers retired, as after a failed try) and asks
-        again after the backoff: ``begin(step)``'s answer. Every stage calls it together."""
-        self._carry = self.managers.counts()
-        self._retire()
-        print(f"[elastic] {self.mesh.describe()}: {why}; asking the lighthouse again", file=sys.stderr, flush=True)
-        self._backoff(self.cfg.mesh.heartbeat_s + 0.5)
+    def requorum(self, step: int) -> int | None:
+        """Asks again with the same Managers after --mesh.heartbeat-s: ``begin(step)``'s
+        answer; every stage together. Not retired: they keep heartbeating, so a replica that
+        asks meanwhile waits for this one (the lighthouse's join timeout, 2x the pause) and
+        joins its quorum; retired ones went unseen, and a replica then trained alone (CI)."""
+        self._backoff(self.cfg.mesh.heartbeat_s)
         return self.begin(step)
 
     # ---- torchft callbacks -----------------------------------------------------------------
