@@ -13,7 +13,8 @@
 - ``StreamingDiLoCo.adopt_peer_parameters``: a replica that took a peer's state and
   parameters sends, at its next sync of each fragment, only its own progress since (the
   peer's unsynced progress is not averaged in twice), and its error feedback is zero;
-- the torchft-group rank rule of meshkern.compress.base.
+- the torchft-group rank rule of meshkern.compress.base;
+- ElasticGate's records under DiLoCo: a step whose sync failed is uncommitted until a commit.
 """
 import concurrent.futures as cf
 
@@ -226,3 +227,62 @@ def test_group_rank_of_a_group_torch_distributed_does_not_register(world1):
         assert _group_size_rank(Unregistered()) == (1, 0)
     finally:
         dist.get_world_size = orig
+
+
+class _Replica:
+    """What ElasticGate asks of its ElasticReplica in a step: failures, commits, records."""
+    def __init__(self):
+        self.records, self.errors, self.commits = [], [], []
+
+    def failed(self, err):
+        self.errors.append(err)
+
+    def commit(self):  # torchft's should_commit: False after a failure since the last commit
+        ok = not self.errors
+        self.errors.clear()
+        self.commits.append(ok)
+        return ok
+
+    def record(self, step, committed, quorum):
+        self.records.append((step + 1, committed, quorum))
+
+
+class _Sync:
+    allreduce, diloco = None, ()
+
+    def __init__(self):
+        self.recovered = 0
+
+    def recover(self):
+        self.recovered += 1
+
+
+def test_a_diloco_step_whose_sync_failed_is_recorded_uncommitted_until_a_commit():
+    """DiLoCo: a step without a quorum keeps the last commit's outcome, except that a sync
+    failing on this rank (a peer or the link gone mid-collective) marks that step and the
+    ones after it uncommitted, until the next quorum's commit (which that failure refuses)
+    and the one after it succeeds. Seen on two hosts: a link cut inside a sync that a
+    sibling stage had finished left this stage's step "committed" with the state before it."""
+    from orchestration.elastic.gate import ElasticGate
+    gate, r, sync = object.__new__(ElasticGate), _Replica(), _Sync()
+    gate.replica, gate.committed, gate._quorum, gate.retried = r, True, False, 0
+
+    def step(n, quorum, fails=False):
+        gate._quorum = quorum
+        if fails:
+            gate.sync(lambda: (_ for _ in ()).throw(SyncError("peer gone mid-sync")), sync)
+        else:
+            gate.sync(lambda: None, sync)
+        assert gate.end_step(n, sync)  # diloco: a step never runs again
+
+    step(0, True)
+    step(1, False)
+    step(2, False, fails=True)
+    step(3, False)
+    step(4, True)  # the failure reaches torchft here: no commit
+    step(5, False)
+    step(6, True)
+    step(7, False)
+    assert r.records == [(1, True, True), (2, True, False), (3, False, False), (4, False, False),
+                         (5, False, True), (6, False, False), (7, True, True), (8, True, False)]
+    assert r.commits == [True, False, True] and sync.recovered == 1

@@ -197,6 +197,7 @@ class ElasticGate(StepGate):
         except SyncError as e:
             self.replica.failed(e)
             sync.recover()
+            self.committed = False  # (diloco: the steps until the next commit are recorded uncommitted)
 
     def commit_grads(self, sync) -> bool:
         self.committed = self.replica.commit()
@@ -208,7 +209,9 @@ class ElasticGate(StepGate):
         if sync.allreduce is None:  # diloco: a commit closes each quorum; a step without one keeps its outcome
             # (a replica whose quorum did not commit, e.g. one back from an outage whose first quorum
             # failed, is not in step with its peers until a quorum commits: its steps until then are
-            # recorded uncommitted)
+            # recorded uncommitted; so are a step whose sync failed, on this rank, and the steps after it:
+            # a sibling stage whose part of the same sync went through holds another state until the
+            # next quorum's commit, which the failure refuses, or a heal)
             self.committed = self.replica.commit() if self._quorum else self.committed
         self.replica.record(step, self.committed, self._quorum)
         self._quorum = False
