@@ -267,12 +267,12 @@ def test_a_diloco_step_whose_sync_failed_is_recorded_uncommitted_until_a_commit(
     gate, r, sync = object.__new__(ElasticGate), _Replica(), _Sync()
     gate.replica, gate.committed, gate._quorum, gate.retried = r, True, False, 0
 
+    def broken_sync():
+        raise SyncError("peer gone mid-sync")
+
     def step(n, quorum, fails=False):
         gate._quorum = quorum
-        if fails:
-            gate.sync(lambda: (_ for _ in ()).throw(SyncError("peer gone mid-sync")), sync)
-        else:
-            gate.sync(lambda: None, sync)
+        gate.sync(broken_sync if fails else (lambda: None), sync)
         assert gate.end_step(n, sync)  # diloco: a step never runs again
 
     step(0, True)

@@ -166,8 +166,9 @@ class ElasticGate(StepGate):
     def _heal_after_resume(self, step: int) -> int | None:
         """Resumed without this replica's state (another split than the checkpoint's): until
         a quorum heals it from a replica that loaded it, it runs no step and asks again
-        (ElasticReplica.requorum), for --mesh.rejoin-timeout-s (the replicas of the checkpoint's split may start later);
-        then RuntimeError. Every stage decides alike (the replica's own world)."""
+        (ElasticReplica.requorum), for --mesh.rejoin-timeout-s (the replicas of the
+        checkpoint's split may start later); then RuntimeError. Every stage decides alike
+        (the replica's own world)."""
         r, target = self.replica, self._must_heal_to
         m, t0, asked = r.cfg.mesh, time.monotonic(), 0
         while r.replica_max(r.healed_to is None or r.healed_to < target):
@@ -177,7 +178,7 @@ class ElasticGate(StepGate):
                     f"this replica's, so it heals from a live replica that loaded it, and no quorum in "
                     f"{m.rejoin_timeout_s:g} s (--mesh.rejoin-timeout-s) had one at step {target}: start a replica "
                     "of the checkpoint's split with it")
-            if asked < 2 or asked % 15 == 0:  # (it asks every --mesh.heartbeat-s: said about every 30 s)
+            if asked < 2 or asked % 15 == 0:  # (one ask per --mesh.heartbeat-s: every 30 s at its default 2)
                 print(f"[elastic] {self.mesh.describe()}: resumed without its state, it waits for a replica of the "
                       f"checkpoint's split ({r.manager.num_participants()} replica(s) in the quorum, none at step "
                       f"{target}; {time.monotonic() - t0:.0f} s so far); asking the lighthouse again",

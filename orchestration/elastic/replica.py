@@ -233,7 +233,7 @@ class ElasticReplica:
         # what a new Manager starts from: the counts before this quorum, alike on every stage
         # (a stage may have healed in a try that failed on another: the replica stays at the
         # step it had, behind, so the try that succeeds heals every stage again)
-        if self.managers.complete:  # (after a requorum: the counts its retire kept)
+        if self.managers.complete:  # (a Manager missing: the counts kept when it was made or retired)
             self._carry = self.managers.counts()
         while True:
             if tries and self._stopping(step):  # after the backoff: before a new try
